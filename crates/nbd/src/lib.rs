@@ -1,0 +1,1 @@
+//! NBD target and proxy (issue 8).

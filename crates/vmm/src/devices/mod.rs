@@ -1,0 +1,3 @@
+//! Device models: legacy ports (serial, i8042) and virtio devices.
+
+pub mod virtio;

@@ -1,0 +1,123 @@
+//! virtio devices: the virtio-mmio v2 transport and the device models behind it.
+//!
+//! Threading: the transport's registers are accessed from vCPU threads (MMIO
+//! exits); queue notifications arrive on ioeventfds and backend readiness (a TAP
+//! fd) on the device's own fd, both served by the VM's device event loop, which
+//! calls [`VirtioDevice::queue_notified`] / [`VirtioDevice::backend_ready`]. Every
+//! device lives behind a `Mutex`, so one thread at a time touches it.
+
+pub mod block;
+pub mod mmio;
+pub mod net;
+pub mod tap;
+
+use std::os::fd::RawFd;
+use std::sync::Arc;
+
+use virtio_queue::Queue;
+
+use crate::memory::GuestMemoryMmap;
+
+/// virtio device IDs (virtio spec 1.2, section 5).
+pub const TYPE_NET: u32 = 1;
+/// virtio device ID of a block device.
+pub const TYPE_BLOCK: u32 = 2;
+
+/// VIRTIO_F_VERSION_1: every device we offer is a modern (v1+) device.
+pub const FEATURE_VERSION_1: u64 = 1 << 32;
+
+/// Errors of the virtio layer.
+#[derive(Debug, thiserror::Error)]
+pub enum VirtioError {
+    /// A queue configured by the driver is not usable.
+    #[error("queue {index} is not valid (size {size}, addresses outside guest memory or misaligned)")]
+    InvalidQueue {
+        /// Queue index.
+        index: usize,
+        /// Configured size.
+        size: u16,
+    },
+    /// The driver activated the device with the wrong number of queues.
+    #[error("device needs {expected} queues, driver set up {actual}")]
+    QueueCount {
+        /// Queues the device has.
+        expected: usize,
+        /// Queues that are ready.
+        actual: usize,
+    },
+    /// The backend failed (TAP, disk file...).
+    #[error("{device} backend: {message}")]
+    Backend {
+        /// Which device.
+        device: String,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+/// How a device tells the driver that something happened.
+pub trait VirtioInterrupt: Send + Sync {
+    /// Used buffers were added to a queue.
+    fn signal_used_queue(&self);
+    /// The device configuration changed.
+    fn signal_config_change(&self);
+}
+
+/// Request and byte counters a device exposes as metrics.
+#[derive(Debug, Default, Clone, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct DeviceCounters {
+    /// Requests or packets completed successfully.
+    pub requests: u64,
+    /// Bytes read from the backend into the guest.
+    pub bytes_in: u64,
+    /// Bytes written from the guest to the backend.
+    pub bytes_out: u64,
+    /// Requests that completed with an error status, or packets dropped.
+    pub errors: u64,
+    /// Malformed descriptor chains the device rejected.
+    pub bad_descriptors: u64,
+}
+
+/// What a device gets when the driver sets DRIVER_OK.
+pub struct Activation {
+    /// Guest memory.
+    pub mem: GuestMemoryMmap,
+    /// One configured, valid queue per [`VirtioDevice::queue_max_sizes`] entry.
+    pub queues: Vec<Queue>,
+    /// Raises the device's interrupt.
+    pub interrupt: Arc<dyn VirtioInterrupt>,
+    /// Features the driver acknowledged.
+    pub acked_features: u64,
+}
+
+/// A virtio device model, independent of the transport.
+pub trait VirtioDevice: Send {
+    /// virtio device ID ([`TYPE_NET`], [`TYPE_BLOCK`], ...).
+    fn device_type(&self) -> u32;
+    /// Human-readable name for logs and the API ("block0", "net0").
+    fn name(&self) -> &str;
+    /// Maximum size of each queue; the length is the number of queues.
+    fn queue_max_sizes(&self) -> &[u16];
+    /// Feature bits offered to the driver (must include [`FEATURE_VERSION_1`]).
+    fn features(&self) -> u64;
+    /// Reads the device-specific configuration space. Out-of-range bytes read as 0.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// Writes the device-specific configuration space. Default: ignored.
+    fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
+    /// The driver set DRIVER_OK: start serving the queues.
+    fn activate(&mut self, activation: Activation) -> Result<(), VirtioError>;
+    /// Whether [`activate`](Self::activate) has run since the last reset.
+    fn is_activated(&self) -> bool;
+    /// The driver notified queue `index` (it added available buffers).
+    fn queue_notified(&mut self, index: usize);
+    /// An fd the event loop should watch for readability (e.g. the TAP device).
+    fn backend_fd(&self) -> Option<RawFd> {
+        None
+    }
+    /// [`backend_fd`](Self::backend_fd) is readable.
+    fn backend_ready(&mut self) {}
+    /// The driver reset the device: drop the queues, go back to the initial state.
+    fn reset(&mut self);
+    /// Request counters for the metrics API.
+    fn counters(&self) -> DeviceCounters;
+}

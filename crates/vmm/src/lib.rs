@@ -1,0 +1,9 @@
+//! The kemari machine: a KVM virtual machine (memory, vCPUs, devices, boot) that
+//! the availability layers (snapshot, warm restart, migration, fault tolerance)
+//! build on.
+
+pub mod devices;
+pub mod dirty;
+pub mod layout;
+pub mod memory;
+pub mod output;

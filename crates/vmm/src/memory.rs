@@ -1,0 +1,299 @@
+//! Guest memory: one file (a memfd by default, or a file under /dev/shm or a
+//! hugetlbfs mount) mapped MAP_SHARED, so that it can outlive the process and be
+//! handed to another one (warm restart, zero-copy migration).
+//!
+//! Pages are never touched at start: a 64 GiB guest costs a few mmap calls.
+
+use std::ffi::CString;
+use std::fs::{File, OpenOptions};
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
+
+use crate::dirty::VmmDirtyPages;
+use crate::layout;
+
+/// The guest memory type used everywhere in the VMM: every write through it is
+/// recorded by [`VmmDirtyPages`] while dirty tracking is on.
+pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<VmmDirtyPages>;
+/// One region of [`GuestMemoryMmap`].
+pub type GuestRegionMmap = vm_memory::GuestRegionMmap<VmmDirtyPages>;
+
+/// Errors while setting up guest memory.
+#[derive(Debug, thiserror::Error)]
+pub enum MemoryError {
+    /// The size is out of range or not page aligned.
+    #[error("guest memory size {size} bytes is invalid: {reason}")]
+    InvalidSize {
+        /// Requested size.
+        size: u64,
+        /// Why it was refused.
+        reason: &'static str,
+    },
+    /// memfd_create failed.
+    #[error("cannot create memfd for guest memory")]
+    Memfd(#[source] std::io::Error),
+    /// Opening or creating a backing file failed.
+    #[error("cannot open guest memory file {path}")]
+    OpenFile {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The backing file has the wrong size.
+    #[error("guest memory file is {actual} bytes, expected {expected}")]
+    FileSize {
+        /// Size of the file.
+        actual: u64,
+        /// Size the VM needs.
+        expected: u64,
+    },
+    /// ftruncate/fcntl on the backing file failed.
+    #[error("cannot size or seal the guest memory file")]
+    Resize(#[source] std::io::Error),
+    /// vm-memory refused the mapping.
+    #[error("cannot map guest memory")]
+    Map(#[source] vm_memory::mmap::FromRangesError),
+}
+
+/// Where guest memory lives.
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum MemoryBacking {
+    /// An anonymous memfd (default).
+    #[default]
+    Memfd,
+    /// A memfd of 2 MiB huge pages (needs vm.nr_hugepages).
+    MemfdHugetlb,
+    /// A named file (under /dev/shm or a hugetlbfs mount); created if missing,
+    /// reused as it is if it exists with the right size (warm restart).
+    File {
+        /// The file's path.
+        path: PathBuf,
+    },
+}
+
+/// The file behind guest memory and its size.
+#[derive(Debug, Clone)]
+pub struct GuestMemoryFile {
+    file: Arc<File>,
+    size: u64,
+    backing: MemoryBacking,
+}
+
+impl GuestMemoryFile {
+    /// Creates (or, for a named file that already exists, opens) the backing.
+    pub fn create(size: u64, backing: &MemoryBacking) -> Result<Self, MemoryError> {
+        validate_size(size)?;
+        let file = match backing {
+            MemoryBacking::Memfd => memfd("kemari-guest-ram", 0)?,
+            MemoryBacking::MemfdHugetlb => memfd("kemari-guest-ram-2m", libc::MFD_HUGETLB)?,
+            MemoryBacking::File { path } => open_named(path)?,
+        };
+        let actual = file.metadata().map_err(MemoryError::Resize)?.len();
+        if actual == 0 {
+            file.set_len(size).map_err(MemoryError::Resize)?;
+        } else if actual != size {
+            return Err(MemoryError::FileSize {
+                actual,
+                expected: size,
+            });
+        }
+        if !matches!(backing, MemoryBacking::File { .. }) {
+            seal_size(&file)?;
+        }
+        Ok(GuestMemoryFile {
+            file: Arc::new(file),
+            size,
+            backing: backing.clone(),
+        })
+    }
+
+    /// Wraps a file received from elsewhere (another kemari process).
+    pub fn from_file(file: File, size: u64, backing: MemoryBacking) -> Result<Self, MemoryError> {
+        let actual = file.metadata().map_err(MemoryError::Resize)?.len();
+        if actual != size {
+            return Err(MemoryError::FileSize {
+                actual,
+                expected: size,
+            });
+        }
+        Ok(GuestMemoryFile {
+            file: Arc::new(file),
+            size,
+            backing,
+        })
+    }
+
+    /// Guest memory size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The backing file.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// How the memory is backed.
+    pub fn backing(&self) -> &MemoryBacking {
+        &self.backing
+    }
+
+    /// Maps the file as guest memory, split around the MMIO gap.
+    pub fn map(&self) -> Result<GuestMemoryMmap, MemoryError> {
+        let ranges: Vec<_> = layout::ram_ranges(self.size)
+            .into_iter()
+            .map(|(gpa, len, off)| {
+                let f = self.file.try_clone().map_err(MemoryError::Resize)?;
+                Ok((GuestAddress(gpa), len as usize, Some(FileOffset::new(f, off))))
+            })
+            .collect::<Result<_, MemoryError>>()?;
+        GuestMemoryMmap::from_ranges_with_files(ranges).map_err(MemoryError::Map)
+    }
+}
+
+/// Turns recording of VMM writes to guest memory on or off.
+pub fn set_vmm_dirty_tracking(mem: &GuestMemoryMmap, enabled: bool) {
+    for region in mem.iter() {
+        region.bitmap().set_enabled(enabled);
+    }
+}
+
+/// Guest page frame numbers written by the VMM since the last call, each once.
+pub fn harvest_vmm_dirty(mem: &GuestMemoryMmap) -> Vec<u64> {
+    let mut pfns = Vec::new();
+    for region in mem.iter() {
+        let base = region.start_addr().0 / crate::dirty::PAGE_SIZE as u64;
+        pfns.extend(region.bitmap().harvest().into_iter().map(|p| base + p));
+    }
+    pfns
+}
+
+fn validate_size(size: u64) -> Result<(), MemoryError> {
+    let reason = if size < layout::MIN_MEMORY {
+        "below the 16 MiB minimum"
+    } else if size > layout::MAX_MEMORY {
+        "above the 1 TiB maximum"
+    } else if size % (2 << 20) != 0 {
+        "not a multiple of 2 MiB"
+    } else {
+        return Ok(());
+    };
+    Err(MemoryError::InvalidSize { size, reason })
+}
+
+fn memfd(name: &str, extra_flags: libc::c_uint) -> Result<File, MemoryError> {
+    let cname = CString::new(name).expect("static name has no NUL");
+    // SAFETY: memfd_create reads a valid NUL-terminated string and returns a new fd
+    // or -1; no memory is shared with the kernel beyond the call.
+    let fd = unsafe {
+        libc::memfd_create(
+            cname.as_ptr(),
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING | extra_flags,
+        )
+    };
+    if fd < 0 {
+        return Err(MemoryError::Memfd(std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+fn open_named(path: &Path) -> Result<File, MemoryError> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .map_err(|source| MemoryError::OpenFile {
+            path: path.to_owned(),
+            source,
+        })
+}
+
+fn seal_size(file: &File) -> Result<(), MemoryError> {
+    // SAFETY: fcntl on a valid fd we own; F_ADD_SEALS takes an int argument.
+    let rc = unsafe {
+        libc::fcntl(
+            file.as_raw_fd(),
+            libc::F_ADD_SEALS,
+            libc::F_SEAL_GROW | libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL,
+        )
+    };
+    if rc < 0 {
+        return Err(MemoryError::Resize(std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vm_memory::Bytes;
+
+    #[test]
+    fn rejects_bad_sizes() {
+        for size in [0, 1 << 20, (256 << 20) + 4096, 2 << 40] {
+            assert!(matches!(
+                GuestMemoryFile::create(size, &MemoryBacking::Memfd),
+                Err(MemoryError::InvalidSize { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn memfd_is_sealed_and_shared() {
+        let m = GuestMemoryFile::create(64 << 20, &MemoryBacking::Memfd).unwrap();
+        assert!(m.file().set_len(128 << 20).is_err(), "size must be sealed");
+        let mem = m.map().unwrap();
+        mem.write_obj(0xdead_beefu32, GuestAddress(0x1000)).unwrap();
+        // A second mapping of the same file sees the write (MAP_SHARED).
+        let again = m.map().unwrap();
+        assert_eq!(again.read_obj::<u32>(GuestAddress(0x1000)).unwrap(), 0xdead_beef);
+    }
+
+    #[test]
+    fn large_memory_maps_around_gap_without_touching() {
+        let m = GuestMemoryFile::create(8 << 30, &MemoryBacking::Memfd).unwrap();
+        let mem = m.map().unwrap();
+        assert_eq!(mem.num_regions(), 2);
+        assert!(mem.address_in_range(GuestAddress((4 << 30) + (5 << 30) - 1)));
+        assert!(!mem.address_in_range(GuestAddress(layout::MMIO_GAP_START)));
+    }
+
+    #[test]
+    fn vmm_writes_are_harvested_as_pfns() {
+        let m = GuestMemoryFile::create(4 << 30, &MemoryBacking::Memfd).unwrap();
+        let mem = m.map().unwrap();
+        set_vmm_dirty_tracking(&mem, true);
+        mem.write_obj(1u64, GuestAddress(0x5000)).unwrap();
+        mem.write_obj(1u64, GuestAddress(layout::MMIO_GAP_END + 0x2000))
+            .unwrap();
+        let mut pfns = harvest_vmm_dirty(&mem);
+        pfns.sort_unstable();
+        assert_eq!(pfns, vec![5, (layout::MMIO_GAP_END >> 12) + 2]);
+    }
+
+    #[test]
+    fn named_file_is_reused_with_contents() {
+        let dir = std::env::temp_dir().join(format!("kemari-mem-{}", std::process::id()));
+        let backing = MemoryBacking::File { path: dir.clone() };
+        {
+            let m = GuestMemoryFile::create(32 << 20, &backing).unwrap();
+            m.map().unwrap().write_obj(7u8, GuestAddress(100)).unwrap();
+        }
+        let m = GuestMemoryFile::create(32 << 20, &backing).unwrap();
+        assert_eq!(m.map().unwrap().read_obj::<u8>(GuestAddress(100)).unwrap(), 7);
+        assert!(matches!(
+            GuestMemoryFile::create(64 << 20, &backing),
+            Err(MemoryError::FileSize { .. })
+        ));
+        std::fs::remove_file(dir).unwrap();
+    }
+}
