@@ -61,11 +61,12 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
     let (config, api_socket) = args.machine_config()?;
     let (tx, rx) = channel();
     let sink = VmEventSink::new(forwarder(&tx, Control::Vm));
-    let mut machine = Machine::build(config, sink, args.start_paused)?;
+    // The API socket first: a socket in use is refused before any VM exists.
     let _api = match &api_socket {
         Some(path) => Some(ApiServer::start(path, forwarder(&tx, Control::Api))?),
         None => None,
     };
+    let mut machine = Machine::build(config, sink, args.start_paused)?;
     let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT])
         .map_err(ProcessError::Signals)?;
     let sig_tx = forwarder(&tx, Control::Signal);

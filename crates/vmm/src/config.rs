@@ -130,7 +130,7 @@ impl MachineConfig {
         }
         if self.memory_bytes < layout::MIN_MEMORY
             || self.memory_bytes > layout::MAX_MEMORY
-            || self.memory_bytes % (2 << 20) != 0
+            || !self.memory_bytes.is_multiple_of(2 << 20)
         {
             return Err(ConfigError::Memory(self.memory_bytes.to_string()));
         }

@@ -183,7 +183,7 @@ fn validate_size(size: u64) -> Result<(), MemoryError> {
         "below the 16 MiB minimum"
     } else if size > layout::MAX_MEMORY {
         "above the 1 TiB maximum"
-    } else if size % (2 << 20) != 0 {
+    } else if !size.is_multiple_of(2 << 20) {
         "not a multiple of 2 MiB"
     } else {
         return Ok(());

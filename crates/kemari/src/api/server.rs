@@ -1,16 +1,23 @@
 //! The API server: HTTP/1.1 + JSON on a Unix socket. Each request is routed,
 //! handed to the VMM's main thread over a channel, and answered with what the
 //! main thread sends back. Malformed requests are answered here, never reach the
-//! VM, and never stop the server.
+//! VM, and never stop the server; a client gets a few seconds to send its
+//! request, so a stalled client cannot hold the API.
 
-use std::io::Read;
+use std::io::BufReader;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Sender};
+use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
 
-use tiny_http::{Header, Response, Server};
-
+use super::http::{read_request, write_response};
 use super::routes::{route, ApiRequest, MAX_BODY};
+
+/// How long a client has to send its request.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// The main thread's answer to a request.
 #[derive(Debug, Clone, PartialEq)]
@@ -60,7 +67,7 @@ pub enum ServerError {
 /// The running server; the socket file is removed on drop.
 pub struct ApiServer {
     path: PathBuf,
-    server: std::sync::Arc<Server>,
+    stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -70,32 +77,27 @@ impl ApiServer {
         path: &Path,
         requests: impl Fn(PendingRequest) + Send + 'static,
     ) -> Result<Self, ServerError> {
+        let bind_err = |message: String| ServerError::Bind {
+            path: path.into(),
+            message,
+        };
         if path.exists() {
             // A stale socket from a dead process: refuse to steal a live one.
-            if std::os::unix::net::UnixStream::connect(path).is_ok() {
-                return Err(ServerError::Bind {
-                    path: path.into(),
-                    message: "another process is serving this socket".into(),
-                });
+            if UnixStream::connect(path).is_ok() {
+                return Err(bind_err("another process is serving this socket".into()));
             }
             let _ = std::fs::remove_file(path);
         }
-        let server = Server::http_unix(path).map_err(|e| ServerError::Bind {
-            path: path.into(),
-            message: e.to_string(),
-        })?;
-        let server = std::sync::Arc::new(server);
-        let s = server.clone();
+        let listener = UnixListener::bind(path).map_err(|e| bind_err(e.to_string()))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
         let thread = std::thread::Builder::new()
             .name("api".into())
-            .spawn(move || serve(&s, requests))
-            .map_err(|e| ServerError::Bind {
-                path: path.into(),
-                message: e.to_string(),
-            })?;
+            .spawn(move || serve(&listener, &s, requests))
+            .map_err(|e| bind_err(e.to_string()))?;
         Ok(ApiServer {
             path: path.into(),
-            server,
+            stop,
             thread: Some(thread),
         })
     }
@@ -103,7 +105,9 @@ impl ApiServer {
 
 impl Drop for ApiServer {
     fn drop(&mut self) {
-        self.server.unblock();
+        self.stop.store(true, Ordering::SeqCst);
+        // Wake the accept loop.
+        let _ = UnixStream::connect(&self.path);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -111,16 +115,18 @@ impl Drop for ApiServer {
     }
 }
 
-fn serve(server: &Server, requests: impl Fn(PendingRequest)) {
-    for mut req in server.incoming_requests() {
-        let mut body = Vec::new();
-        let read = req
-            .as_reader()
-            .take(MAX_BODY as u64 + 1)
-            .read_to_end(&mut body);
-        let resp = match read {
-            Err(e) => ApiResponse::error(400, format!("cannot read body: {e}")),
-            Ok(_) => match route(req.method().as_str(), req.url(), &body) {
+fn serve(listener: &UnixListener, stop: &AtomicBool, requests: impl Fn(PendingRequest)) {
+    for stream in listener.incoming() {
+        if stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(stream) = stream else { continue };
+        let _ = stream.set_read_timeout(Some(CLIENT_TIMEOUT));
+        let _ = stream.set_write_timeout(Some(CLIENT_TIMEOUT));
+        let mut reader = BufReader::new(&stream);
+        let resp = match read_request(&mut reader, MAX_BODY) {
+            Err(e) => ApiResponse::error(e.status(), e),
+            Ok(req) => match route(&req.method, &req.path, &req.body) {
                 Err(e) => ApiResponse::error(e.status(), e),
                 Ok(request) => {
                     let (tx, rx) = channel();
@@ -130,12 +136,7 @@ fn serve(server: &Server, requests: impl Fn(PendingRequest)) {
                 }
             },
         };
-        let text = serde_json::to_string_pretty(&resp.body).unwrap_or_default();
-        let header = Header::from_bytes("Content-Type", "application/json").ok();
-        let mut r = Response::from_string(text + "\n").with_status_code(resp.status);
-        if let Some(h) = header {
-            r = r.with_header(h);
-        }
-        let _ = req.respond(r);
+        let text = serde_json::to_string_pretty(&resp.body).unwrap_or_default() + "\n";
+        let _ = write_response(&mut &stream, resp.status, &text);
     }
 }
