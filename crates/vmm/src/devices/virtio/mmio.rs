@@ -1,1 +1,1047 @@
-//! TODO
+//! The virtio-mmio transport, version 2 (virtio spec 1.2, section 4.2.2).
+//!
+//! One [`MmioTransport`] serves one device window of
+//! [`layout::VIRTIO_MMIO_SIZE`](crate::layout::VIRTIO_MMIO_SIZE) bytes. The VMM
+//! forwards MMIO exits in that window to [`MmioTransport::read`] /
+//! [`MmioTransport::write`], registers the `irq` EventFd given to
+//! [`MmioTransport::new`] as a KVM irqfd for the device's GSI, and for each queue
+//! `i < num_queues()` registers an ioeventfd at
+//! `base + queue_notify_address_offset()` (4 bytes, datamatch `i`) whose
+//! readiness it turns into `device.queue_notified(i)`. A QueueNotify write that
+//! still reaches [`MmioTransport::write`] is delivered directly.
+//!
+//! Registers are 32 bits wide and must be accessed with aligned 4-byte accesses;
+//! other accesses to them are ignored (writes) or read as zero. The device
+//! configuration space at 0x100 accepts any width.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tracing::{debug, info, warn};
+use virtio_queue::{Queue, QueueState, QueueT};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::{Activation, QueueProgress, VirtioDevice, VirtioInterrupt, FEATURE_VERSION_1};
+use crate::memory::GuestMemoryMmap;
+
+/// "virt" in little endian.
+pub const MMIO_MAGIC: u32 = 0x7472_6976;
+/// The transport version we implement (the modern, non-legacy layout).
+pub const MMIO_VERSION: u32 = 2;
+/// Vendor ID reported to the driver.
+pub const MMIO_VENDOR_ID: u32 = 0;
+
+/// Offset of the QueueNotify register within the device window.
+pub const QUEUE_NOTIFY_OFFSET: u64 = 0x50;
+/// Start of the device-specific configuration space.
+pub const CONFIG_SPACE_OFFSET: u64 = 0x100;
+
+/// InterruptStatus bit: a queue has new used buffers.
+pub const INT_USED_RING: u32 = 1;
+/// InterruptStatus bit: the configuration changed (or the device needs a reset).
+pub const INT_CONFIG: u32 = 2;
+
+/// Device status bits (virtio spec 2.1).
+pub mod status {
+    /// The guest found the device.
+    pub const ACKNOWLEDGE: u32 = 1;
+    /// The guest has a driver for it.
+    pub const DRIVER: u32 = 2;
+    /// The driver is ready: queues are live.
+    pub const DRIVER_OK: u32 = 4;
+    /// Feature negotiation is complete.
+    pub const FEATURES_OK: u32 = 8;
+    /// The device hit an error it cannot recover from without a reset.
+    pub const DEVICE_NEEDS_RESET: u32 = 0x40;
+    /// The driver gave up on the device.
+    pub const FAILED: u32 = 0x80;
+}
+
+/// VIRTIO_RING_F_EVENT_IDX.
+const FEATURE_EVENT_IDX: u64 = 1 << 29;
+
+mod reg {
+    pub const MAGIC: u64 = 0x00;
+    pub const VERSION: u64 = 0x04;
+    pub const DEVICE_ID: u64 = 0x08;
+    pub const VENDOR_ID: u64 = 0x0c;
+    pub const DEVICE_FEATURES: u64 = 0x10;
+    pub const DEVICE_FEATURES_SEL: u64 = 0x14;
+    pub const DRIVER_FEATURES: u64 = 0x20;
+    pub const DRIVER_FEATURES_SEL: u64 = 0x24;
+    pub const QUEUE_SEL: u64 = 0x30;
+    pub const QUEUE_NUM_MAX: u64 = 0x34;
+    pub const QUEUE_NUM: u64 = 0x38;
+    pub const QUEUE_READY: u64 = 0x44;
+    pub const QUEUE_NOTIFY: u64 = 0x50;
+    pub const INTERRUPT_STATUS: u64 = 0x60;
+    pub const INTERRUPT_ACK: u64 = 0x64;
+    pub const STATUS: u64 = 0x70;
+    pub const QUEUE_DESC_LOW: u64 = 0x80;
+    pub const QUEUE_DESC_HIGH: u64 = 0x84;
+    pub const QUEUE_DRIVER_LOW: u64 = 0x90;
+    pub const QUEUE_DRIVER_HIGH: u64 = 0x94;
+    pub const QUEUE_DEVICE_LOW: u64 = 0xa0;
+    pub const QUEUE_DEVICE_HIGH: u64 = 0xa4;
+    pub const SHM_LEN_LOW: u64 = 0xb0;
+    pub const SHM_LEN_HIGH: u64 = 0xb4;
+    pub const SHM_BASE_LOW: u64 = 0xb8;
+    pub const SHM_BASE_HIGH: u64 = 0xbc;
+    pub const CONFIG_GENERATION: u64 = 0xfc;
+}
+
+/// Errors of the transport.
+#[derive(Debug, thiserror::Error)]
+pub enum MmioError {
+    /// Saved state belongs to another kind of device.
+    #[error("saved transport state is for device type {saved}, device is type {actual}")]
+    DeviceType {
+        /// Type in the state.
+        saved: u32,
+        /// Type of the device given to restore.
+        actual: u32,
+    },
+    /// Saved state has a different number of queues.
+    #[error("saved transport state has {saved} queues, device has {actual}")]
+    QueueCount {
+        /// Queues in the state.
+        saved: usize,
+        /// Queues of the device.
+        actual: usize,
+    },
+    /// A saved queue is inconsistent.
+    #[error("saved queue {index} is invalid: {reason}")]
+    InvalidQueue {
+        /// Queue index.
+        index: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The device refused to activate with the restored queues.
+    #[error("cannot re-activate {device} from saved state")]
+    Activate {
+        /// Device name.
+        device: String,
+        /// The cause.
+        #[source]
+        source: super::VirtioError,
+    },
+}
+
+/// Saved state of one queue.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct QueueRegisters {
+    /// Largest size the device allows.
+    pub max_size: u16,
+    /// Size chosen by the driver.
+    pub size: u16,
+    /// QueueReady.
+    pub ready: bool,
+    /// Descriptor table address.
+    pub desc_table: u64,
+    /// Available ("driver") ring address.
+    pub avail_ring: u64,
+    /// Used ("device") ring address.
+    pub used_ring: u64,
+    /// Next available entry the device reads.
+    pub next_avail: u16,
+    /// Next used entry the device writes.
+    pub next_used: u16,
+    /// VIRTIO_RING_F_EVENT_IDX in use.
+    pub event_idx: bool,
+}
+
+/// Saved state of a transport: plain registers, rebuilt with
+/// [`MmioTransport::restore`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MmioTransportState {
+    /// virtio device ID of the device behind the transport.
+    pub device_type: u32,
+    /// Device status register.
+    pub status: u32,
+    /// DeviceFeaturesSel.
+    pub device_features_sel: u32,
+    /// DriverFeaturesSel.
+    pub driver_features_sel: u32,
+    /// Features written by the driver.
+    pub driver_features: u64,
+    /// QueueSel.
+    pub queue_sel: u32,
+    /// InterruptStatus.
+    pub interrupt_status: u32,
+    /// ConfigGeneration.
+    pub config_generation: u32,
+    /// Every queue of the device.
+    pub queues: Vec<QueueRegisters>,
+}
+
+/// The interrupt line of one transport: InterruptStatus plus the irqfd.
+struct MmioInterrupt {
+    status: AtomicU32,
+    irq: EventFd,
+}
+
+impl MmioInterrupt {
+    fn raise(&self, bit: u32) {
+        self.status.fetch_or(bit, Ordering::SeqCst);
+        if let Err(e) = self.irq.write(1) {
+            warn!(error = %e, "virtio-mmio: cannot signal irqfd");
+        }
+    }
+}
+
+impl VirtioInterrupt for MmioInterrupt {
+    fn signal_used_queue(&self) {
+        self.raise(INT_USED_RING);
+    }
+
+    fn signal_config_change(&self) {
+        self.raise(INT_CONFIG);
+    }
+}
+
+/// The virtio-mmio v2 register file in front of one device.
+pub struct MmioTransport {
+    device: Arc<Mutex<dyn VirtioDevice>>,
+    mem: GuestMemoryMmap,
+    interrupt: Arc<MmioInterrupt>,
+    name: String,
+    device_type: u32,
+    device_features: u64,
+    queues: Vec<Queue>,
+    status: u32,
+    device_features_sel: u32,
+    driver_features_sel: u32,
+    driver_features: u64,
+    queue_sel: u32,
+    config_generation: u32,
+}
+
+fn lock<'a>(
+    device: &'a Mutex<dyn VirtioDevice + 'static>,
+) -> MutexGuard<'a, dyn VirtioDevice + 'static> {
+    device.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn new_queues(max_sizes: &[u16], name: &str) -> Vec<Queue> {
+    max_sizes
+        .iter()
+        .filter_map(|&max| match Queue::new(max) {
+            Ok(q) => Some(q),
+            Err(e) => {
+                // A device bug, not a guest error: the queue is left out and
+                // activation will fail with a clear message.
+                warn!(device = name, max, error = %e, "invalid queue maximum size");
+                None
+            }
+        })
+        .collect()
+}
+
+impl MmioTransport {
+    /// A transport for `device`, raising interrupts on `irq`.
+    pub fn new(device: Arc<Mutex<dyn VirtioDevice>>, mem: GuestMemoryMmap, irq: EventFd) -> Self {
+        let (name, device_type, device_features, queues) = {
+            let d = lock(&device);
+            let name = d.name().to_owned();
+            let queues = new_queues(d.queue_max_sizes(), &name);
+            (name, d.device_type(), d.features(), queues)
+        };
+        MmioTransport {
+            device,
+            mem,
+            interrupt: Arc::new(MmioInterrupt {
+                status: AtomicU32::new(0),
+                irq,
+            }),
+            name,
+            device_type,
+            device_features,
+            queues,
+            status: 0,
+            device_features_sel: 0,
+            driver_features_sel: 0,
+            driver_features: 0,
+            queue_sel: 0,
+            config_generation: 0,
+        }
+    }
+
+    /// The device behind the transport.
+    pub fn device(&self) -> Arc<Mutex<dyn VirtioDevice>> {
+        self.device.clone()
+    }
+
+    /// Offset of QueueNotify in the window: register one ioeventfd there per
+    /// queue, 4 bytes wide, with datamatch = queue index.
+    pub fn queue_notify_address_offset() -> u64 {
+        QUEUE_NOTIFY_OFFSET
+    }
+
+    /// Number of queues of the device.
+    pub fn num_queues(&self) -> usize {
+        self.queues.len()
+    }
+
+    /// Current device status register.
+    pub fn status(&self) -> u32 {
+        self.status
+    }
+
+    /// Current InterruptStatus register.
+    pub fn interrupt_status(&self) -> u32 {
+        self.interrupt.status.load(Ordering::SeqCst)
+    }
+
+    /// Features the driver accepted (valid once FEATURES_OK is set).
+    pub fn acked_features(&self) -> u64 {
+        self.driver_features
+    }
+
+    /// Handles a guest read of `data.len()` bytes at `offset` in the window.
+    pub fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if offset >= CONFIG_SPACE_OFFSET {
+            data.fill(0);
+            lock(&self.device).read_config(offset - CONFIG_SPACE_OFFSET, data);
+            return;
+        }
+        let value = if data.len() == 4 && offset % 4 == 0 {
+            self.read_register(offset)
+        } else {
+            debug!(device = %self.name, offset, len = data.len(), "virtio-mmio: bad read size");
+            0
+        };
+        let bytes = value.to_le_bytes();
+        let n = data.len().min(4);
+        data[..n].copy_from_slice(&bytes[..n]);
+        data[n..].fill(0);
+    }
+
+    /// Handles a guest write of `data` at `offset` in the window.
+    pub fn write(&mut self, offset: u64, data: &[u8]) {
+        if offset >= CONFIG_SPACE_OFFSET {
+            lock(&self.device).write_config(offset - CONFIG_SPACE_OFFSET, data);
+            return;
+        }
+        let Ok(bytes) = <[u8; 4]>::try_from(data) else {
+            debug!(device = %self.name, offset, len = data.len(), "virtio-mmio: bad write size");
+            return;
+        };
+        if offset % 4 != 0 {
+            return;
+        }
+        self.write_register(offset, u32::from_le_bytes(bytes));
+    }
+
+    fn selected_queue(&self) -> Option<&Queue> {
+        self.queues.get(self.queue_sel as usize)
+    }
+
+    fn read_register(&self, offset: u64) -> u32 {
+        match offset {
+            reg::MAGIC => MMIO_MAGIC,
+            reg::VERSION => MMIO_VERSION,
+            reg::DEVICE_ID => self.device_type,
+            reg::VENDOR_ID => MMIO_VENDOR_ID,
+            reg::DEVICE_FEATURES => match self.device_features_sel {
+                0 => self.device_features as u32,
+                1 => (self.device_features >> 32) as u32,
+                _ => 0,
+            },
+            reg::QUEUE_NUM_MAX => self.selected_queue().map_or(0, |q| u32::from(q.max_size())),
+            reg::QUEUE_READY => self.selected_queue().map_or(0, |q| u32::from(q.ready())),
+            reg::INTERRUPT_STATUS => self.interrupt_status(),
+            reg::STATUS => self.status,
+            // No shared memory regions: their length reads as -1.
+            reg::SHM_LEN_LOW | reg::SHM_LEN_HIGH => u32::MAX,
+            reg::SHM_BASE_LOW | reg::SHM_BASE_HIGH => u32::MAX,
+            reg::CONFIG_GENERATION => self.config_generation,
+            _ => 0,
+        }
+    }
+
+    /// Whether the driver may still change the queue registers.
+    fn queue_setup_allowed(&self) -> bool {
+        self.status & (status::DRIVER_OK | status::FAILED) == 0
+    }
+
+    fn write_register(&mut self, offset: u64, value: u32) {
+        match offset {
+            reg::DEVICE_FEATURES_SEL => self.device_features_sel = value,
+            reg::DRIVER_FEATURES_SEL => self.driver_features_sel = value,
+            reg::DRIVER_FEATURES => {
+                if self.status & status::DRIVER == 0 || self.status & status::FEATURES_OK != 0 {
+                    debug!(device = %self.name, "virtio-mmio: feature write outside negotiation");
+                    return;
+                }
+                match self.driver_features_sel {
+                    0 => {
+                        self.driver_features =
+                            (self.driver_features & !0xffff_ffff) | u64::from(value)
+                    }
+                    1 => {
+                        self.driver_features =
+                            (self.driver_features & 0xffff_ffff) | (u64::from(value) << 32)
+                    }
+                    _ => {}
+                }
+            }
+            reg::QUEUE_SEL => self.queue_sel = value,
+            reg::QUEUE_NOTIFY => self.queue_notify(value),
+            reg::INTERRUPT_ACK => {
+                self.interrupt.status.fetch_and(!value, Ordering::SeqCst);
+            }
+            reg::STATUS => self.write_status(value),
+            reg::QUEUE_NUM
+            | reg::QUEUE_READY
+            | reg::QUEUE_DESC_LOW
+            | reg::QUEUE_DESC_HIGH
+            | reg::QUEUE_DRIVER_LOW
+            | reg::QUEUE_DRIVER_HIGH
+            | reg::QUEUE_DEVICE_LOW
+            | reg::QUEUE_DEVICE_HIGH => self.write_queue_register(offset, value),
+            _ => debug!(device = %self.name, offset, "virtio-mmio: write to unknown register"),
+        }
+    }
+
+    fn write_queue_register(&mut self, offset: u64, value: u32) {
+        if !self.queue_setup_allowed() {
+            debug!(device = %self.name, offset, "virtio-mmio: queue write while live");
+            return;
+        }
+        let Some(q) = self.queues.get_mut(self.queue_sel as usize) else {
+            return;
+        };
+        // The spec forbids changing a ready queue's layout; only QueueReady may
+        // be written then.
+        if q.ready() && offset != reg::QUEUE_READY {
+            return;
+        }
+        match offset {
+            reg::QUEUE_NUM => match u16::try_from(value) {
+                Ok(size) => q.set_size(size),
+                Err(_) => debug!(device = %self.name, value, "virtio-mmio: queue size too large"),
+            },
+            reg::QUEUE_READY => q.set_ready(value == 1),
+            reg::QUEUE_DESC_LOW => q.set_desc_table_address(Some(value), None),
+            reg::QUEUE_DESC_HIGH => q.set_desc_table_address(None, Some(value)),
+            reg::QUEUE_DRIVER_LOW => q.set_avail_ring_address(Some(value), None),
+            reg::QUEUE_DRIVER_HIGH => q.set_avail_ring_address(None, Some(value)),
+            reg::QUEUE_DEVICE_LOW => q.set_used_ring_address(Some(value), None),
+            reg::QUEUE_DEVICE_HIGH => q.set_used_ring_address(None, Some(value)),
+            _ => {}
+        }
+    }
+
+    fn queue_notify(&mut self, value: u32) {
+        let index = value as usize;
+        if index >= self.queues.len() {
+            debug!(device = %self.name, index, "virtio-mmio: notify of unknown queue");
+            return;
+        }
+        let mut device = lock(&self.device);
+        if device.is_activated() {
+            device.queue_notified(index);
+        }
+    }
+
+    fn write_status(&mut self, value: u32) {
+        if value == 0 {
+            self.reset();
+            return;
+        }
+        let old = self.status;
+        // The driver only ever adds bits (clearing happens through reset).
+        if value & old != old {
+            warn!(device = %self.name, old, new = value, "virtio-mmio: driver cleared status bits");
+            return;
+        }
+        let added = value & !old;
+        let mut new = value & !status::DEVICE_NEEDS_RESET | (old & status::DEVICE_NEEDS_RESET);
+        if added & status::FEATURES_OK != 0 && !self.features_acceptable() {
+            // Leaving FEATURES_OK clear tells the driver negotiation failed.
+            new &= !status::FEATURES_OK;
+        }
+        if added & status::DRIVER_OK != 0 {
+            if new & status::FEATURES_OK == 0 {
+                warn!(device = %self.name, "virtio-mmio: DRIVER_OK without FEATURES_OK");
+                new |= status::DEVICE_NEEDS_RESET;
+            } else {
+                self.status = new;
+                self.activate();
+                return;
+            }
+        }
+        if added & status::FAILED != 0 {
+            info!(device = %self.name, "virtio driver reported failure");
+        }
+        self.status = new;
+    }
+
+    fn features_acceptable(&self) -> bool {
+        let extra = self.driver_features & !self.device_features;
+        if self.driver_features & FEATURE_VERSION_1 == 0 {
+            warn!(device = %self.name, "virtio-mmio: driver did not accept VIRTIO_F_VERSION_1");
+            false
+        } else if extra != 0 {
+            warn!(device = %self.name, extra, "virtio-mmio: driver accepted features not offered");
+            false
+        } else {
+            true
+        }
+    }
+
+    /// Checks the queues and hands them to the device (status already has DRIVER_OK).
+    fn activate(&mut self) {
+        let event_idx = self.driver_features & FEATURE_EVENT_IDX != 0;
+        let invalid = self
+            .queues
+            .iter()
+            .position(|q| !q.ready() || !q.is_valid(&self.mem));
+        if let Some(index) = invalid {
+            warn!(device = %self.name, index, "virtio-mmio: queue not ready or invalid at DRIVER_OK");
+            self.needs_reset();
+            return;
+        }
+        let queues = self
+            .queues
+            .iter()
+            .map(|q| {
+                let mut state = q.state();
+                state.event_idx_enabled = event_idx;
+                Queue::try_from(state)
+            })
+            .collect::<Result<Vec<_>, _>>();
+        let queues = match queues {
+            Ok(q) => q,
+            Err(e) => {
+                warn!(device = %self.name, error = %e, "virtio-mmio: cannot copy queues");
+                self.needs_reset();
+                return;
+            }
+        };
+        if let Err(e) = self.activate_with(queues) {
+            warn!(device = %self.name, error = %e, "virtio-mmio: activation failed");
+            self.needs_reset();
+            return;
+        }
+        info!(device = %self.name, features = self.driver_features, "virtio device activated");
+    }
+
+    fn activate_with(&self, queues: Vec<Queue>) -> Result<(), super::VirtioError> {
+        let interrupt: Arc<dyn VirtioInterrupt> = self.interrupt.clone();
+        lock(&self.device).activate(Activation {
+            mem: self.mem.clone(),
+            queues,
+            interrupt,
+            acked_features: self.driver_features,
+        })
+    }
+
+    fn needs_reset(&mut self) {
+        self.status |= status::DEVICE_NEEDS_RESET;
+        if self.status & status::DRIVER_OK != 0 {
+            self.config_generation = self.config_generation.wrapping_add(1);
+            self.interrupt.signal_config_change();
+        }
+    }
+
+    fn reset(&mut self) {
+        {
+            let mut d = lock(&self.device);
+            if d.is_activated() || self.status != 0 {
+                info!(device = %self.name, "virtio device reset by driver");
+            }
+            d.reset();
+        }
+        for q in &mut self.queues {
+            q.reset();
+        }
+        self.status = 0;
+        self.device_features_sel = 0;
+        self.driver_features_sel = 0;
+        self.driver_features = 0;
+        self.queue_sel = 0;
+        self.interrupt.status.store(0, Ordering::SeqCst);
+    }
+
+    /// The transport's registers and queues, for snapshot and migration. The
+    /// device must be quiescent (no thread in `queue_notified`).
+    pub fn state(&self) -> MmioTransportState {
+        let progress = {
+            let d = lock(&self.device);
+            if d.is_activated() {
+                d.queue_progress()
+            } else {
+                Vec::new()
+            }
+        };
+        let queues = self
+            .queues
+            .iter()
+            .enumerate()
+            .map(|(i, q)| {
+                let p = progress.get(i).copied().unwrap_or(QueueProgress {
+                    next_avail: q.next_avail(),
+                    next_used: q.next_used(),
+                });
+                QueueRegisters {
+                    max_size: q.max_size(),
+                    size: q.size(),
+                    ready: q.ready(),
+                    desc_table: q.desc_table(),
+                    avail_ring: q.avail_ring(),
+                    used_ring: q.used_ring(),
+                    next_avail: p.next_avail,
+                    next_used: p.next_used,
+                    event_idx: self.driver_features & FEATURE_EVENT_IDX != 0,
+                }
+            })
+            .collect();
+        MmioTransportState {
+            device_type: self.device_type,
+            status: self.status,
+            device_features_sel: self.device_features_sel,
+            driver_features_sel: self.driver_features_sel,
+            driver_features: self.driver_features,
+            queue_sel: self.queue_sel,
+            interrupt_status: self.interrupt_status(),
+            config_generation: self.config_generation,
+            queues,
+        }
+    }
+
+    /// Rebuilds a transport from saved state in front of a fresh `device` (whose
+    /// own state was restored separately). If the driver had set DRIVER_OK, the
+    /// device is activated again with the saved queue positions; if the saved
+    /// interrupt status is non-zero the interrupt is raised again so that the
+    /// guest does not miss it.
+    pub fn restore(
+        device: Arc<Mutex<dyn VirtioDevice>>,
+        mem: GuestMemoryMmap,
+        irq: EventFd,
+        state: &MmioTransportState,
+    ) -> Result<Self, MmioError> {
+        let mut t = MmioTransport::new(device, mem, irq);
+        if state.device_type != t.device_type {
+            return Err(MmioError::DeviceType {
+                saved: state.device_type,
+                actual: t.device_type,
+            });
+        }
+        if state.queues.len() != t.queues.len() {
+            return Err(MmioError::QueueCount {
+                saved: state.queues.len(),
+                actual: t.queues.len(),
+            });
+        }
+        for (index, (q, saved)) in t.queues.iter_mut().zip(&state.queues).enumerate() {
+            if saved.max_size != q.max_size() {
+                return Err(MmioError::InvalidQueue {
+                    index,
+                    reason: format!(
+                        "maximum size {} differs from the device's {}",
+                        saved.max_size,
+                        q.max_size()
+                    ),
+                });
+            }
+            *q = Queue::try_from(QueueState {
+                max_size: saved.max_size,
+                next_avail: saved.next_avail,
+                next_used: saved.next_used,
+                event_idx_enabled: saved.event_idx,
+                size: saved.size,
+                ready: saved.ready,
+                desc_table: saved.desc_table,
+                avail_ring: saved.avail_ring,
+                used_ring: saved.used_ring,
+            })
+            .map_err(|e| MmioError::InvalidQueue {
+                index,
+                reason: e.to_string(),
+            })?;
+        }
+        t.status = state.status;
+        t.device_features_sel = state.device_features_sel;
+        t.driver_features_sel = state.driver_features_sel;
+        t.driver_features = state.driver_features;
+        t.queue_sel = state.queue_sel;
+        t.config_generation = state.config_generation;
+        t.interrupt
+            .status
+            .store(state.interrupt_status, Ordering::SeqCst);
+        let live = status::DRIVER_OK | status::FEATURES_OK;
+        if t.status & live == live && t.status & status::DEVICE_NEEDS_RESET == 0 {
+            for (index, q) in t.queues.iter().enumerate() {
+                if !q.is_valid(&t.mem) {
+                    return Err(MmioError::InvalidQueue {
+                        index,
+                        reason: "not valid in guest memory".into(),
+                    });
+                }
+            }
+            let queues = t
+                .queues
+                .iter()
+                .map(|q| Queue::try_from(q.state()))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| MmioError::InvalidQueue {
+                    index: 0,
+                    reason: e.to_string(),
+                })?;
+            t.activate_with(queues)
+                .map_err(|source| MmioError::Activate {
+                    device: t.name.clone(),
+                    source,
+                })?;
+        }
+        if state.interrupt_status != 0 {
+            if let Err(e) = t.interrupt.irq.write(1) {
+                warn!(error = %e, "virtio-mmio: cannot re-raise interrupt after restore");
+            }
+        }
+        Ok(t)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::virtio::{DeviceCounters, VirtioError};
+    use crate::memory::{GuestMemoryFile, MemoryBacking};
+
+    #[derive(Default)]
+    struct FakeDevice {
+        activated: Option<Vec<(u16, u16)>>,
+        acked: u64,
+        notified: Vec<usize>,
+        resets: usize,
+        config: [u8; 8],
+    }
+
+    impl VirtioDevice for FakeDevice {
+        fn device_type(&self) -> u32 {
+            2
+        }
+        fn name(&self) -> &str {
+            "fake0"
+        }
+        fn queue_max_sizes(&self) -> &[u16] {
+            &[16, 8]
+        }
+        fn features(&self) -> u64 {
+            FEATURE_VERSION_1 | FEATURE_EVENT_IDX | 1
+        }
+        fn read_config(&self, offset: u64, data: &mut [u8]) {
+            for (i, b) in data.iter_mut().enumerate() {
+                *b = self.config.get(offset as usize + i).copied().unwrap_or(0);
+            }
+        }
+        fn write_config(&mut self, offset: u64, data: &[u8]) {
+            for (i, b) in data.iter().enumerate() {
+                if let Some(c) = self.config.get_mut(offset as usize + i) {
+                    *c = *b;
+                }
+            }
+        }
+        fn activate(&mut self, a: Activation) -> Result<(), VirtioError> {
+            self.acked = a.acked_features;
+            self.activated = Some(
+                a.queues
+                    .iter()
+                    .map(|q| (q.next_avail(), q.next_used()))
+                    .collect(),
+            );
+            a.interrupt.signal_used_queue();
+            Ok(())
+        }
+        fn is_activated(&self) -> bool {
+            self.activated.is_some()
+        }
+        fn queue_notified(&mut self, index: usize) {
+            self.notified.push(index);
+        }
+        fn reset(&mut self) {
+            self.activated = None;
+            self.resets += 1;
+        }
+        fn counters(&self) -> DeviceCounters {
+            DeviceCounters::default()
+        }
+        fn queue_progress(&self) -> Vec<QueueProgress> {
+            self.activated
+                .as_ref()
+                .map(|qs| {
+                    qs.iter()
+                        .map(|&(a, u)| QueueProgress {
+                            next_avail: a + 3,
+                            next_used: u + 2,
+                        })
+                        .collect()
+                })
+                .unwrap_or_default()
+        }
+    }
+
+    fn setup() -> (MmioTransport, Arc<Mutex<FakeDevice>>, EventFd) {
+        let mem = GuestMemoryFile::create(16 << 20, &MemoryBacking::Memfd)
+            .unwrap()
+            .map()
+            .unwrap();
+        let dev = Arc::new(Mutex::new(FakeDevice::default()));
+        let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let t = MmioTransport::new(dev.clone(), mem, irq.try_clone().unwrap());
+        (t, dev, irq)
+    }
+
+    fn r(t: &mut MmioTransport, off: u64) -> u32 {
+        let mut b = [0u8; 4];
+        t.read(off, &mut b);
+        u32::from_le_bytes(b)
+    }
+
+    fn w(t: &mut MmioTransport, off: u64, v: u32) {
+        t.write(off, &v.to_le_bytes());
+    }
+
+    fn negotiate(t: &mut MmioTransport, features: u64) {
+        w(t, reg::STATUS, status::ACKNOWLEDGE);
+        w(t, reg::STATUS, status::ACKNOWLEDGE | status::DRIVER);
+        w(t, reg::DRIVER_FEATURES_SEL, 0);
+        w(t, reg::DRIVER_FEATURES, features as u32);
+        w(t, reg::DRIVER_FEATURES_SEL, 1);
+        w(t, reg::DRIVER_FEATURES, (features >> 32) as u32);
+        w(
+            t,
+            reg::STATUS,
+            status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK,
+        );
+    }
+
+    fn setup_queue(t: &mut MmioTransport, index: u32, base: u64, size: u32) {
+        w(t, reg::QUEUE_SEL, index);
+        w(t, reg::QUEUE_NUM, size);
+        w(t, reg::QUEUE_DESC_LOW, base as u32);
+        w(t, reg::QUEUE_DESC_HIGH, (base >> 32) as u32);
+        w(t, reg::QUEUE_DRIVER_LOW, (base + 0x1000) as u32);
+        w(t, reg::QUEUE_DRIVER_HIGH, 0);
+        w(t, reg::QUEUE_DEVICE_LOW, (base + 0x2000) as u32);
+        w(t, reg::QUEUE_DEVICE_HIGH, 0);
+        w(t, reg::QUEUE_READY, 1);
+    }
+
+    const ALL: u32 = status::ACKNOWLEDGE | status::DRIVER | status::FEATURES_OK | status::DRIVER_OK;
+
+    #[test]
+    fn identification_registers() {
+        let (mut t, _, _) = setup();
+        assert_eq!(r(&mut t, reg::MAGIC), 0x7472_6976);
+        assert_eq!(r(&mut t, reg::VERSION), 2);
+        assert_eq!(r(&mut t, reg::DEVICE_ID), 2);
+        assert_eq!(r(&mut t, reg::VENDOR_ID), MMIO_VENDOR_ID);
+        w(&mut t, reg::DEVICE_FEATURES_SEL, 1);
+        assert_eq!(r(&mut t, reg::DEVICE_FEATURES), 1);
+        w(&mut t, reg::DEVICE_FEATURES_SEL, 0);
+        assert_eq!(r(&mut t, reg::DEVICE_FEATURES), (1 << 29) | 1);
+        w(&mut t, reg::DEVICE_FEATURES_SEL, 7);
+        assert_eq!(r(&mut t, reg::DEVICE_FEATURES), 0);
+        w(&mut t, reg::QUEUE_SEL, 1);
+        assert_eq!(r(&mut t, reg::QUEUE_NUM_MAX), 8);
+        w(&mut t, reg::QUEUE_SEL, 2);
+        assert_eq!(r(&mut t, reg::QUEUE_NUM_MAX), 0);
+        assert_eq!(t.num_queues(), 2);
+        assert_eq!(MmioTransport::queue_notify_address_offset(), 0x50);
+        // Bad sizes and offsets: zeros, no panic.
+        let mut b = [0xffu8; 2];
+        t.read(reg::MAGIC, &mut b);
+        assert_eq!(b, [0, 0]);
+        let mut b = [0xffu8; 4];
+        t.read(2, &mut b);
+        assert_eq!(b, [0; 4]);
+        t.read(0xf8, &mut b);
+        t.write(reg::STATUS, &[1, 2]);
+        t.write(u64::MAX, &[1]);
+        t.read(u64::MAX, &mut b);
+        t.read(0x100, &mut []);
+        assert_eq!(t.status(), 0);
+    }
+
+    #[test]
+    fn config_space_any_width() {
+        let (mut t, dev, _) = setup();
+        t.write(0x102, &[0xaa, 0xbb]);
+        let mut b = [0u8; 4];
+        t.read(0x100, &mut b);
+        assert_eq!(b, [0, 0, 0xaa, 0xbb]);
+        assert_eq!(dev.lock().unwrap().config[3], 0xbb);
+        let mut b = [0xffu8; 8];
+        t.read(0x106, &mut b);
+        assert_eq!(b, [0; 8]);
+    }
+
+    #[test]
+    fn feature_negotiation_requires_version_1() {
+        let (mut t, _, _) = setup();
+        negotiate(&mut t, 1);
+        assert_eq!(t.status() & status::FEATURES_OK, 0);
+        w(&mut t, reg::STATUS, 0);
+        // Features not offered are refused too.
+        negotiate(&mut t, FEATURE_VERSION_1 | 2);
+        assert_eq!(t.status() & status::FEATURES_OK, 0);
+        w(&mut t, reg::STATUS, 0);
+        negotiate(&mut t, FEATURE_VERSION_1 | 1);
+        assert_ne!(t.status() & status::FEATURES_OK, 0);
+        assert_eq!(t.acked_features(), FEATURE_VERSION_1 | 1);
+        // Feature writes after FEATURES_OK are ignored.
+        w(&mut t, reg::DRIVER_FEATURES_SEL, 0);
+        w(&mut t, reg::DRIVER_FEATURES, 0);
+        assert_eq!(t.acked_features(), FEATURE_VERSION_1 | 1);
+    }
+
+    #[test]
+    fn activation_and_reset() {
+        let (mut t, dev, irq) = setup();
+        negotiate(&mut t, FEATURE_VERSION_1);
+        setup_queue(&mut t, 0, 0x10_0000, 16);
+        // Queue 1 missing: activation fails with NEEDS_RESET.
+        w(&mut t, reg::STATUS, ALL);
+        assert_ne!(t.status() & status::DEVICE_NEEDS_RESET, 0);
+        assert!(!dev.lock().unwrap().is_activated());
+        assert_eq!(t.interrupt_status() & INT_CONFIG, INT_CONFIG);
+
+        w(&mut t, reg::STATUS, 0);
+        assert_eq!(t.status(), 0);
+        assert_eq!(t.interrupt_status(), 0);
+        assert_eq!(r(&mut t, reg::QUEUE_READY), 0);
+        negotiate(&mut t, FEATURE_VERSION_1);
+        setup_queue(&mut t, 0, 0x10_0000, 16);
+        setup_queue(&mut t, 1, 0x20_0000, 8);
+        assert_eq!(r(&mut t, reg::QUEUE_READY), 1);
+        let _ = irq.read();
+        w(&mut t, reg::STATUS, ALL);
+        assert_eq!(t.status(), ALL);
+        assert!(dev.lock().unwrap().is_activated());
+        // The fake device signals on activation: status bit and irqfd.
+        assert_eq!(t.interrupt_status(), INT_USED_RING);
+        assert_eq!(irq.read().unwrap(), 1);
+        w(&mut t, reg::INTERRUPT_ACK, INT_USED_RING);
+        assert_eq!(t.interrupt_status(), 0);
+        // Queue registers are frozen once live.
+        w(&mut t, reg::QUEUE_SEL, 0);
+        w(&mut t, reg::QUEUE_NUM, 4);
+        assert_eq!(t.state().queues[0].size, 16);
+        // Direct notifications reach the device; unknown queues do not.
+        w(&mut t, reg::QUEUE_NOTIFY, 1);
+        w(&mut t, reg::QUEUE_NOTIFY, 9);
+        assert_eq!(dev.lock().unwrap().notified, vec![1]);
+        w(&mut t, reg::STATUS, 0);
+        assert!(!dev.lock().unwrap().is_activated());
+        assert_eq!(dev.lock().unwrap().resets, 2);
+    }
+
+    #[test]
+    fn invalid_queue_addresses_need_reset() {
+        let (mut t, dev, _) = setup();
+        negotiate(&mut t, FEATURE_VERSION_1);
+        setup_queue(&mut t, 0, 0x10_0000, 16);
+        // Outside the 16 MiB of guest memory.
+        setup_queue(&mut t, 1, 0x4000_0000, 8);
+        w(&mut t, reg::STATUS, ALL);
+        assert_ne!(t.status() & status::DEVICE_NEEDS_RESET, 0);
+        assert!(!dev.lock().unwrap().is_activated());
+    }
+
+    #[test]
+    fn driver_ok_without_features_ok_is_refused() {
+        let (mut t, dev, _) = setup();
+        w(&mut t, reg::STATUS, status::ACKNOWLEDGE | status::DRIVER);
+        w(
+            &mut t,
+            reg::STATUS,
+            status::ACKNOWLEDGE | status::DRIVER | status::DRIVER_OK,
+        );
+        assert_ne!(t.status() & status::DEVICE_NEEDS_RESET, 0);
+        assert!(!dev.lock().unwrap().is_activated());
+    }
+
+    #[test]
+    fn state_round_trip() {
+        let (mut t, dev, _) = setup();
+        negotiate(&mut t, FEATURE_VERSION_1 | FEATURE_EVENT_IDX);
+        setup_queue(&mut t, 0, 0x10_0000, 16);
+        setup_queue(&mut t, 1, 0x20_0000, 4);
+        w(&mut t, reg::STATUS, ALL);
+        w(&mut t, reg::QUEUE_SEL, 1);
+        let state = t.state();
+        assert_eq!(state.queues[1].size, 4);
+        assert_eq!(
+            state.queues[0].next_avail, 3,
+            "progress comes from the device"
+        );
+        assert_eq!(state.queues[1].next_used, 2);
+        assert!(state.queues[0].event_idx);
+        let json = serde_json::to_string(&state).unwrap();
+        let back: MmioTransportState = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, state);
+
+        let fresh = Arc::new(Mutex::new(FakeDevice::default()));
+        let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let mut t2 = MmioTransport::restore(
+            fresh.clone(),
+            t.mem.clone(),
+            irq.try_clone().unwrap(),
+            &back,
+        )
+        .unwrap();
+        assert_eq!(
+            fresh.lock().unwrap().activated,
+            Some(vec![(3, 2), (3, 2)]),
+            "device re-activated at the saved positions"
+        );
+        assert_eq!(
+            fresh.lock().unwrap().acked,
+            FEATURE_VERSION_1 | FEATURE_EVENT_IDX
+        );
+        assert_eq!(r(&mut t2, reg::QUEUE_NUM_MAX), 8);
+        assert_eq!(r(&mut t2, reg::STATUS), ALL);
+        // Saving the restored transport gives the same registers (the fake
+        // device adds its offsets once more).
+        let again = t2.state();
+        assert_eq!(again.status, state.status);
+        assert_eq!(again.queues[1].desc_table, 0x20_0000);
+        drop(dev);
+
+        // State for another device type or queue count is refused.
+        let mut wrong = back.clone();
+        wrong.device_type = 1;
+        let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let fresh = Arc::new(Mutex::new(FakeDevice::default()));
+        assert!(matches!(
+            MmioTransport::restore(
+                fresh.clone(),
+                t.mem.clone(),
+                irq.try_clone().unwrap(),
+                &wrong
+            ),
+            Err(MmioError::DeviceType { .. })
+        ));
+        let mut wrong = back.clone();
+        wrong.queues.pop();
+        assert!(matches!(
+            MmioTransport::restore(
+                fresh.clone(),
+                t.mem.clone(),
+                irq.try_clone().unwrap(),
+                &wrong
+            ),
+            Err(MmioError::QueueCount { .. })
+        ));
+        let mut wrong = back;
+        wrong.queues[0].size = 3;
+        assert!(matches!(
+            MmioTransport::restore(fresh, t.mem.clone(), irq, &wrong),
+            Err(MmioError::InvalidQueue { .. })
+        ));
+    }
+}

@@ -30,7 +30,9 @@ pub const FEATURE_VERSION_1: u64 = 1 << 32;
 #[derive(Debug, thiserror::Error)]
 pub enum VirtioError {
     /// A queue configured by the driver is not usable.
-    #[error("queue {index} is not valid (size {size}, addresses outside guest memory or misaligned)")]
+    #[error(
+        "queue {index} is not valid (size {size}, addresses outside guest memory or misaligned)"
+    )]
     InvalidQueue {
         /// Queue index.
         index: usize,
@@ -78,6 +80,16 @@ pub struct DeviceCounters {
     pub bad_descriptors: u64,
 }
 
+/// How far a device has got in one queue: saved with the transport's state so
+/// that a restored device resumes where it stopped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct QueueProgress {
+    /// Next available-ring entry the device will read.
+    pub next_avail: u16,
+    /// Next used-ring entry the device will write.
+    pub next_used: u16,
+}
+
 /// What a device gets when the driver sets DRIVER_OK.
 pub struct Activation {
     /// Guest memory.
@@ -120,4 +132,9 @@ pub trait VirtioDevice: Send {
     fn reset(&mut self);
     /// Request counters for the metrics API.
     fn counters(&self) -> DeviceCounters;
+    /// Progress in each queue while activated (one entry per queue); empty when
+    /// not activated or not tracked.
+    fn queue_progress(&self) -> Vec<QueueProgress> {
+        Vec::new()
+    }
 }
