@@ -305,7 +305,7 @@ impl MmioTransport {
             lock(&self.device).read_config(offset - CONFIG_SPACE_OFFSET, data);
             return;
         }
-        let value = if data.len() == 4 && offset % 4 == 0 {
+        let value = if data.len() == 4 && offset.is_multiple_of(4) {
             self.read_register(offset)
         } else {
             debug!(device = %self.name, offset, len = data.len(), "virtio-mmio: bad read size");
@@ -327,7 +327,7 @@ impl MmioTransport {
             debug!(device = %self.name, offset, len = data.len(), "virtio-mmio: bad write size");
             return;
         };
-        if offset % 4 != 0 {
+        if !offset.is_multiple_of(4) {
             return;
         }
         self.write_register(offset, u32::from_le_bytes(bytes));
