@@ -146,7 +146,7 @@ impl RawFileBackend {
                 }
             })?
         };
-        if size % SECTOR_SIZE != 0 {
+        if !size.is_multiple_of(SECTOR_SIZE) {
             return Err(BlockBackendError::Unaligned {
                 path: path.to_owned(),
                 size,
