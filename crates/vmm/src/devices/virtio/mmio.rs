@@ -451,8 +451,10 @@ impl MmioTransport {
             return;
         }
         let old = self.status;
-        // The driver only ever adds bits (clearing happens through reset).
-        if value & old != old {
+        // The driver only ever adds bits (clearing happens through reset);
+        // DEVICE_NEEDS_RESET is ours, the driver may or may not echo it.
+        let driver_bits = old & !status::DEVICE_NEEDS_RESET;
+        if value & driver_bits != driver_bits {
             warn!(device = %self.name, old, new = value, "virtio-mmio: driver cleared status bits");
             return;
         }
@@ -963,6 +965,17 @@ mod tests {
         );
         assert_ne!(t.status() & status::DEVICE_NEEDS_RESET, 0);
         assert!(!dev.lock().unwrap().is_activated());
+        // Writing status without echoing NEEDS_RESET keeps it; clearing a
+        // driver bit is ignored.
+        w(
+            &mut t,
+            reg::STATUS,
+            status::ACKNOWLEDGE | status::DRIVER | status::DRIVER_OK | status::FAILED,
+        );
+        assert_ne!(t.status() & status::FAILED, 0);
+        assert_ne!(t.status() & status::DEVICE_NEEDS_RESET, 0);
+        w(&mut t, reg::STATUS, status::ACKNOWLEDGE);
+        assert_ne!(t.status() & status::DRIVER, 0);
     }
 
     #[test]
