@@ -979,6 +979,64 @@ mod tests {
     }
 
     #[test]
+    fn block_device_end_to_end_through_registers() {
+        use crate::devices::block_backend::MemoryBackend;
+        use crate::devices::virtio::block::tests::TestRing;
+        use crate::devices::virtio::block::{features, Block};
+        use crate::output::PassThroughGate;
+        use vm_memory::{Bytes, GuestAddress};
+
+        let mem = GuestMemoryFile::create(16 << 20, &MemoryBacking::Memfd)
+            .unwrap()
+            .map()
+            .unwrap();
+        let blk = Block::new(
+            "blk0",
+            0,
+            Box::new(MemoryBackend::new(1 << 20, false)),
+            Arc::new(PassThroughGate),
+        );
+        let dev: Arc<Mutex<dyn VirtioDevice>> = Arc::new(Mutex::new(blk));
+        let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let mut t = MmioTransport::new(dev.clone(), mem.clone(), irq.try_clone().unwrap());
+        let mut cap = [0u8; 8];
+        t.read(CONFIG_SPACE_OFFSET, &mut cap);
+        assert_eq!(u64::from_le_bytes(cap), 2048);
+        let mut ring = TestRing::new(&mem, 0x10000, 256);
+        negotiate(
+            &mut t,
+            FEATURE_VERSION_1 | features::EVENT_IDX | features::FLUSH,
+        );
+        assert_ne!(t.status() & status::FEATURES_OK, 0);
+        setup_queue(&mut t, 0, 0x10000, 256);
+        w(&mut t, reg::STATUS, ALL);
+        assert_eq!(t.status(), ALL);
+
+        // A FLUSH request, notified by a direct QueueNotify write.
+        mem.write_obj(4u32, GuestAddress(0x100000)).unwrap();
+        mem.write_obj(0u64, GuestAddress(0x100008)).unwrap();
+        mem.write_obj(0xffu8, GuestAddress(0x100100)).unwrap();
+        ring.add_chain(0, &[(0x100000, 16, false), (0x100100, 1, true)]);
+        w(&mut t, reg::QUEUE_NOTIFY, 0);
+        assert_eq!(ring.used_idx(), 1);
+        assert_eq!(mem.read_obj::<u8>(GuestAddress(0x100100)).unwrap(), 0);
+        assert_eq!(irq.read().unwrap(), 1);
+        assert_eq!(r(&mut t, reg::INTERRUPT_STATUS), INT_USED_RING);
+        w(&mut t, reg::INTERRUPT_ACK, INT_USED_RING);
+        assert_eq!(r(&mut t, reg::INTERRUPT_STATUS), 0);
+        // EVENT_IDX reached the device's queue: avail_event was published.
+        let avail_event: u16 = mem.read_obj(GuestAddress(ring.used + 4 + 8 * 256)).unwrap();
+        assert_eq!(avail_event, 1);
+        let state = t.state();
+        assert_eq!(
+            (state.queues[0].next_avail, state.queues[0].next_used),
+            (1, 1)
+        );
+        w(&mut t, reg::STATUS, 0);
+        assert!(!dev.lock().unwrap().is_activated());
+    }
+
+    #[test]
     fn state_round_trip() {
         let (mut t, dev, _) = setup();
         negotiate(&mut t, FEATURE_VERSION_1 | FEATURE_EVENT_IDX);
