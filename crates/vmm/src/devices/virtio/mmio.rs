@@ -13,8 +13,16 @@
 //! Registers are 32 bits wide and must be accessed with aligned 4-byte accesses;
 //! other accesses to them are ignored (writes) or read as zero. The device
 //! configuration space at 0x100 accepts any width.
+//!
+//! Locking: the device's mutex is also held by the event-loop thread while it
+//! serves a queue, which includes waiting in the output gate (that may pause
+//! the vCPUs). So the hot paths of a vCPU exit — InterruptStatus, InterruptACK,
+//! and reads of the configuration space (served from a cache refreshed when the
+//! device signals a configuration change) — never take the device's mutex. Only
+//! status writes (activation, reset), config writes and QueueNotify writes that
+//! bypass the ioeventfd do.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use tracing::{debug, info, warn};
@@ -179,6 +187,8 @@ pub struct MmioTransportState {
 struct MmioInterrupt {
     status: AtomicU32,
     irq: EventFd,
+    /// The device changed its configuration: the transport's cache is stale.
+    config_stale: AtomicBool,
 }
 
 impl MmioInterrupt {
@@ -196,6 +206,7 @@ impl VirtioInterrupt for MmioInterrupt {
     }
 
     fn signal_config_change(&self) {
+        self.config_stale.store(true, Ordering::SeqCst);
         self.raise(INT_CONFIG);
     }
 }
@@ -215,7 +226,12 @@ pub struct MmioTransport {
     driver_features: u64,
     queue_sel: u32,
     config_generation: u32,
+    config_cache: Box<[u8; CONFIG_CACHE_LEN]>,
 }
+
+/// Bytes of configuration space served from the transport's cache; accesses
+/// beyond go to the device.
+const CONFIG_CACHE_LEN: usize = 256;
 
 fn lock<'a>(
     device: &'a Mutex<dyn VirtioDevice + 'static>,
@@ -241,10 +257,12 @@ fn new_queues(max_sizes: &[u16], name: &str) -> Vec<Queue> {
 impl MmioTransport {
     /// A transport for `device`, raising interrupts on `irq`.
     pub fn new(device: Arc<Mutex<dyn VirtioDevice>>, mem: GuestMemoryMmap, irq: EventFd) -> Self {
+        let mut config_cache = Box::new([0u8; CONFIG_CACHE_LEN]);
         let (name, device_type, device_features, queues) = {
             let d = lock(&device);
             let name = d.name().to_owned();
             let queues = new_queues(d.queue_max_sizes(), &name);
+            d.read_config(0, &mut config_cache[..]);
             (name, d.device_type(), d.features(), queues)
         };
         MmioTransport {
@@ -253,6 +271,7 @@ impl MmioTransport {
             interrupt: Arc::new(MmioInterrupt {
                 status: AtomicU32::new(0),
                 irq,
+                config_stale: AtomicBool::new(false),
             }),
             name,
             device_type,
@@ -264,6 +283,7 @@ impl MmioTransport {
             driver_features: 0,
             queue_sel: 0,
             config_generation: 0,
+            config_cache,
         }
     }
 
@@ -301,8 +321,7 @@ impl MmioTransport {
     /// Handles a guest read of `data.len()` bytes at `offset` in the window.
     pub fn read(&mut self, offset: u64, data: &mut [u8]) {
         if offset >= CONFIG_SPACE_OFFSET {
-            data.fill(0);
-            lock(&self.device).read_config(offset - CONFIG_SPACE_OFFSET, data);
+            self.read_config(offset - CONFIG_SPACE_OFFSET, data);
             return;
         }
         let value = if data.len() == 4 && offset.is_multiple_of(4) {
@@ -320,7 +339,9 @@ impl MmioTransport {
     /// Handles a guest write of `data` at `offset` in the window.
     pub fn write(&mut self, offset: u64, data: &[u8]) {
         if offset >= CONFIG_SPACE_OFFSET {
-            lock(&self.device).write_config(offset - CONFIG_SPACE_OFFSET, data);
+            let mut d = lock(&self.device);
+            d.write_config(offset - CONFIG_SPACE_OFFSET, data);
+            d.read_config(0, &mut self.config_cache[..]);
             return;
         }
         let Ok(bytes) = <[u8; 4]>::try_from(data) else {
@@ -331,6 +352,27 @@ impl MmioTransport {
             return;
         }
         self.write_register(offset, u32::from_le_bytes(bytes));
+    }
+
+    fn read_config(&mut self, offset: u64, data: &mut [u8]) {
+        data.fill(0);
+        if self.interrupt.config_stale.load(Ordering::SeqCst) {
+            // Refresh if the device is idle; otherwise serve the old bytes
+            // and try again on the next read.
+            if let Ok(d) = self.device.try_lock() {
+                self.interrupt.config_stale.store(false, Ordering::SeqCst);
+                d.read_config(0, &mut self.config_cache[..]);
+                self.config_generation = self.config_generation.wrapping_add(1);
+            }
+        }
+        let cached = usize::try_from(offset)
+            .ok()
+            .and_then(|start| Some((start, start.checked_add(data.len())?)))
+            .and_then(|(start, end)| self.config_cache.get(start..end));
+        match cached {
+            Some(bytes) => data.copy_from_slice(bytes),
+            None => lock(&self.device).read_config(offset, data),
+        }
     }
 
     fn selected_queue(&self) -> Option<&Queue> {
@@ -555,6 +597,7 @@ impl MmioTransport {
                 info!(device = %self.name, "virtio device reset by driver");
             }
             d.reset();
+            d.read_config(0, &mut self.config_cache[..]);
         }
         for q in &mut self.queues {
             q.reset();
@@ -880,6 +923,23 @@ mod tests {
         let mut b = [0xffu8; 8];
         t.read(0x106, &mut b);
         assert_eq!(b, [0; 8]);
+    }
+
+    #[test]
+    fn config_reads_do_not_wait_for_a_busy_device() {
+        let (mut t, dev, _) = setup();
+        let generation = r(&mut t, reg::CONFIG_GENERATION);
+        let mut busy = dev.lock().unwrap();
+        busy.config[0] = 9;
+        t.interrupt.signal_config_change();
+        let mut b = [0u8; 1];
+        t.read(0x100, &mut b);
+        assert_eq!(b, [0], "stale bytes while the device is busy, no deadlock");
+        drop(busy);
+        t.read(0x100, &mut b);
+        assert_eq!(b, [9]);
+        assert_ne!(r(&mut t, reg::CONFIG_GENERATION), generation);
+        assert_eq!(t.interrupt_status(), INT_CONFIG);
     }
 
     #[test]
