@@ -421,3 +421,13 @@ fn state_round_trip() {
         Err(MmioError::InvalidQueue { .. })
     ));
 }
+
+#[test]
+fn transport_and_devices_can_cross_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    fn send<T: Send>() {}
+    send_sync::<MmioTransport>();
+    send::<crate::devices::virtio::block::Block>();
+    send::<crate::devices::virtio::net::Net>();
+    send::<crate::devices::virtio::tap::Tap>();
+}
