@@ -21,15 +21,21 @@ const MEM_SIZE: usize = 0x1_0000;
 const OP_LEN: usize = 7;
 
 fuzz_target!(|data: &[u8]| {
-    let Some((&nops, rest)) = data.split_first() else { return };
+    let Some((&nops, rest)) = data.split_first() else {
+        return;
+    };
     let ops_len = (usize::from(nops) * OP_LEN).min(rest.len());
     let (ops, memory) = rest.split_at(ops_len);
-    let Ok(mem) = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE)]) else { return };
+    let Ok(mem) = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), MEM_SIZE)]) else {
+        return;
+    };
     let n = memory.len().min(MEM_SIZE);
     if mem.write_slice(&memory[..n], GuestAddress(0)).is_err() {
         return;
     }
-    let Ok(irq) = EventFd::new(libc_nonblock()) else { return };
+    let Ok(irq) = EventFd::new(libc_nonblock()) else {
+        return;
+    };
     let blk = Block::new(
         "fuzz0",
         0,

@@ -10,7 +10,9 @@ use vmm::devices::virtio::block::request::RawDesc;
 use vmm::devices::virtio::net::{gather_tx_frame, scatter_rx_frame};
 
 fuzz_target!(|data: &[u8]| {
-    let Some(mut s) = common::setup(data) else { return };
+    let Some(mut s) = common::setup(data) else {
+        return;
+    };
     let mut buf = Vec::new();
     let mut frame = vec![0xa5u8; 60 + usize::from(s.flags)];
     let mut rounds = 0;
