@@ -168,7 +168,7 @@ impl Block {
                 let head = chain.head_index();
                 let used_len = self.handle_chain(&active.mem, chain.map(RawDesc::from));
                 if let Err(e) = active.queue.add_used(&active.mem, head, used_len) {
-                    warn!(device = %self.name, error = %e, "virtio-blk: cannot add used entry");
+                    debug!(device = %self.name, error = %e, "virtio-blk: cannot add used entry");
                     self.counters.bad_descriptors += 1;
                 }
                 used_any = true;
@@ -182,7 +182,7 @@ impl Block {
                 Ok(true) => continue,
                 Ok(false) => break,
                 Err(e) => {
-                    warn!(device = %self.name, error = %e, "virtio-blk: broken ring");
+                    debug!(device = %self.name, error = %e, "virtio-blk: broken ring");
                     break;
                 }
             }

@@ -450,7 +450,7 @@ impl MmioTransport {
         // DEVICE_NEEDS_RESET is ours, the driver may or may not echo it.
         let driver_bits = old & !status::DEVICE_NEEDS_RESET;
         if value & driver_bits != driver_bits {
-            warn!(device = %self.name, old, new = value, "virtio-mmio: driver cleared status bits");
+            debug!(device = %self.name, old, new = value, "virtio-mmio: driver cleared status bits");
             return;
         }
         let added = value & !old;

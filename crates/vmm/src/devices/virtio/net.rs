@@ -266,7 +266,7 @@ impl Net {
                 }
             }
             if let Err(e) = a.tx.add_used(&a.mem, head, 0) {
-                warn!(device = %self.name, error = %e, "virtio-net: cannot add used tx entry");
+                debug!(device = %self.name, error = %e, "virtio-net: cannot add used tx entry");
                 self.counters.bad_descriptors += 1;
             }
             used_any = true;
@@ -340,7 +340,7 @@ impl Net {
                     self.counters.requests += 1;
                     self.counters.bytes_in += (len - VNET_HDR_LEN) as u64;
                     if let Err(e) = a.rx.add_used(&a.mem, head, written) {
-                        warn!(device = %self.name, error = %e, "virtio-net: cannot add used rx entry");
+                        debug!(device = %self.name, error = %e, "virtio-net: cannot add used rx entry");
                     }
                     used_any = true;
                 }
