@@ -8,7 +8,9 @@
 //! in `backend_ready` (TAP readable; register [`VirtioDevice::backend_fd`]
 //! **edge-triggered**) and in `queue_notified(0)` (new receive buffers): it reads
 //! frames until the TAP is empty or the guest has no buffer left; a frame that
-//! finds no buffer stays pending until the next `queue_notified(0)`.
+//! finds no buffer stays pending until the next `queue_notified(0)` (the TAP
+//! then stays readable, hence edge-triggered). Frames that arrive before the
+//! driver activated the device are dropped and counted.
 
 use std::io;
 use std::os::fd::RawFd;
@@ -37,6 +39,8 @@ pub const TX_QUEUE: usize = 1;
 /// frames are only possible with offloads we do not offer, but the bound is
 /// cheap.
 pub const MAX_FRAME_WITH_HEADER: usize = 65562;
+/// Most frames dropped in one call while the device is not activated.
+const RX_DRAIN_LIMIT: usize = 4096;
 /// Ethernet header length: shorter frames are malformed.
 const ETH_HLEN: usize = 14;
 
@@ -298,9 +302,22 @@ impl Net {
         }
     }
 
+    /// Before the driver is ready, frames have nowhere to go: drop them (as a
+    /// NIC without a driver does) rather than leave the TAP readable.
+    fn drop_rx_frames(&mut self) {
+        for _ in 0..RX_DRAIN_LIMIT {
+            match self.tap.read(&mut self.rx_frame) {
+                Ok(_) => self.counters.errors += 1,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => break,
+            }
+        }
+    }
+
     /// Moves frames from the TAP into receive buffers until one side runs dry.
     fn process_rx(&mut self) {
         let Some(mut a) = self.active.take() else {
+            self.drop_rx_frames();
             return;
         };
         let mut used_any = false;

@@ -275,6 +275,15 @@ fn transmit_and_dirty_tracking_of_receive() {
     assert!(dirty.contains(&(f.rx.used >> 12)), "{dirty:x?}");
     f.net.reset();
     assert!(!f.net.is_activated());
+    // Not activated: frames are dropped and counted, the TAP left empty.
+    let errors = f.net.counters().errors;
+    f.sock.send(&frame(MAC, PEER, b"nobody home"));
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while f.net.counters().errors == errors && Instant::now() < deadline {
+        f.net.backend_ready();
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(f.net.counters().errors, errors + 1);
     f.net.backend_ready();
     f.net.queue_notified(TX_QUEUE);
     assert!(f
