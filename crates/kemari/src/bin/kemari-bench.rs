@@ -14,7 +14,11 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "kemari-bench", version, about = "Side-by-side benchmarks for kemari")]
+#[command(
+    name = "kemari-bench",
+    version,
+    about = "Side-by-side benchmarks for kemari"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Bench,
@@ -109,9 +113,14 @@ fn median(mut v: Vec<Duration>) -> Duration {
 
 fn kemari_cmd(kemari: &Path, kernel: &Path, cmdline: &str, mem: &str) -> Command {
     let mut c = Command::new(kemari);
-    c.arg("--kernel")
-        .arg(kernel)
-        .args(["--memory", mem, "--cmdline", cmdline, "--serial", "stdout"]);
+    c.arg("--kernel").arg(kernel).args([
+        "--memory",
+        mem,
+        "--cmdline",
+        cmdline,
+        "--serial",
+        "stdout",
+    ]);
     c
 }
 
@@ -165,7 +174,9 @@ fn boot_bench(
         let mut q = Vec::new();
         // Interleave the two so that machine noise hits both alike.
         for _ in 0..runs {
-            k.push(time_to_first_line(kemari_cmd(kemari, kernel, cmdline, mem))?);
+            k.push(time_to_first_line(kemari_cmd(
+                kemari, kernel, cmdline, mem,
+            ))?);
             q.push(time_to_first_line(qemu_cmd(qemu, kernel, cmdline, mem))?);
         }
         let (k, q) = (median(k), median(q));
