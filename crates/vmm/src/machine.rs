@@ -162,8 +162,11 @@ impl Machine {
         config.validate()?;
         let memory_file = GuestMemoryFile::create(config.memory_bytes, &config.memory_backing)?;
         let guest_memory = memory_file.map()?;
+        let t_memory = built_at.elapsed();
         let mut vm = Vm::new()?;
+        let t_vm = built_at.elapsed();
         vm.register_memory(&guest_memory)?;
+        let t_slots = built_at.elapsed();
 
         // Legacy devices.
         let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(MachineError::EventFd)?;
@@ -212,6 +215,7 @@ impl Machine {
             },
         )?;
 
+        let t_devices_kernel = built_at.elapsed();
         // vCPUs.
         let kvm = vm.kvm();
         let mut base_cpuid = kvm
@@ -246,6 +250,14 @@ impl Machine {
                 start_paused,
             )?);
         }
+        tracing::debug!(
+            memory_us = t_memory.as_micros() as u64,
+            vm_us = (t_vm - t_memory).as_micros() as u64,
+            memslots_us = (t_slots - t_vm).as_micros() as u64,
+            devices_kernel_us = (t_devices_kernel - t_slots).as_micros() as u64,
+            vcpus_us = (built_at.elapsed() - t_devices_kernel).as_micros() as u64,
+            "machine set-up timing"
+        );
         let state = if start_paused {
             event_loop.pause()?;
             RunState::Paused
