@@ -172,14 +172,18 @@ impl BusDevice for SerialDevice {
     // A string instruction (`rep insb`/`rep outsb`) arrives as one access of
     // several bytes: each byte is one register access.
     fn read(&mut self, offset: u64, data: &mut [u8]) {
-        let Ok(off) = u8::try_from(offset) else { return };
+        let Ok(off) = u8::try_from(offset) else {
+            return;
+        };
         for b in data.iter_mut() {
             *b = self.serial.read(off);
         }
     }
 
     fn write(&mut self, offset: u64, data: &[u8]) {
-        let Ok(off) = u8::try_from(offset) else { return };
+        let Ok(off) = u8::try_from(offset) else {
+            return;
+        };
         for &b in data {
             if off == 0 {
                 self.bytes_out += 1;
