@@ -58,6 +58,11 @@ pub struct Args {
     /// of memory) may be given; the rest comes from the snapshot.
     #[arg(long, conflicts_with_all = ["config", "kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "nets"])]
     pub restore: Option<PathBuf>,
+    /// Wait on this Unix socket for a VM migrated from another kemari on this
+    /// host (`kemarictl migrate-local SOCKET`) and run it: zero-copy, guest
+    /// memory and TAPs are handed over. --serial and --api-socket may be given.
+    #[arg(long, conflicts_with_all = ["config", "kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "nets", "restore"])]
+    pub incoming_local: Option<PathBuf>,
     /// Build the VM but do not start its vCPUs until resumed through the API.
     #[arg(long)]
     pub start_paused: bool,

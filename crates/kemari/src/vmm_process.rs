@@ -19,6 +19,7 @@ use vmm::vstate::{VmEvent, VmEventSink};
 use crate::api::routes::ApiRequest;
 use crate::api::server::{ApiResponse, ApiServer, PendingRequest, ServerError};
 use crate::cli::{Args, CliError};
+use crate::migration::local;
 
 /// Exit status when the guest reported a failure.
 pub const EXIT_GUEST_FAILURE: u8 = 3;
@@ -32,6 +33,9 @@ pub enum ProcessError {
     /// The machine could not be built or failed.
     #[error(transparent)]
     Machine(#[from] MachineError),
+    /// An incoming migration failed.
+    #[error(transparent)]
+    Migration(#[from] local::LocalMigrationError),
     /// A snapshot could not be read.
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
@@ -79,6 +83,14 @@ fn make_machine(args: &Args, sink: VmEventSink) -> Result<Machine, ProcessError>
             args.start_paused,
             gate,
         )?);
+    }
+    if let Some(socket) = &args.incoming_local {
+        let mut overrides = Ok(());
+        let machine = local::migrate_in(socket, sink, |config| {
+            overrides = args.apply_restore_overrides(config);
+        })?;
+        overrides?;
+        return Ok(machine);
     }
     let (config, _) = args.machine_config()?;
     Ok(Machine::build_with_gate(
@@ -174,10 +186,13 @@ fn handle_api(machine: &mut Machine, request: ApiRequest) -> (ApiResponse, After
         ),
         ApiRequest::Snapshot { dir, exit } => snapshot_full(machine, &dir, exit),
         ApiRequest::WarmRestart { dir } => warm_restart(machine, &dir),
-        ApiRequest::MigrateLocal { .. } => (
-            ApiResponse::error(501, "local migration is not available in this build"),
-            After::Continue,
-        ),
+        ApiRequest::MigrateLocal { socket } => match local::migrate_out(machine, &socket) {
+            Ok(report) => {
+                tracing::info!(?report, "local migration done: exiting");
+                (ApiResponse::ok(json!(report)), After::Exit)
+            }
+            Err(e) => (ApiResponse::error(409, e), After::Continue),
+        },
         other => (handle_query(machine, other), After::Continue),
     }
 }

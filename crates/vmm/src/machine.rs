@@ -133,6 +133,15 @@ pub struct MachineMetrics {
     pub pauses: u64,
 }
 
+/// A KVM VM with guest memory mapped and registered, built ahead of a restore
+/// so that the guest's pause does not include KVM's O(memory) slot set-up
+/// (zero-copy migration prepares while the source still runs).
+pub struct PreparedVm {
+    memory_file: GuestMemoryFile,
+    guest_memory: GuestMemoryMmap,
+    vm: Vm,
+}
+
 /// What is built besides memory slots, before the vCPUs start.
 struct Setup {
     serial: Arc<Mutex<SerialDevice>>,
@@ -181,7 +190,15 @@ impl Machine {
     ) -> Result<Self, MachineError> {
         config.validate()?;
         let memory_file = GuestMemoryFile::create(config.memory_bytes, &config.memory_backing)?;
-        Self::assemble(config, memory_file, events, start_paused, gate, None)
+        Self::assemble(
+            config,
+            memory_file,
+            events,
+            start_paused,
+            gate,
+            None,
+            Vec::new(),
+        )
     }
 
     /// Rebuilds a machine from saved `state` around `memory_file` (the same
@@ -194,6 +211,20 @@ impl Machine {
         events: VmEventSink,
         start_paused: bool,
         gate: Arc<dyn OutputGate>,
+    ) -> Result<Self, MachineError> {
+        Self::restore_with_taps(state, memory_file, events, start_paused, gate, Vec::new())
+    }
+
+    /// Like [`restore`](Self::restore), with the network devices' TAP fds handed
+    /// over by the previous VMM (in network-device order) instead of opened by
+    /// name: a TAP can be attached to one fd at a time.
+    pub fn restore_with_taps(
+        state: &VmState,
+        memory_file: GuestMemoryFile,
+        events: VmEventSink,
+        start_paused: bool,
+        gate: Arc<dyn OutputGate>,
+        taps: Vec<std::fs::File>,
     ) -> Result<Self, MachineError> {
         state.validate().map_err(MachineError::InvalidState)?;
         if memory_file.size() != state.memory.size {
@@ -210,9 +241,53 @@ impl Machine {
             start_paused,
             gate,
             Some(state),
+            taps,
         )
     }
 
+    /// Creates the VM and registers `memory_file` as its memory, for a later
+    /// [`restore_prepared`](Self::restore_prepared).
+    pub fn prepare(memory_file: GuestMemoryFile) -> Result<PreparedVm, MachineError> {
+        let guest_memory = memory_file.map()?;
+        let vm = Vm::new()?;
+        vm.register_memory(&guest_memory)?;
+        Ok(PreparedVm {
+            memory_file,
+            guest_memory,
+            vm,
+        })
+    }
+
+    /// [`restore_with_taps`](Self::restore_with_taps) into a prepared VM.
+    pub fn restore_prepared(
+        state: &VmState,
+        prepared: PreparedVm,
+        events: VmEventSink,
+        start_paused: bool,
+        gate: Arc<dyn OutputGate>,
+        taps: Vec<std::fs::File>,
+    ) -> Result<Self, MachineError> {
+        state.validate().map_err(MachineError::InvalidState)?;
+        if prepared.memory_file.size() != state.memory.size {
+            return Err(MachineError::InvalidState(format!(
+                "guest memory is {} bytes, the state needs {}",
+                prepared.memory_file.size(),
+                state.memory.size
+            )));
+        }
+        Self::assemble_in(
+            state.config.clone(),
+            prepared,
+            true,
+            events,
+            start_paused,
+            gate,
+            Some(state),
+            taps,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn assemble(
         config: MachineConfig,
         memory_file: GuestMemoryFile,
@@ -220,21 +295,66 @@ impl Machine {
         start_paused: bool,
         gate: Arc<dyn OutputGate>,
         saved: Option<&VmState>,
+        taps: Vec<std::fs::File>,
+    ) -> Result<Self, MachineError> {
+        let guest_memory = memory_file.map()?;
+        let vm = Vm::new()?;
+        let prepared = PreparedVm {
+            memory_file,
+            guest_memory,
+            vm,
+        };
+        Self::assemble_in(
+            config,
+            prepared,
+            false,
+            events,
+            start_paused,
+            gate,
+            saved,
+            taps,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble_in(
+        config: MachineConfig,
+        prepared: PreparedVm,
+        slots_registered: bool,
+        events: VmEventSink,
+        start_paused: bool,
+        gate: Arc<dyn OutputGate>,
+        saved: Option<&VmState>,
+        taps: Vec<std::fs::File>,
     ) -> Result<Self, MachineError> {
         let built_at = Instant::now();
-        let guest_memory = memory_file.map()?;
+        let PreparedVm {
+            memory_file,
+            guest_memory,
+            vm,
+        } = prepared;
         let t_memory = built_at.elapsed();
-        let vm = Vm::new()?;
         let t_vm = built_at.elapsed();
         // Memory slots cost O(memory) in KVM: register them while the devices,
         // the kernel and the vCPUs are set up, and join before any vCPU runs.
         let (setup, slots) = std::thread::scope(|scope| {
             let slots = scope.spawn(|| {
-                let r = vm.register_memory(&guest_memory);
+                let r = if slots_registered {
+                    Ok(())
+                } else {
+                    vm.register_memory(&guest_memory)
+                };
                 (r, built_at.elapsed())
             });
-            let setup =
-                Self::setup_devices_kernel_vcpus(&config, &vm, &guest_memory, &events, gate, saved);
+            let setup = Self::setup_devices_kernel_vcpus(
+                &config,
+                &vm,
+                &guest_memory,
+                &events,
+                gate,
+                saved,
+                taps,
+            );
             (setup, slots.join())
         });
         let (slots_result, t_slots) = slots.unwrap_or_else(|p| std::panic::resume_unwind(p));
@@ -318,6 +438,7 @@ impl Machine {
         events: &VmEventSink,
         gate: Arc<dyn OutputGate>,
         saved: Option<&VmState>,
+        taps: Vec<std::fs::File>,
     ) -> Result<Setup, MachineError> {
         // Legacy devices.
         let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(MachineError::EventFd)?;
@@ -351,6 +472,7 @@ impl Machine {
             &mut mmio_bus,
             gate,
             saved.map(|s| s.virtio.as_slice()),
+            taps,
         )?;
         let mut cmdline = config.cmdline.clone();
         for d in &virtio {
@@ -533,6 +655,21 @@ impl Machine {
         self.state = RunState::Running;
         tracing::info!("VM resumed");
         Ok(())
+    }
+
+    /// The TAP fds of the network devices, in network-device order (to hand
+    /// them to another VMM).
+    pub fn tap_fds(&self) -> Vec<std::os::fd::RawFd> {
+        self.virtio
+            .iter()
+            .filter(|d| d.info.kind == "virtio-net")
+            .filter_map(|d| {
+                d.device
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .backend_fd()
+            })
+            .collect()
     }
 
     /// Devices with their counters.

@@ -138,7 +138,9 @@ pub fn attach_all(
     mmio_bus: &mut Bus,
     gate: Arc<dyn OutputGate>,
     saved: Option<&[VirtioState]>,
+    handover_taps: Vec<std::fs::File>,
 ) -> Result<Vec<AttachedDevice>, AttachError> {
+    let mut handover_taps = handover_taps.into_iter();
     let mut attached = Vec::new();
     let saved_for = |name: &str| -> Result<Option<&MmioTransportState>, AttachError> {
         match saved {
@@ -185,7 +187,11 @@ pub fn attach_all(
         )?);
     }
     for (i, net) in config.nets.iter().enumerate() {
-        let tap = Tap::open(&net.tap, true).map_err(|source| AttachError::Tap {
+        let tap = match handover_taps.next() {
+            Some(file) => Tap::from_file(file),
+            None => Tap::open(&net.tap, true),
+        }
+        .map_err(|source| AttachError::Tap {
             index: i,
             tap: net.tap.clone(),
             source,
