@@ -1,0 +1,35 @@
+//! Leaving the guest: the exit port 0xf4 (kemari's, and QEMU's
+//! isa-debug-exit), with fallbacks so the guest never spins or halts forever.
+
+use core::arch::asm;
+
+use crate::cpu::{outb, outl};
+
+const EXIT_PORT: u16 = 0xf4;
+
+/// Exit codes written to port 0xf4 (documented in docs/test-guest.md).
+#[derive(Clone, Copy, Debug)]
+#[repr(u32)]
+pub enum ExitCode {
+    Poweroff = 0,
+    Fault = 1,
+    CmdlineError = 2,
+    VerifyFailed = 3,
+    Panic = 4,
+    DeviceError = 5,
+}
+
+/// Prints `poweroff` and exits cleanly.
+pub fn poweroff() -> ! {
+    crate::say!("poweroff");
+    exit(ExitCode::Poweroff)
+}
+
+pub fn exit(code: ExitCode) -> ! {
+    outl(EXIT_PORT, code as u32);
+    // No exit device: try the i8042 reset line, then force a triple fault
+    // (vector 0x81 is a CPL3-callable gate that loads an empty IDT and traps).
+    outb(0x64, 0xfe);
+    // SAFETY: the gate never returns; it resets or shuts the machine down.
+    unsafe { asm!("int 0x81", options(noreturn)) }
+}

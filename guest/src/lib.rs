@@ -1,0 +1,8 @@
+//! Pure logic of kemari's test guest, kept apart from the hardware code so it
+//! can be unit-tested on the host (`cargo test -p guest --lib`): the kernel
+//! command-line parser and the self-checking disk block format.
+#![cfg_attr(not(test), no_std)]
+
+pub mod blockfmt;
+pub mod cmdline;
+pub mod num;
