@@ -42,7 +42,31 @@ isr_\n:
     isr_err 10
     isr_err 11
     isr_err 12
-    isr_err 13
+    /* #GP: PVM runs CPL3 with IOPL forced to 0, so port I/O from CPL3
+       traps here; perform the three forms the guest uses (in cpu.rs) at
+       CPL0, where al/eax/dx still hold the CPL3 values, and skip the
+       one-byte instruction. Anything else is a real fault. */
+isr_13:
+    push %rcx
+    mov 16(%rsp), %rcx              /* rcx, error, rip, cs, ... */
+    cmpb $0xee, (%rcx)
+    je 1f
+    cmpb $0xef, (%rcx)
+    je 2f
+    cmpb $0xec, (%rcx)
+    je 3f
+    pop %rcx
+    push $13
+    jmp isr_common
+1:  out %al, %dx
+    jmp 4f
+2:  out %eax, %dx
+    jmp 4f
+3:  in %dx, %al
+4:  incq 16(%rsp)
+    pop %rcx
+    add $8, %rsp
+    iretq
     isr_err 14
     isr_noerr 15
     isr_noerr 16
