@@ -90,9 +90,47 @@ pub fn check(buf: &[u8; BLOCK_SIZE], block: u64) -> BlockState {
     BlockState::Valid { seq: word(buf, 2) }
 }
 
+/// The block written at step `i` of a run over `n` blocks: `i` itself, or
+/// for random order `i * a + c mod n` with `a` coprime to `n` — a
+/// permutation that needs no memory.
+pub fn block_at(random: bool, i: u64, n: u64) -> u64 {
+    if !random || n == 0 {
+        return i;
+    }
+    let mut a = (n.wrapping_mul(0x9e37) >> 16) | 1;
+    while gcd(a, n) != 1 {
+        a += 2;
+    }
+    ((i as u128 * a as u128 + (n / 3) as u128) % n as u128) as u64
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn random_order_is_a_permutation() {
+        for n in [1u64, 2, 3, 10, 97, 1000, 4096, 10_000] {
+            let mut seen = std::vec![false; n as usize];
+            for i in 0..n {
+                let b = block_at(true, i, n);
+                assert!(!seen[b as usize], "n={n}: block {b} twice");
+                seen[b as usize] = true;
+            }
+        }
+        assert_eq!(block_at(false, 5, 10), 5);
+        assert_ne!(
+            (0..10).map(|i| block_at(true, i, 10_000)).collect::<std::vec::Vec<_>>(),
+            (0..10).collect::<std::vec::Vec<_>>()
+        );
+    }
 
     #[test]
     fn round_trip() {
