@@ -148,18 +148,22 @@ fn pit_khz() -> u64 {
     outb(0x43, 0x30); // channel 0, lobyte/hibyte, mode 0, binary
     outb(0x40, 0xff);
     outb(0x40, 0xff);
-    let c0 = read_count();
+    // Sum the count's decrements (modulo 2^16, as mode 0 wraps) until 50 ms
+    // of PIT time passed. Give up after ~2^34 TSC ticks (seconds on any
+    // CPU) rather than hang when there is no PIT (the count never moves).
+    let mut prev = read_count();
     let start = rdtsc();
-    // Give up after ~2^34 ticks (seconds on any CPU) rather than hang when
-    // there is no PIT (the count then never moves).
+    let mut elapsed = 0u64;
     let mut ticks = 0;
-    while c0.saturating_sub(read_count()) < SPAN && ticks < 1 << 34 {
+    while elapsed < SPAN && ticks < 1 << 34 {
+        let now = read_count();
+        elapsed += prev.wrapping_sub(now) & 0xffff;
+        prev = now;
         ticks = rdtsc() - start;
     }
-    let ticks = rdtsc() - start;
-    if ticks >= 1 << 34 || c0 < SPAN {
+    if elapsed < SPAN {
         crate::say!("time: no PIT answered; assuming a 1 GHz TSC");
         return 1_000_000;
     }
-    ticks * PIT_HZ / SPAN / 1000
+    ticks * PIT_HZ / elapsed / 1000
 }

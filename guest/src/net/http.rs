@@ -120,7 +120,7 @@ impl Http {
                             sent: 0,
                             body_sent: 0,
                         };
-                    } else if c.request.len() >= MAX_REQUEST || !s.may_recv() {
+                    } else if c.request.len() >= MAX_REQUEST || peer_closed(s) {
                         s.abort();
                         continue;
                     }
@@ -147,6 +147,7 @@ impl Http {
                 if sent < c.head.len {
                     if let Ok(n) = s.send_slice(&c.head.buf[sent..c.head.len]) {
                         sent += n;
+                        c.last_activity_ms = now_ms;
                     }
                 }
                 while sent == c.head.len && body_sent < c.body_len && s.can_send() {
@@ -165,8 +166,8 @@ impl Http {
                         break;
                     }
                     body_sent += n as u64;
+                    c.last_activity_ms = now_ms;
                 }
-                c.last_activity_ms = now_ms;
                 sent = sent.min(c.head.len);
                 c.state = if sent == c.head.len && body_sent == c.body_len {
                     State::Done
@@ -178,6 +179,14 @@ impl Http {
         }
         queued
     }
+}
+
+/// The client closed its side (not merely "not yet established").
+fn peer_closed(s: &tcp::Socket<'_>) -> bool {
+    matches!(
+        s.state(),
+        tcp::State::CloseWait | tcp::State::LastAck | tcp::State::Closing | tcp::State::TimeWait
+    )
 }
 
 /// Length of the request head (through the blank line), if complete.
