@@ -127,7 +127,9 @@ mod tests {
         }
         assert_eq!(block_at(false, 5, 10), 5);
         assert_ne!(
-            (0..10).map(|i| block_at(true, i, 10_000)).collect::<std::vec::Vec<_>>(),
+            (0..10)
+                .map(|i| block_at(true, i, 10_000))
+                .collect::<std::vec::Vec<_>>(),
             (0..10).collect::<std::vec::Vec<_>>()
         );
     }
@@ -159,7 +161,11 @@ mod tests {
             for bit in 0..8 {
                 let mut bad = buf;
                 bad[byte] ^= 1 << bit;
-                assert_eq!(check(&bad, 42), BlockState::Corrupt, "byte {byte} bit {bit}");
+                assert_eq!(
+                    check(&bad, 42),
+                    BlockState::Corrupt,
+                    "byte {byte} bit {bit}"
+                );
             }
         }
     }

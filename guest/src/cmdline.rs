@@ -54,6 +54,15 @@ pub struct Ipv4Cidr {
     pub prefix: u8,
 }
 
+/// `fault=<kind>`: fault on purpose, to test the fault path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    /// `fault=page`: read an unmapped address (512 GiB).
+    Page,
+    /// `fault=ud`: execute `ud2`.
+    InvalidOpcode,
+}
+
 /// Everything the command line asks of the guest.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Config {
@@ -67,6 +76,7 @@ pub struct Config {
     pub poweroff_done: bool,
     /// `poweroff_after=<ms>`: power off at this uptime.
     pub poweroff_after_ms: Option<u64>,
+    pub fault: Option<FaultKind>,
 }
 
 impl Config {
@@ -135,8 +145,14 @@ pub fn parse(cmdline: &str) -> Result<Config, CmdlineError<'_>> {
                 _ => return Err(err("expected done")),
             },
             "poweroff_after" => {
-                cfg.poweroff_after_ms =
-                    Some(parse_u64(value).ok_or(err("expected a time in ms"))?);
+                cfg.poweroff_after_ms = Some(parse_u64(value).ok_or(err("expected a time in ms"))?);
+            }
+            "fault" => {
+                cfg.fault = Some(match value {
+                    "page" => FaultKind::Page,
+                    "ud" => FaultKind::InvalidOpcode,
+                    _ => return Err(err("expected page or ud")),
+                });
             }
             _ => {} // Not ours (console=, root=, ...).
         }
@@ -252,10 +268,9 @@ mod tests {
 
     #[test]
     fn kemari_and_qemu_devices() {
-        let cfg = parse(
-            "virtio_mmio.device=4K@0xd0000000:5 virtio_mmio.device=512@0xfeb00e00:12:3",
-        )
-        .unwrap();
+        let cfg =
+            parse("virtio_mmio.device=4K@0xd0000000:5 virtio_mmio.device=512@0xfeb00e00:12:3")
+                .unwrap();
         let devs: std::vec::Vec<_> = cfg.devices().collect();
         assert_eq!(
             devs,
@@ -311,6 +326,12 @@ mod tests {
         assert_eq!(cfg.gw, Some([10, 0, 2, 1]));
         assert!(cfg.poweroff_done);
         assert_eq!(cfg.poweroff_after_ms, Some(5000));
+        assert_eq!(cfg.fault, None);
+        assert_eq!(parse("fault=page").unwrap().fault, Some(FaultKind::Page));
+        assert_eq!(
+            parse("fault=ud").unwrap().fault,
+            Some(FaultKind::InvalidOpcode)
+        );
     }
 
     #[test]
@@ -334,6 +355,8 @@ mod tests {
             "gw=1.2.3",
             "poweroff=now",
             "poweroff_after=soon",
+            "fault=",
+            "fault=maybe",
             "virtio_mmio.device=4K@0xd0000000",
             "virtio_mmio.device=0@0xd0000000:5",
             "virtio_mmio.device=4K@zz:5",

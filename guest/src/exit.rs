@@ -27,6 +27,12 @@ pub fn poweroff() -> ! {
 
 pub fn exit(code: ExitCode) -> ! {
     outl(EXIT_PORT, code as u32);
+    // The VMM may take a moment to stop the vCPU: wait ~0.5 s (by the TSC,
+    // whatever its calibration) before the fallbacks.
+    let start = crate::cpu::rdtsc();
+    while crate::cpu::rdtsc() - start < 1 << 30 {
+        core::hint::spin_loop();
+    }
     // No exit device: try the i8042 reset line, then force a triple fault
     // (vector 0x81 is a CPL3-callable gate that loads an empty IDT and traps).
     outb(0x64, 0xfe);

@@ -152,10 +152,8 @@ const GATE_DPL3: u64 = 0xee;
 pub const RESET_VECTOR: usize = 0x81;
 
 fn gate(handler: u64, attrs: u64) -> (u64, u64) {
-    let low = (handler & 0xffff)
-        | (KERNEL_CS << 16)
-        | (attrs << 40)
-        | ((handler >> 16) & 0xffff) << 48;
+    let low =
+        (handler & 0xffff) | (KERNEL_CS << 16) | (attrs << 40) | ((handler >> 16) & 0xffff) << 48;
     (low, handler >> 32)
 }
 

@@ -21,7 +21,7 @@ mod time;
 mod virtio;
 mod workloads;
 
-use guest::cmdline::{self, Config};
+use guest::cmdline::{self, Config, FaultKind};
 
 use crate::exit::{exit, poweroff, ExitCode};
 use crate::net::NetStack;
@@ -119,7 +119,29 @@ extern "C" fn rust_start(start_info: u64) -> ! {
     run(&cfg)
 }
 
+/// `fault=`: fault on purpose (tests the fault report).
+fn fault(kind: FaultKind) -> ! {
+    match kind {
+        FaultKind::Page => {
+            // 512 GiB: past every mapping the page tables make.
+            let addr = paging::MAPPED_WITH_1G_PAGES as *const u64;
+            // SAFETY: not safe at all: this read faults on purpose; the
+            // fault handler reports it and exits, so it never returns.
+            let v = unsafe { core::ptr::read_volatile(addr) };
+            say!("fault=page: read {:#x} did not fault", v);
+        }
+        FaultKind::InvalidOpcode => {
+            // SAFETY: `ud2` raises #UD on purpose; the handler never returns.
+            unsafe { core::arch::asm!("ud2") };
+        }
+    }
+    exit(ExitCode::Fault)
+}
+
 fn run(cfg: &Config) -> ! {
+    if let Some(kind) = cfg.fault {
+        fault(kind);
+    }
     let devs = probe_devices(cfg);
     let mut blk = devs.blk;
     let mut disk = match (&blk, cfg.disk_jobs().next()) {

@@ -52,7 +52,10 @@ pub fn init() -> Source {
         .or_else(|| cpuid16_khz().map(|k| (Source::Cpuid16, k)))
         .unwrap_or_else(|| (Source::Pit, pit_khz()));
     TSC_KHZ.store(khz, Ordering::Relaxed);
-    NS_PER_TICK_32.store(((1_000_000u128 << 32) / khz as u128) as u64, Ordering::Relaxed);
+    NS_PER_TICK_32.store(
+        ((1_000_000u128 << 32) / khz as u128) as u64,
+        Ordering::Relaxed,
+    );
     source
 }
 

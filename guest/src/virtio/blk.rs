@@ -45,8 +45,7 @@ impl Blk {
         if (queue.size() as usize) < 3 {
             return Err(VirtioError::BadQueue(0));
         }
-        let capacity_sectors =
-            transport.config32(0) as u64 | (transport.config32(4) as u64) << 32;
+        let capacity_sectors = transport.config32(0) as u64 | (transport.config32(4) as u64) << 32;
         let meta = crate::mem::alloc_phys(4096, 4096).ok_or(VirtioError::OutOfMemory)?;
         let data = crate::mem::alloc_phys((DEPTH * BLOCK_SIZE) as u64, 4096)
             .ok_or(VirtioError::OutOfMemory)?;

@@ -48,8 +48,7 @@ impl Dirty {
             let earned = (elapsed as u128 * self.pages_per_s as u128 / 1_000_000_000) as u64;
             if earned > 0 {
                 // Keep the remainder of the interval for the next poll.
-                self.last_ns +=
-                    (earned as u128 * 1_000_000_000 / self.pages_per_s as u128) as u64;
+                self.last_ns += (earned as u128 * 1_000_000_000 / self.pages_per_s as u128) as u64;
                 self.credit = (self.credit + earned).min(self.pages_per_s / 10 + BATCH);
             }
             self.credit.min(BATCH)

@@ -98,7 +98,11 @@ impl DiskRunner {
             }) => say!(
                 "disk: write start blocks={} order={} flush={}",
                 blocks,
-                if order == Order::Random { "rand" } else { "seq" },
+                if order == Order::Random {
+                    "rand"
+                } else {
+                    "seq"
+                },
                 if flush { "yes" } else { "no" }
             ),
             Some(DiskJob::Verify { blocks }) => say!("disk: verify start blocks={}", blocks),
@@ -130,12 +134,7 @@ impl DiskRunner {
                     blockfmt::fill(blk.buffer(slot), block, self.issued);
                     (Op::Write, Slot::Writing { block })
                 }
-                DiskJob::Verify { .. } => (
-                    Op::Read,
-                    Slot::Reading {
-                        block: self.issued,
-                    },
-                ),
+                DiskJob::Verify { .. } => (Op::Read, Slot::Reading { block: self.issued }),
             };
             let block = match next.1 {
                 Slot::Writing { block } | Slot::Reading { block } => block,
@@ -156,7 +155,11 @@ impl DiskRunner {
         while let Some((slot, status)) = blk.poll() {
             let state = self.slots[slot];
             if status != 0 {
-                say!("disk: error: request failed status={} slot={}", status, slot);
+                say!(
+                    "disk: error: request failed status={} slot={}",
+                    status,
+                    slot
+                );
                 exit(ExitCode::DeviceError);
             }
             self.slots[slot] = Slot::Idle;
@@ -249,4 +252,3 @@ impl DiskRunner {
         self.announce();
     }
 }
-
