@@ -8,16 +8,12 @@
 //! is the TSS descriptor.
 //!
 //! GDT selectors: 0x08 kernel code (64-bit), 0x10 kernel data, 0x18 user
-//! data, 0x20 user code (64-bit), 0x28 the TSS.
+//! data, 0x20 user code (64-bit), 0x28 the TSS. CPL3 runs with CS 0x23,
+//! SS/DS/ES 0x1b and RFLAGS 0x3002 (IOPL=3, IF=0). PVM forces IOPL to 0
+//! at CPL3 nonetheless; the #GP stub in `idt.rs` then performs the port
+//! access at CPL0.
 
 use core::arch::global_asm;
-
-/// Selector of the 64-bit user code segment, with RPL 3.
-pub const USER_CS: u64 = 0x23;
-/// Selector of the user data segment, with RPL 3.
-pub const USER_SS: u64 = 0x1b;
-/// RFLAGS for CPL3: IOPL=3, interrupts off, bit 1 (always set).
-pub const USER_RFLAGS: u64 = 0x3002;
 
 global_asm!(
     r#"

@@ -16,9 +16,7 @@ pub fn cpuid(leaf: u32) -> CpuidResult {
 }
 
 pub fn cpuid_sub(leaf: u32, subleaf: u32) -> CpuidResult {
-    // SAFETY: CPUID has no side effects on memory; it exists on every
-    // x86_64 CPU.
-    let r = unsafe { core::arch::x86_64::__cpuid_count(leaf, subleaf) };
+    let r = core::arch::x86_64::__cpuid_count(leaf, subleaf);
     CpuidResult {
         eax: r.eax,
         ebx: r.ebx,

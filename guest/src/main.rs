@@ -72,14 +72,14 @@ fn probe_devices(cfg: &Config) -> Devices {
                     );
                     devs.blk = Some(b);
                 }
-                Err(e) => say!("virtio: blk at {:#x}: {:?}", d.base, e),
+                Err(e) => say!("virtio: blk at {:#x}: {}", d.base, e),
             },
             Probe::Device(1) if devs.net.is_none() => match VirtioNet::new(t) {
                 Ok(n) => {
                     say!("virtio: net at {:#x} irq={}", d.base, d.irq);
                     devs.net = Some(n);
                 }
-                Err(e) => say!("virtio: net at {:#x}: {:?}", d.base, e),
+                Err(e) => say!("virtio: net at {:#x}: {}", d.base, e),
             },
             Probe::Empty => {}
             other => say!("virtio: {:#x}: skipped ({:?})", d.base, other),
@@ -98,7 +98,7 @@ extern "C" fn rust_start(start_info: u64) -> ! {
     let mut info = BootInfo::empty();
     // SAFETY: `start_info` is the address the VMM passed in ebx.
     if let Err(e) = unsafe { start_info::read(start_info, &mut info) } {
-        say!("boot error: start info at {:#x}: {:?}", start_info, e);
+        say!("boot error: start info at {:#x}: {}", start_info, e);
         exit(ExitCode::DeviceError);
     }
     let cfg = match cmdline::parse(info.cmdline()) {

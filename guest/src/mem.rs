@@ -40,8 +40,8 @@ static PHYS: PhysAllocator = PhysAllocator(UnsafeCell::new(Ranges {
 /// Registers the RAM ranges (clipped to what the page tables map and to
 /// above the guest image).
 pub fn init(ram: &[RamRange], mapped_limit: u64) {
-    // SAFETY: `__image_end` is a linker-script symbol; only its address is used.
-    let image_end = unsafe { core::ptr::addr_of!(__image_end) } as u64;
+    // A linker-script symbol: only its address means anything.
+    let image_end = core::ptr::addr_of!(__image_end) as u64;
     // SAFETY: single-threaded, see `PhysAllocator`; no reference escapes.
     let r = unsafe { &mut *PHYS.0.get() };
     for range in ram {
@@ -76,21 +76,6 @@ pub fn alloc_phys(bytes: u64, align: u64) -> Option<u64> {
         r.next = r.ranges.get(r.current).map_or(0, |x| x.start);
     }
     None
-}
-
-/// Allocates zeroed memory for `T`s, or `None` when RAM ran out.
-pub fn alloc_slice<T: Copy>(count: usize, zero: T) -> Option<&'static mut [T]> {
-    let bytes = core::mem::size_of::<T>().checked_mul(count)? as u64;
-    let addr = alloc_phys(bytes.max(1), core::mem::align_of::<T>().max(64) as u64)?;
-    let ptr = addr as *mut T;
-    // SAFETY: [addr, addr + bytes) is fresh, mapped, suitably aligned RAM
-    // that no one else references; it is initialised before use.
-    unsafe {
-        for i in 0..count {
-            ptr.add(i).write(zero);
-        }
-        Some(core::slice::from_raw_parts_mut(ptr, count))
-    }
 }
 
 /// Free bytes left (in all ranges).

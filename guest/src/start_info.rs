@@ -31,6 +31,15 @@ pub enum StartInfoError {
     CmdlineNotUtf8,
 }
 
+impl core::fmt::Display for StartInfoError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            StartInfoError::BadMagic(m) => write!(f, "bad magic {m:#x}"),
+            StartInfoError::CmdlineNotUtf8 => write!(f, "command line is not UTF-8"),
+        }
+    }
+}
+
 impl BootInfo {
     pub fn cmdline(&self) -> &str {
         core::str::from_utf8(&self.cmdline[..self.cmdline_len]).unwrap_or("")

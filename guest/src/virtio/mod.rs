@@ -30,3 +30,14 @@ pub enum VirtioError {
     /// RAM ran out while allocating rings or buffers.
     OutOfMemory,
 }
+
+impl core::fmt::Display for VirtioError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            VirtioError::FeaturesRejected => write!(f, "device rejected the features"),
+            VirtioError::MissingFeature(name) => write!(f, "device lacks feature {name}"),
+            VirtioError::BadQueue(q) => write!(f, "queue {q} missing or too small"),
+            VirtioError::OutOfMemory => write!(f, "out of memory for rings and buffers"),
+        }
+    }
+}

@@ -75,10 +75,6 @@ impl Virtqueue {
         self.size
     }
 
-    pub fn num_free(&self) -> u16 {
-        self.num_free
-    }
-
     fn set_desc(&self, i: u16, addr: u64, len: u32, flags: u16, next: u16) {
         let d = self.desc + 16 * i as u64;
         // SAFETY: i < size, so d is a descriptor inside this queue's table.

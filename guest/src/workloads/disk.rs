@@ -59,7 +59,7 @@ impl DiskRunner {
                 exit(ExitCode::DeviceError);
             }
         }
-        let mut runner = Self {
+        let runner = Self {
             jobs: cfg.disk_jobs,
             current: 0,
             slots: [Slot::Idle; DEPTH],
@@ -195,7 +195,7 @@ impl DiskRunner {
 
     fn acked(&mut self, block: u64) {
         self.completed += 1;
-        if self.completed % PROGRESS_EVERY == 0 {
+        if self.completed.is_multiple_of(PROGRESS_EVERY) {
             say!("disk: acked={} last_block={}", self.completed, block);
         }
     }
