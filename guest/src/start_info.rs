@@ -84,7 +84,8 @@ pub unsafe fn read(paddr: u64, out: &mut BootInfo) -> Result<(), StartInfoError>
         if version >= 1 {
             let memmap = read_volatile(base.add(40) as *const u64) as *const u8;
             let entries = read_volatile(base.add(48) as *const u32);
-            for i in 0..entries as usize {
+            // Far more than any VMM passes; bounds a corrupt count.
+            for i in 0..entries.min(1024) as usize {
                 let e = memmap.add(i * 24);
                 let addr = read_volatile(e as *const u64);
                 let size = read_volatile(e.add(8) as *const u64);
