@@ -169,7 +169,7 @@ fn run(cfg: &Config) -> ! {
         let bytes = spec.mib << 20;
         let Some(base) = mem::alloc_phys(bytes, 2 << 20) else {
             say!(
-                "cmdline error: dirty={},{}: working set larger than free RAM ({} MiB free)",
+                "cmdline error: dirty={},{}: no contiguous RAM that large ({} MiB free in all)",
                 spec.pages_per_s,
                 spec.mib,
                 mem::free_bytes() >> 20

@@ -63,6 +63,7 @@ pub fn init(ram: &[RamRange], mapped_limit: u64) {
 pub fn alloc_phys(bytes: u64, align: u64) -> Option<u64> {
     // SAFETY: single-threaded, see `PhysAllocator`; no reference escapes.
     let r = unsafe { &mut *PHYS.0.get() };
+    let saved = (r.current, r.next);
     while r.current < r.count {
         let range = r.ranges[r.current];
         let start = r.next.max(range.start).next_multiple_of(align);
@@ -75,6 +76,8 @@ pub fn alloc_phys(bytes: u64, align: u64) -> Option<u64> {
         r.current += 1;
         r.next = r.ranges.get(r.current).map_or(0, |x| x.start);
     }
+    // Nothing fits: leave the free space to smaller allocations.
+    (r.current, r.next) = saved;
     None
 }
 
