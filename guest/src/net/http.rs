@@ -11,6 +11,7 @@
 use alloc::vec::Vec;
 use core::fmt::Write;
 
+use guest::httpreq::{head_end, pattern_byte, route, Route};
 use smoltcp::iface::{SocketHandle, SocketSet};
 use smoltcp::socket::tcp;
 
@@ -157,7 +158,7 @@ impl Http {
                         .send(|buf| {
                             let n = (buf.len() as u64).min(left) as usize;
                             for (i, b) in buf[..n].iter_mut().enumerate() {
-                                *b = b'a' + ((start + i as u64) % 26) as u8;
+                                *b = pattern_byte(start + i as u64);
                             }
                             (n, n)
                         })
@@ -189,22 +190,9 @@ fn peer_closed(s: &tcp::Socket<'_>) -> bool {
     )
 }
 
-/// Length of the request head (through the blank line), if complete.
-fn head_end(req: &[u8]) -> Option<usize> {
-    req.windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map(|p| p + 4)
-        .or_else(|| req.windows(2).position(|w| w == b"\n\n").map(|p| p + 2))
-}
-
 /// Writes the response head (and a short body) into `head`; returns the
 /// length of the pattern body to stream after it.
 fn respond(request: &[u8], head: &mut Head, requests: u64, now_ms: u64) -> u64 {
-    let line = request.split(|&b| b == b'\n').next().unwrap_or(&[]);
-    let line = core::str::from_utf8(line).unwrap_or("").trim_end();
-    let mut parts = line.split(' ');
-    let method = parts.next().unwrap_or("");
-    let path = parts.next().unwrap_or("");
     let status = |head: &mut Head, code: &str, body: &str| {
         let _ = write!(
             head,
@@ -212,27 +200,31 @@ fn respond(request: &[u8], head: &mut Head, requests: u64, now_ms: u64) -> u64 {
             body.len()
         );
     };
-    if method != "GET" {
-        status(head, "405 Method Not Allowed", "only GET\n");
-        return 0;
+    match route(request) {
+        Route::Status => {
+            let mut body = Head {
+                buf: [0; 512],
+                len: 0,
+            };
+            let _ = writeln!(body, "requests={requests} uptime_ms={now_ms}");
+            let text = core::str::from_utf8(&body.buf[..body.len]).unwrap_or("");
+            status(head, "200 OK", text);
+            0
+        }
+        Route::Bytes(n) => {
+            let _ = write!(
+                head,
+                "HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: {n}\r\nConnection: close\r\n\r\n"
+            );
+            n
+        }
+        Route::NotFound => {
+            status(head, "404 Not Found", "not found\n");
+            0
+        }
+        Route::BadMethod => {
+            status(head, "405 Method Not Allowed", "only GET\n");
+            0
+        }
     }
-    if path == "/" {
-        let mut body = Head {
-            buf: [0; 512],
-            len: 0,
-        };
-        let _ = writeln!(body, "requests={requests} uptime_ms={now_ms}");
-        let text = core::str::from_utf8(&body.buf[..body.len]).unwrap_or("");
-        status(head, "200 OK", text);
-        return 0;
-    }
-    if let Some(n) = path.strip_prefix("/bytes/").and_then(guest::num::parse_u64) {
-        let _ = write!(
-            head,
-            "HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: {n}\r\nConnection: close\r\n\r\n"
-        );
-        return n;
-    }
-    status(head, "404 Not Found", "not found\n");
-    0
 }
