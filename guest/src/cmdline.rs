@@ -376,6 +376,44 @@ mod tests {
         );
     }
 
+    /// Arbitrary command lines never panic the parser (a poor man's fuzzer:
+    /// random words over the characters that matter).
+    #[test]
+    fn random_lines_never_panic() {
+        const ALPHABET: &[u8] = b"=,@:./xX0123456789KMGkmg abcdefghilmnoprstuvwy_-\xff";
+        const WORDS: [&str; 10] = [
+            "counter=",
+            "dirty=",
+            "disk=",
+            "write,",
+            "verify,",
+            "ip=",
+            "gw=",
+            "virtio_mmio.device=",
+            "poweroff",
+            "fault=",
+        ];
+        let mut x: u64 = 0x1234_5678_9abc_def1;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..20_000 {
+            let mut line = std::string::String::new();
+            for _ in 0..next() % 12 {
+                if next() % 3 == 0 {
+                    line.push_str(WORDS[(next() % WORDS.len() as u64) as usize]);
+                } else {
+                    let b = ALPHABET[(next() % ALPHABET.len() as u64) as usize];
+                    line.push(b as char);
+                }
+            }
+            let _ = parse(&line);
+        }
+    }
+
     #[test]
     fn too_many_disk_jobs() {
         let line = "disk=verify,1 ".repeat(MAX_DISK_JOBS + 1);
