@@ -34,8 +34,10 @@ pub fn exit(code: ExitCode) -> ! {
         core::hint::spin_loop();
     }
     // No exit device: try the i8042 reset line, then force a triple fault
-    // (vector 0x81 is a CPL3-callable gate that loads an empty IDT and traps).
+    // (`hlt` at CPL3 raises #GP, whose stub triple-faults on it; idt.rs).
     outb(0x64, 0xfe);
-    // SAFETY: the gate never returns; it resets or shuts the machine down.
-    unsafe { asm!("int 0x81", options(noreturn)) }
+    loop {
+        // SAFETY: `hlt` at CPL3 only raises #GP; the stub never returns.
+        unsafe { asm!("hlt", options(nomem, nostack)) }
+    }
 }

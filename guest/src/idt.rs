@@ -5,9 +5,11 @@
 //! A stub runs at CPL0 only long enough to read CR2 and `iretq` into
 //! `guest_fault` at CPL3 on a stack of its own, which prints
 //! `fault: <name> vector=<n> rip=<hex> addr=<hex> error=<hex>` and exits.
-//! Vector 0x81 is callable from CPL3: it loads an empty IDT and traps, a
-//! triple fault that resets (or, with `-no-reboot`, stops) the machine; the
-//! exit path uses it when no exit device answered.
+//! `hlt` at CPL3 is the exit path's last resort when no exit device
+//! answered: the #GP stub sees it and triple-faults (empty IDT, unmapped
+//! stack), which resets the machine (or, with QEMU's `-no-reboot`, stops
+//! it). A software-interrupt gate would be simpler, but PVM does not
+//! deliver `int n` from CPL3 through the guest's IDT.
 
 use core::arch::global_asm;
 use core::sync::atomic::{AtomicBool, Ordering};
@@ -55,6 +57,8 @@ isr_13:
     je 2f
     cmpb $0xec, (%rcx)
     je 3f
+    cmpb $0xf4, (%rcx)
+    je triple_fault
     pop %rcx
     push $13
     jmp isr_common
@@ -104,10 +108,9 @@ isr_common:
     movq $0x1b, 32(%rsp)
     iretq
 
-    .global isr_reset
-isr_reset:
+triple_fault:
     lidt empty_idt_ptr
-    int3
+    mov $0x8000000000, %rsp         /* unmapped: no exception frame fits */
     ud2
 
     .popsection
@@ -139,17 +142,12 @@ empty_idt_ptr:
 
 extern "C" {
     static isr_addrs: [u64; 32];
-    static isr_reset: u8;
     static mut idt: [u64; 512];
 }
 
 const KERNEL_CS: u64 = 0x08;
 /// Present, interrupt gate, DPL 0.
 const GATE_DPL0: u64 = 0x8e;
-/// Present, interrupt gate, DPL 3 (reachable with `int` from CPL3).
-const GATE_DPL3: u64 = 0xee;
-/// Vector of the triple-fault gate used by `exit`.
-pub const RESET_VECTOR: usize = 0x81;
 
 fn gate(handler: u64, attrs: u64) -> (u64, u64) {
     let low =
@@ -171,9 +169,6 @@ pub fn install() {
             table[vector * 2] = low;
             table[vector * 2 + 1] = high;
         }
-        let (low, high) = gate(core::ptr::addr_of!(isr_reset) as u64, GATE_DPL3);
-        table[RESET_VECTOR * 2] = low;
-        table[RESET_VECTOR * 2 + 1] = high;
     }
 }
 
