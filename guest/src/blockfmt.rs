@@ -94,14 +94,37 @@ pub fn check(buf: &[u8; BLOCK_SIZE], block: u64) -> BlockState {
 /// for random order `i * a + c mod n` with `a` coprime to `n` — a
 /// permutation that needs no memory.
 pub fn block_at(random: bool, i: u64, n: u64) -> u64 {
-    if !random || n == 0 {
-        return i;
+    Permutation::new(random, n).at(i)
+}
+
+/// The order `block_at` describes, with its multiplier computed once.
+#[derive(Clone, Copy, Debug)]
+pub struct Permutation {
+    a: u64,
+    c: u64,
+    n: u64,
+}
+
+impl Permutation {
+    /// The identity (`random` false) or the pseudo-random order over 0..n.
+    pub fn new(random: bool, n: u64) -> Self {
+        if !random || n == 0 {
+            return Self { a: 1, c: 0, n };
+        }
+        let mut a = (n.wrapping_mul(0x9e37) >> 16) | 1;
+        while gcd(a, n) != 1 {
+            a += 2;
+        }
+        Self { a, c: n / 3, n }
     }
-    let mut a = (n.wrapping_mul(0x9e37) >> 16) | 1;
-    while gcd(a, n) != 1 {
-        a += 2;
+
+    /// Element `i` (< n) of the order.
+    pub fn at(&self, i: u64) -> u64 {
+        if self.a == 1 && self.c == 0 {
+            return i;
+        }
+        ((i as u128 * self.a as u128 + self.c as u128) % self.n as u128) as u64
     }
-    ((i as u128 * a as u128 + (n / 3) as u128) % n as u128) as u64
 }
 
 fn gcd(mut a: u64, mut b: u64) -> u64 {

@@ -20,14 +20,16 @@ pub struct MmioDevice {
     pub irq: u32,
 }
 
-/// `dirty=<pages_per_s>,<MiB>`: a rate of 0 means "as fast as possible".
+/// `dirty=<pages_per_s>,<MiB>[,seq|rand]`: a rate of 0 means "as fast as
+/// possible"; pages are visited in order unless `rand`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DirtySpec {
     pub pages_per_s: u64,
     pub mib: u64,
+    pub order: Order,
 }
 
-/// Order in which `disk=write` visits the blocks.
+/// Order in which `disk=write` visits blocks and `dirty` visits pages.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Order {
     Sequential,
@@ -130,7 +132,8 @@ pub fn parse(cmdline: &str) -> Result<Config, CmdlineError<'_>> {
             }
             "dirty" => {
                 cfg.dirty = Some(
-                    parse_dirty(value).ok_or(err("expected <pages_per_s>,<MiB> with MiB > 0"))?,
+                    parse_dirty(value)
+                        .ok_or(err("expected <pages_per_s>,<MiB>[,seq|rand] with MiB > 0"))?,
                 );
             }
             "disk" => {
@@ -189,11 +192,22 @@ fn parse_mmio_device(value: &str) -> Option<MmioDevice> {
 }
 
 fn parse_dirty(value: &str) -> Option<DirtySpec> {
-    let (rate, mib) = value.split_once(',')?;
-    Some(DirtySpec {
-        pages_per_s: parse_u64(rate)?,
-        mib: parse_u64(mib).filter(|&m| m > 0 && m <= 1 << 20)?,
-    })
+    let mut parts = value.split(',');
+    let pages_per_s = parse_u64(parts.next()?)?;
+    let mib = parse_u64(parts.next()?).filter(|&m| m > 0 && m <= 1 << 20)?;
+    let order = match parts.next() {
+        None | Some("seq") => Order::Sequential,
+        Some("rand") => Order::Random,
+        Some(_) => return None,
+    };
+    match parts.next() {
+        None => Some(DirtySpec {
+            pages_per_s,
+            mib,
+            order,
+        }),
+        Some(_) => None,
+    }
 }
 
 fn parse_disk(value: &str) -> Option<DiskJob> {
@@ -301,7 +315,16 @@ mod tests {
             cfg.dirty,
             Some(DirtySpec {
                 pages_per_s: 20000,
-                mib: 1024
+                mib: 1024,
+                order: Order::Sequential
+            })
+        );
+        assert_eq!(
+            parse("dirty=0,64,rand").unwrap().dirty,
+            Some(DirtySpec {
+                pages_per_s: 0,
+                mib: 64,
+                order: Order::Random
             })
         );
         let jobs: std::vec::Vec<_> = cfg.disk_jobs().collect();
@@ -343,6 +366,8 @@ mod tests {
             "dirty=100",
             "dirty=100,0",
             "dirty=x,1",
+            "dirty=1,1,sideways",
+            "dirty=1,1,rand,more",
             "disk=write,10",
             "disk=write,10,sideways",
             "disk=write,10,seq,flush,extra",
@@ -372,7 +397,7 @@ mod tests {
         assert_eq!(err.value, "fast");
         assert_eq!(
             std::format!("{err}"),
-            "dirty=fast: expected <pages_per_s>,<MiB> with MiB > 0"
+            "dirty=fast: expected <pages_per_s>,<MiB>[,seq|rand] with MiB > 0"
         );
     }
 

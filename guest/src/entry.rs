@@ -158,7 +158,14 @@ fn run(cfg: &Config) -> ! {
             );
             exit(ExitCode::CmdlineError);
         };
-        Dirty::new(base, bytes / 4096, spec.pages_per_s, crate::time::now_ns())
+        let random = spec.order == cmdline::Order::Random;
+        Dirty::new(
+            base,
+            bytes / 4096,
+            spec.pages_per_s,
+            random,
+            crate::time::now_ns(),
+        )
     });
 
     loop {

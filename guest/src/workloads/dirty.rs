@@ -1,8 +1,12 @@
-//! `dirty=<pages_per_s>,<MiB>`: writes one word into successive 4 KiB pages
+//! `dirty=<pages_per_s>,<MiB>[,seq|rand]`: writes one word into 4 KiB pages
 //! of a working set at a steady rate (0 = as fast as possible), cycling
-//! through it, like the VMBeam paper's page-dirtying experiment. Once a
+//! through it in order, or in a fixed pseudo-random permutation with `rand`
+//! (the same `i·a + c mod n` as the disk workload), like the VMBeam paper's
+//! page-dirtying experiment. Once a
 //! second it prints `dirty: rate=<pages/s> ws_pages=<n> total=<pages>`, the
 //! rate achieved over that second.
+
+use guest::blockfmt::Permutation;
 
 use crate::say;
 
@@ -18,6 +22,8 @@ pub struct Dirty {
     base: u64,
     pages: u64,
     pages_per_s: u64,
+    order: Permutation,
+    /// Step within the current pass (0..pages).
     next_page: u64,
     total: u64,
     /// Pages the rate allows but not yet written, capped at 100 ms worth so
@@ -30,11 +36,12 @@ pub struct Dirty {
 
 impl Dirty {
     /// `base` is the working set: `pages` pages of RAM owned by the workload.
-    pub fn new(base: u64, pages: u64, pages_per_s: u64, now_ns: u64) -> Self {
+    pub fn new(base: u64, pages: u64, pages_per_s: u64, random: bool, now_ns: u64) -> Self {
         Self {
             base,
             pages,
             pages_per_s,
+            order: Permutation::new(random, pages),
             next_page: 0,
             total: 0,
             credit: 0,
@@ -63,9 +70,10 @@ impl Dirty {
                 break;
             }
             done += 1;
-            let addr = self.base + self.next_page * PAGE;
+            let page = self.order.at(self.next_page);
+            let addr = self.base + page * PAGE;
             // SAFETY: `addr` is inside the working set this workload owns
-            // (next_page < pages), identity mapped and 8-byte aligned.
+            // (page < pages), identity mapped and 8-byte aligned.
             unsafe { core::ptr::write_volatile(addr as *mut u64, self.total) };
             self.total += 1;
             self.next_page += 1;
