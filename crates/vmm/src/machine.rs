@@ -123,6 +123,17 @@ pub struct MachineMetrics {
     pub pauses: u64,
 }
 
+/// What is built besides memory slots, before the vCPUs start.
+struct Setup {
+    serial: Arc<Mutex<SerialDevice>>,
+    serial_backend: String,
+    virtio: Vec<AttachedDevice>,
+    event_loop: DeviceEventLoop,
+    vcpus: Vec<Vcpu>,
+    io_bus: Arc<Bus>,
+    mmio_bus: Arc<Bus>,
+}
+
 /// A built, booted machine.
 pub struct Machine {
     config: MachineConfig,
@@ -162,82 +173,33 @@ impl Machine {
         config.validate()?;
         let memory_file = GuestMemoryFile::create(config.memory_bytes, &config.memory_backing)?;
         let guest_memory = memory_file.map()?;
-        let mut vm = Vm::new()?;
-        vm.register_memory(&guest_memory)?;
-
-        // Legacy devices.
-        let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(MachineError::EventFd)?;
-        vm.register_irqfd(&serial_irq, SERIAL_GSI)?;
-        let (serial_out, serial_backend) = open_serial(&config.serial)?;
-        let serial = Arc::new(Mutex::new(SerialDevice::new(serial_irq, serial_out)));
-        let mut io_bus = Bus::new();
-        io_bus.insert(serial.clone(), SERIAL_PORT, 8)?;
-        io_bus.insert(
-            Arc::new(Mutex::new(I8042::new(events.clone()))),
-            I8042_PORT,
-            5,
-        )?;
-        io_bus.insert(
-            Arc::new(Mutex::new(ExitPort::new(events.clone()))),
-            EXIT_PORT,
-            4,
-        )?;
-
-        // virtio devices.
-        let mut mmio_bus = Bus::new();
-        let virtio = virtio_devices::attach_all(&config, &vm, &guest_memory, &mut mmio_bus, gate)?;
-        let mut cmdline = config.cmdline.clone();
-        for d in &virtio {
-            cmdline.push_str(&format!(
-                " virtio_mmio.device=4K@{:#x}:{}",
-                d.info.address, d.info.gsi
-            ));
-        }
-        let event_loop = DeviceEventLoop::start(
-            virtio
-                .iter()
-                .map(|d| d.loop_device())
-                .collect::<Result<_, _>>()?,
-        )?;
-
-        // Kernel.
-        let pvh = boot::pvh::load(
-            &guest_memory,
-            config.memory_bytes,
-            &boot::pvh::PvhBootSpec {
-                kernel: &config.kernel,
-                initramfs: config.initramfs.as_deref(),
-                cmdline: cmdline.trim(),
-                rsdp: None,
-            },
-        )?;
-
-        // vCPUs.
-        let kvm = vm.kvm();
-        let mut base_cpuid = kvm
-            .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
-            .map_err(|source| VmError::Kvm {
-                what: "KVM_GET_SUPPORTED_CPUID",
-                source,
-            })?;
-        let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
-        let io_bus = Arc::new(io_bus);
-        let mmio_bus = Arc::new(mmio_bus);
-        let mut created = Vec::new();
-        for i in 0..config.vcpus {
-            let vcpu = Vcpu::new(vm.fd(), i)?;
-            if i == 0 {
-                cpuid::add_timing_leaf(&mut base_cpuid, vcpu.tsc_khz());
-            }
-            vcpu.configure(&base_cpuid, config.vcpus)?;
-            if i == 0 {
-                vcpu.set_boot_state(BootEntry::Pvh {
-                    entry: pvh.entry,
-                    start_info: pvh.start_info,
-                })?;
-            }
-            created.push(vcpu);
-        }
+        let t_memory = built_at.elapsed();
+        let vm = Vm::new()?;
+        let t_vm = built_at.elapsed();
+        // Memory slots cost O(memory) in KVM: register them while the devices,
+        // the kernel and the vCPUs are set up, and join before any vCPU runs.
+        let (setup, slots) = std::thread::scope(|scope| {
+            let slots = scope.spawn(|| {
+                let r = vm.register_memory(&guest_memory);
+                (r, built_at.elapsed())
+            });
+            let setup =
+                Self::setup_devices_kernel_vcpus(&config, &vm, &guest_memory, &events, gate);
+            (setup, slots.join())
+        });
+        let (slots_result, t_slots) = slots.unwrap_or_else(|p| std::panic::resume_unwind(p));
+        slots_result?;
+        let Setup {
+            serial,
+            serial_backend,
+            virtio,
+            event_loop,
+            vcpus: created,
+            io_bus,
+            mmio_bus,
+        } = setup?;
+        let t_setup = built_at.elapsed();
+        let mut vcpus = Vec::with_capacity(created.len());
         for vcpu in created {
             vcpus.push(vcpu.start(
                 io_bus.clone(),
@@ -246,6 +208,14 @@ impl Machine {
                 start_paused,
             )?);
         }
+        tracing::debug!(
+            memory_us = t_memory.as_micros() as u64,
+            vm_us = (t_vm - t_memory).as_micros() as u64,
+            memslots_done_us = t_slots.as_micros() as u64,
+            setup_done_us = t_setup.as_micros() as u64,
+            started_us = built_at.elapsed().as_micros() as u64,
+            "machine set-up timing"
+        );
         let state = if start_paused {
             event_loop.pause()?;
             RunState::Paused
@@ -273,6 +243,96 @@ impl Machine {
             state,
             built_at,
             pauses: 0,
+        })
+    }
+
+    /// Everything but the memory slots: legacy and virtio devices, the kernel
+    /// and its boot structures, the vCPUs (created, not started).
+    fn setup_devices_kernel_vcpus(
+        config: &MachineConfig,
+        vm: &Vm,
+        guest_memory: &GuestMemoryMmap,
+        events: &VmEventSink,
+        gate: Arc<dyn OutputGate>,
+    ) -> Result<Setup, MachineError> {
+        // Legacy devices.
+        let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(MachineError::EventFd)?;
+        vm.register_irqfd(&serial_irq, SERIAL_GSI)?;
+        let (serial_out, serial_backend) = open_serial(&config.serial)?;
+        let serial = Arc::new(Mutex::new(SerialDevice::new(serial_irq, serial_out)));
+        let mut io_bus = Bus::new();
+        io_bus.insert(serial.clone(), SERIAL_PORT, 8)?;
+        io_bus.insert(
+            Arc::new(Mutex::new(I8042::new(events.clone()))),
+            I8042_PORT,
+            5,
+        )?;
+        io_bus.insert(
+            Arc::new(Mutex::new(ExitPort::new(events.clone()))),
+            EXIT_PORT,
+            4,
+        )?;
+
+        // virtio devices.
+        let mut mmio_bus = Bus::new();
+        let virtio = virtio_devices::attach_all(config, vm, guest_memory, &mut mmio_bus, gate)?;
+        let mut cmdline = config.cmdline.clone();
+        for d in &virtio {
+            cmdline.push_str(&format!(
+                " virtio_mmio.device=4K@{:#x}:{}",
+                d.info.address, d.info.gsi
+            ));
+        }
+        let event_loop = DeviceEventLoop::start(
+            virtio
+                .iter()
+                .map(|d| d.loop_device())
+                .collect::<Result<_, _>>()?,
+        )?;
+
+        // Kernel.
+        let pvh = boot::pvh::load(
+            guest_memory,
+            config.memory_bytes,
+            &boot::pvh::PvhBootSpec {
+                kernel: &config.kernel,
+                initramfs: config.initramfs.as_deref(),
+                cmdline: cmdline.trim(),
+                rsdp: None,
+            },
+        )?;
+
+        // vCPUs.
+        let kvm = vm.kvm();
+        let mut base_cpuid = kvm
+            .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+            .map_err(|source| VmError::Kvm {
+                what: "KVM_GET_SUPPORTED_CPUID",
+                source,
+            })?;
+        let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
+        for i in 0..config.vcpus {
+            let vcpu = Vcpu::new(vm.fd(), i)?;
+            if i == 0 {
+                cpuid::add_timing_leaf(&mut base_cpuid, vcpu.tsc_khz());
+            }
+            vcpu.configure(&base_cpuid, config.vcpus)?;
+            if i == 0 {
+                vcpu.set_boot_state(BootEntry::Pvh {
+                    entry: pvh.entry,
+                    start_info: pvh.start_info,
+                })?;
+            }
+            vcpus.push(vcpu);
+        }
+        Ok(Setup {
+            serial,
+            serial_backend,
+            virtio,
+            event_loop,
+            vcpus,
+            io_bus: Arc::new(io_bus),
+            mmio_bus: Arc::new(mmio_bus),
         })
     }
 
