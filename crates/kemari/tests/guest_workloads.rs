@@ -49,6 +49,13 @@ fn guest_elf() -> PathBuf {
     .clone()
 }
 
+/// One guest at a time: the guest polls, so guests running side by side
+/// on a small machine would skew the timing and rate checks.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static VM: Mutex<()> = Mutex::new(());
+    VM.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A guest run under kemari: its serial lines, each with the time since
 /// kemari was started.
 struct GuestRun {
@@ -56,13 +63,17 @@ struct GuestRun {
     lines: mpsc::Receiver<(Duration, String)>,
     seen: Vec<(Duration, String)>,
     stderr: std::process::ChildStderr,
+    /// Last, so it is released after the VM is gone (fields drop in order).
+    _turn: std::sync::MutexGuard<'static, ()>,
 }
 
 impl GuestRun {
     fn start(memory: &str, cmdline: &str, extra: &[&str]) -> Self {
+        let elf = guest_elf();
+        let turn = one_at_a_time();
         let mut child = kemari()
             .arg("--kernel")
-            .arg(guest_elf())
+            .arg(elf)
             .args(["--memory", memory, "--cmdline", cmdline])
             .args(extra)
             .stdout(Stdio::piped())
@@ -86,6 +97,7 @@ impl GuestRun {
             lines: rx,
             seen: Vec::new(),
             stderr,
+            _turn: turn,
         }
     }
 
