@@ -41,6 +41,23 @@ pub fn outl(port: u16, value: u32) {
     unsafe { asm!("out dx, eax", in("dx") port, in("eax") value, options(nomem, nostack)) }
 }
 
+/// Writes `bytes` to `port` with one `rep outsb`: one string I/O exit for
+/// the lot where the VMM supports it.
+pub fn outsb(port: u16, bytes: &[u8]) {
+    // SAFETY: reads `bytes.len()` bytes at `bytes.as_ptr()`, which the
+    // slice owns; touches no other memory. Direction flag is clear (the
+    // bootstrap's `cld`; Rust code keeps it clear).
+    unsafe {
+        asm!(
+            "rep outsb",
+            in("dx") port,
+            inout("rsi") bytes.as_ptr() => _,
+            inout("rcx") bytes.len() => _,
+            options(nostack, readonly)
+        )
+    }
+}
+
 pub fn inb(port: u16) -> u8 {
     let value: u8;
     // SAFETY: as in `outb`.

@@ -45,9 +45,11 @@ isr_\n:
     isr_err 11
     isr_err 12
     /* #GP: PVM runs CPL3 with IOPL forced to 0, so port I/O from CPL3
-       traps here; perform the three forms the guest uses (in cpu.rs) at
-       CPL0, where al/eax/dx still hold the CPL3 values, and skip the
-       one-byte instruction. Anything else is a real fault. */
+       traps here; perform the forms the guest uses (cpu.rs) at CPL0,
+       where the registers still hold the CPL3 values, and skip the
+       instruction. `rep outsb` (the console) goes out as one string I/O
+       exit, and its updated rcx/rsi go back to CPL3. `hlt` is the exit
+       path's last resort. Anything else is a real fault. */
 isr_13:
     push %rcx
     mov 16(%rsp), %rcx              /* rcx, error, rip, cs, ... */
@@ -57,6 +59,8 @@ isr_13:
     je 2f
     cmpb $0xec, (%rcx)
     je 3f
+    cmpw $0x6ef3, (%rcx)
+    je 5f
     cmpb $0xf4, (%rcx)
     je triple_fault
     pop %rcx
@@ -68,6 +72,13 @@ isr_13:
     jmp 4f
 3:  in %dx, %al
 4:  incq 16(%rsp)
+    pop %rcx
+    add $8, %rsp
+    iretq
+5:  mov (%rsp), %rcx
+    rep outsb
+    mov %rcx, (%rsp)
+    addq $2, 16(%rsp)
     pop %rcx
     add $8, %rsp
     iretq

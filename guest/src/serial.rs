@@ -6,7 +6,7 @@
 
 use core::fmt::{self, Write};
 
-use crate::cpu::outb;
+use crate::cpu::outsb;
 
 const COM1: u16 = 0x3f8;
 
@@ -48,11 +48,10 @@ impl Write for LineWriter {
     }
 }
 
-/// Writes raw bytes to the UART.
+/// Writes raw bytes to the UART, as one string I/O instruction (kemari and
+/// QEMU take `rep outsb` to the data register byte by byte).
 pub fn write_bytes(bytes: &[u8]) {
-    for &b in bytes {
-        outb(COM1, b);
-    }
+    outsb(COM1, bytes);
 }
 
 /// Prints one line (a trailing newline is added), like `println!`.
