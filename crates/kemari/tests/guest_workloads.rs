@@ -176,16 +176,6 @@ fn field(line: &str, key: &str) -> Option<u64> {
         .and_then(|v| v.parse().ok())
 }
 
-/// kemari may not have a device model yet (it is written in parallel): say
-/// so loudly instead of failing on the missing VMM feature.
-fn vmm_lacks(stderr: &str, what: &str) -> bool {
-    if stderr.contains("not supported") {
-        eprintln!("SKIP: kemari does not support {what} yet: {stderr}");
-        return true;
-    }
-    false
-}
-
 #[test]
 fn counter_boots_fast_and_keeps_wall_time() {
     if !have_kvm() {
@@ -305,9 +295,6 @@ fn disk_write_then_verify_10000_blocks() {
         &disk,
         Duration::from_secs(120),
     );
-    if vmm_lacks(&err, "virtio-blk") {
-        return;
-    }
     let out = show(&lines);
     assert!(status.success(), "status {status:?}\n{out}{err}");
     assert!(
@@ -392,25 +379,17 @@ fn tcp_echo_of_1_mib_through_a_tap() {
     let id = std::process::id();
     let name = format!("kgt{}", id % 100_000);
     let subnet = format!("10.213.{}", id % 250);
-    let Some(_tap) = Tap::create(&name, &format!("{subnet}.1/24")) else {
-        eprintln!("SKIP: cannot create TAP device {name} (needs root and iproute2)");
-        return;
-    };
+    let _tap = Tap::create(&name, &format!("{subnet}.1/24")).unwrap_or_else(|| {
+        panic!(
+            "cannot create TAP device {name}: this test needs root and iproute2 (scripts/setup.sh)"
+        )
+    });
     let guest_ip = format!("{subnet}.2");
     let mut run = GuestRun::start(
         "256M",
         &format!("ip={guest_ip}/24 poweroff_after=60000"),
         &["--net", &format!("tap={name}")],
     );
-    // kemari may refuse --net before the guest starts.
-    std::thread::sleep(Duration::from_millis(300));
-    if let Ok(Some(_)) = run.child.0.try_wait() {
-        let (_, lines, err) = run.finish(Duration::from_secs(5));
-        if vmm_lacks(&err, "virtio-net") {
-            return;
-        }
-        panic!("kemari exited early:\n{}{err}", show(&lines));
-    }
     run.wait_line("net: up", Duration::from_secs(10));
 
     let data: Vec<u8> = (0..1u32 << 20)
