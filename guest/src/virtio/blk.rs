@@ -4,7 +4,7 @@ use guest::blockfmt::{BLOCK_SIZE, SECTORS_PER_BLOCK};
 
 use super::mmio::MmioTransport;
 use super::queue::{Buf, Virtqueue};
-use super::VirtioError;
+use super::{VirtioError, F_EVENT_IDX};
 
 /// Requests in flight at most; each has its own header, status and 4 KiB
 /// data buffer ("slot").
@@ -40,8 +40,8 @@ pub struct Blk {
 
 impl Blk {
     pub fn new(transport: MmioTransport) -> Result<Self, VirtioError> {
-        let features = transport.negotiate(F_FLUSH)?;
-        let queue = Virtqueue::new(&transport, 0, 128)?;
+        let features = transport.negotiate(F_FLUSH | F_EVENT_IDX)?;
+        let queue = Virtqueue::new(&transport, 0, 128, features & F_EVENT_IDX != 0)?;
         if (queue.size() as usize) < 3 {
             return Err(VirtioError::BadQueue(0));
         }
@@ -140,7 +140,7 @@ impl Blk {
         }
     }
 
-    pub fn kick(&self) {
+    pub fn kick(&mut self) {
         self.queue.kick(&self.transport);
     }
 

@@ -18,6 +18,8 @@ pub mod status {
 
 /// VIRTIO_F_VERSION_1 (bit 32): the modern interface.
 pub const F_VERSION_1: u64 = 1 << 32;
+/// VIRTIO_F_EVENT_IDX (bit 29): the device says when it wants a notify.
+pub const F_EVENT_IDX: u64 = 1 << 29;
 
 #[derive(Clone, Copy, Debug)]
 pub enum VirtioError {

@@ -9,7 +9,7 @@ use smoltcp::time::Instant;
 
 use super::mmio::MmioTransport;
 use super::queue::{Buf, Virtqueue};
-use super::VirtioError;
+use super::{VirtioError, F_EVENT_IDX};
 
 const F_MAC: u64 = 1 << 5;
 /// struct virtio_net_hdr with num_buffers (VERSION_1 always has it).
@@ -70,9 +70,10 @@ impl TxRing {
 
 impl VirtioNet {
     pub fn new(transport: MmioTransport) -> Result<Self, VirtioError> {
-        let features = transport.negotiate(F_MAC)?;
-        let rxq = Virtqueue::new(&transport, 0, QUEUE_SIZE)?;
-        let txq = Virtqueue::new(&transport, 1, QUEUE_SIZE)?;
+        let features = transport.negotiate(F_MAC | F_EVENT_IDX)?;
+        let event_idx = features & F_EVENT_IDX != 0;
+        let rxq = Virtqueue::new(&transport, 0, QUEUE_SIZE, event_idx)?;
+        let txq = Virtqueue::new(&transport, 1, QUEUE_SIZE, event_idx)?;
         let alloc = |n: u16| {
             crate::mem::alloc_phys(n as u64 * BUF_LEN as u64, 4096).ok_or(VirtioError::OutOfMemory)
         };

@@ -9,6 +9,7 @@ use super::VirtioError;
 const DESC_F_NEXT: u16 = 1;
 const DESC_F_WRITE: u16 = 2;
 const USED_F_NO_NOTIFY: u16 = 1;
+const AVAIL_F_NO_INTERRUPT: u16 = 1;
 
 /// One buffer of a descriptor chain.
 #[derive(Clone, Copy, Debug)]
@@ -32,12 +33,23 @@ pub struct Virtqueue {
     num_free: u16,
     next_avail: u16,
     last_used: u16,
+    /// VIRTIO_F_EVENT_IDX was negotiated.
+    event_idx: bool,
+    /// `next_avail` when the device was last notified.
+    notified_avail: u16,
 }
 
 impl Virtqueue {
     /// Allocates queue `index` with up to `want` entries and hands it to the
-    /// device.
-    pub fn new(transport: &MmioTransport, index: u16, want: u16) -> Result<Self, VirtioError> {
+    /// device. With `event_idx`, notifications follow the device's
+    /// `avail_event`; either way the device is asked not to interrupt (the
+    /// guest polls with interrupts off).
+    pub fn new(
+        transport: &MmioTransport,
+        index: u16,
+        want: u16,
+        event_idx: bool,
+    ) -> Result<Self, VirtioError> {
         let max = transport.queue_max(index as u32);
         if max == 0 {
             return Err(VirtioError::BadQueue(index as u32));
@@ -63,9 +75,18 @@ impl Virtqueue {
             num_free: size,
             next_avail: 0,
             last_used: 0,
+            event_idx,
+            notified_avail: 0,
         };
         for i in 0..size {
             q.set_desc(i, 0, 0, 0, i.wrapping_add(1));
+        }
+        // SAFETY: avail.flags and used_event lie inside the driver ring.
+        unsafe {
+            write_volatile(q.avail as *mut u16, AVAIL_F_NO_INTERRUPT);
+            // With EVENT_IDX the flag is ignored: ask for an interrupt only
+            // when the used index crosses 0x7fff (once per 65536 uses).
+            write_volatile((q.avail + 4 + 2 * n) as *mut u16, 0x7fff);
         }
         transport.setup_queue(index as u32, size, q.desc, q.avail, q.used);
         Ok(q)
@@ -131,12 +152,25 @@ impl Virtqueue {
         Some(head)
     }
 
-    /// Notifies the device of new buffers unless it asked not to be.
-    pub fn kick(&self, transport: &MmioTransport) {
+    /// Notifies the device of new buffers unless it said it does not need
+    /// it (EVENT_IDX's `avail_event`, else the NO_NOTIFY flag).
+    pub fn kick(&mut self, transport: &MmioTransport) {
         fence(Ordering::SeqCst);
-        // SAFETY: used.flags is the first field of this queue's device ring.
-        let flags = unsafe { read_volatile(self.used as *const u16) };
-        if flags & USED_F_NO_NOTIFY == 0 {
+        let new = self.next_avail;
+        let old = core::mem::replace(&mut self.notified_avail, new);
+        let needed = if self.event_idx {
+            // SAFETY: avail_event follows the used ring's elements, inside
+            // this queue's device ring.
+            let event =
+                unsafe { read_volatile((self.used + 4 + 8 * self.size as u64) as *const u16) };
+            // The spec's vring_need_event: did `event` fall in [old, new)?
+            new.wrapping_sub(event).wrapping_sub(1) < new.wrapping_sub(old)
+        } else {
+            // SAFETY: used.flags is the first field of the device ring.
+            let flags = unsafe { read_volatile(self.used as *const u16) };
+            new != old && flags & USED_F_NO_NOTIFY == 0
+        };
+        if needed {
             transport.notify(self.index);
         }
     }
