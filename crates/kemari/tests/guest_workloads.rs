@@ -69,13 +69,18 @@ struct GuestRun {
 
 impl GuestRun {
     fn start(memory: &str, cmdline: &str, extra: &[&str]) -> Self {
-        let elf = guest_elf();
-        let turn = one_at_a_time();
-        let mut child = kemari()
-            .arg("--kernel")
-            .arg(elf)
+        let mut cmd = kemari();
+        cmd.arg("--kernel")
+            .arg(guest_elf())
             .args(["--memory", memory, "--cmdline", cmdline])
-            .args(extra)
+            .args(extra);
+        Self::spawn(cmd)
+    }
+
+    /// Runs `cmd` (a kemari command line) and collects its serial lines.
+    fn spawn(mut cmd: Command) -> Self {
+        let turn = one_at_a_time();
+        let mut child = cmd
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -450,6 +455,69 @@ fn tcp_echo_of_1_mib_through_a_tap() {
         .iter()
         .enumerate()
         .all(|(i, &c)| c == b'a' + (i % 26) as u8));
+}
+
+fn counter_value(line: &str) -> Option<u64> {
+    line.strip_prefix("counter: ")?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The basis of "the guest continued where it left off": a snapshot
+/// restored in a new kemari process carries on counting from where the
+/// snapshot was taken, neither restarting nor skipping.
+#[test]
+fn counter_continues_after_snapshot_and_restore() {
+    if !have_kvm() {
+        return;
+    }
+    let dir = scratch("guest-restore");
+    let socket = dir.join("api.sock");
+    let snap = dir.join("snap");
+    let mut run = GuestRun::start(
+        "256M",
+        "counter=100 poweroff_after=6000",
+        &["--api-socket", socket.to_str().unwrap()],
+    );
+    let (_, line) = run.wait_line("counter: 5 ", Duration::from_secs(10));
+    let before = counter_value(&line).unwrap();
+    let out = run_with_timeout(
+        kemarictl(&socket).arg("snapshot").arg(&snap),
+        Duration::from_secs(30),
+    );
+    assert!(out.status.success(), "snapshot: {out:?}");
+    let _ = run_with_timeout(kemarictl(&socket).arg("shutdown"), Duration::from_secs(30));
+    let (_, first_run, _) = run.finish(Duration::from_secs(30));
+    let last_printed = first_run
+        .iter()
+        .filter_map(|(_, l)| counter_value(l))
+        .max()
+        .unwrap();
+
+    let mut cmd = kemari();
+    cmd.arg("--restore").arg(&snap);
+    let (status, lines, err) = GuestRun::spawn(cmd).finish(Duration::from_secs(30));
+    let out = show(&lines);
+    assert!(status.success(), "status {status:?}\n{out}{err}");
+    assert!(
+        !lines
+            .iter()
+            .any(|(_, l)| l.starts_with("kemari-guest: hello")),
+        "the restored guest booted again:\n{out}"
+    );
+    let counters: Vec<u64> = lines.iter().filter_map(|(_, l)| counter_value(l)).collect();
+    let first = counters[0];
+    assert!(
+        first > before && first <= last_printed + 1,
+        "first counter after restore {first}, snapshot taken after {before}, \
+         first run printed up to {last_printed}:\n{out}"
+    );
+    for w in counters.windows(2) {
+        assert_eq!(w[1], w[0] + 1, "counter skipped after restore:\n{out}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
