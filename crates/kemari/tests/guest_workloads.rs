@@ -564,6 +564,80 @@ fn counter_continues_after_snapshot_and_restore() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Warm restart (memory kept in its file, the VMM replaced) in the middle
+/// of a flushed disk write: the guest finishes the job, its verify finds
+/// every block, and the counter carries on.
+#[test]
+fn workloads_continue_across_a_warm_restart() {
+    if !have_kvm() {
+        return;
+    }
+    let dir = scratch("guest-warm");
+    let socket = dir.join("api.sock");
+    let state = dir.join("state");
+    let memfile = PathBuf::from(format!("/dev/shm/kemari-guest-test-{}", std::process::id()));
+    let img = dir.join("disk.img");
+    std::fs::File::create(&img)
+        .and_then(|f| f.set_len(64 << 20))
+        .expect("disk image");
+    let mut run = GuestRun::start(
+        "256M",
+        "counter=100 disk=write,3000,seq,flush disk=verify,3000 poweroff=done",
+        &[
+            "--api-socket",
+            socket.to_str().unwrap(),
+            "--memory-file",
+            memfile.to_str().unwrap(),
+            "--disk",
+            img.to_str().unwrap(),
+        ],
+    );
+    run.wait_line("disk: acked=1000 ", Duration::from_secs(60));
+    let (_, line) = run.wait_line("counter: ", Duration::from_secs(10));
+    let before = counter_value(&line).unwrap();
+    let out = run_with_timeout(
+        kemarictl(&socket).arg("warm-restart").arg(&state),
+        Duration::from_secs(30),
+    );
+    assert!(out.status.success(), "warm-restart: {out:?}");
+    let (_, first_run, _) = run.finish(Duration::from_secs(30));
+    let out1 = show(&first_run);
+    assert!(
+        !first_run
+            .iter()
+            .any(|(_, l)| l.starts_with("disk: write done")),
+        "the write finished before the restart; make it longer:\n{out1}"
+    );
+
+    let mut cmd = kemari();
+    cmd.arg("--restore").arg(&state);
+    let (status, lines, err) = GuestRun::spawn(cmd).finish(Duration::from_secs(120));
+    let _ = std::fs::remove_file(&memfile);
+    let out = show(&lines);
+    assert!(status.success(), "status {status:?}\n{out}{err}");
+    assert!(
+        !lines
+            .iter()
+            .any(|(_, l)| l.starts_with("kemari-guest: hello")),
+        "the restored guest booted again:\n{out}"
+    );
+    let first = lines
+        .iter()
+        .find_map(|(_, l)| counter_value(l))
+        .expect("counter lines after the restart");
+    assert!(
+        first > before,
+        "counter went back: {first} <= {before}\n{out}"
+    );
+    for want in [
+        "disk: write done blocks=3000",
+        "disk: verify ok blocks=3000",
+    ] {
+        assert!(lines.iter().any(|(_, l)| l == want), "no {want:?}:\n{out}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn guest_fault_is_reported_and_fails_the_vm() {
     if !have_kvm() {
