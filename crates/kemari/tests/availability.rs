@@ -591,3 +591,84 @@ fn warm_restart_without_a_named_memory_file_is_refused_and_the_vm_runs_on() {
     });
     assert!(ctl(&vmm.api, &["shutdown"]).status.success());
 }
+
+#[test]
+fn several_vms_warm_restart_in_parallel() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("av-warm-many");
+    let vms: Vec<(Vmm, PathBuf)> = (0..3)
+        .map(|i| {
+            let memfile = PathBuf::from(format!(
+                "/dev/shm/kemari-av-many-{}-{i}",
+                std::process::id()
+            ));
+            let _ = std::fs::remove_file(&memfile);
+            let vmm = spawn_vmm(
+                &[
+                    "--kernel".into(),
+                    guest_elf().display().to_string(),
+                    "--memory".into(),
+                    "256M".into(),
+                    "--memory-file".into(),
+                    memfile.display().to_string(),
+                    "--cmdline".into(),
+                    "counter=200".into(),
+                ],
+                &dir.join(format!("console-{i}-a.log")),
+                &dir.join(format!("api-{i}-a.sock")),
+                &[],
+            );
+            (vmm, memfile)
+        })
+        .collect();
+    for (vmm, _) in &vms {
+        wait_for("counter", Duration::from_secs(30), || {
+            counters(&vmm.console).len() >= 2
+        });
+    }
+    // All three save at once.
+    let saves: Vec<_> = vms
+        .iter()
+        .enumerate()
+        .map(|(i, (vmm, _))| {
+            let api = vmm.api.clone();
+            let state = dir.join(format!("warm-{i}"));
+            std::thread::spawn(move || ctl(&api, &["warm-restart", state.to_str().unwrap()]))
+        })
+        .collect();
+    for s in saves {
+        let out = s.join().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut restored = Vec::new();
+    for (i, (mut vmm, memfile)) in vms.into_iter().enumerate() {
+        assert!(wait_exit(&mut vmm.child.0, "an old VMM").success());
+        let last = *counters(&vmm.console).last().unwrap();
+        let new = spawn_vmm(
+            &[
+                "--restore".into(),
+                dir.join(format!("warm-{i}")).display().to_string(),
+            ],
+            &dir.join(format!("console-{i}-b.log")),
+            &dir.join(format!("api-{i}-b.sock")),
+            &[],
+        );
+        restored.push((new, last, memfile));
+    }
+    for (new, last, memfile) in restored {
+        wait_for("counter after restore", Duration::from_secs(30), || {
+            counters(&new.console).len() >= 2
+        });
+        let first = counters(&new.console)[0];
+        assert!(first > 1 && first <= last + 2, "{last} -> {first}");
+        assert!(ctl(&new.api, &["shutdown"]).status.success());
+        let _ = std::fs::remove_file(memfile);
+    }
+}
