@@ -7,13 +7,14 @@
 //! - [`vmm_pages`]: pages the VMM itself writes, merged into every harvest.
 
 pub mod bitmap;
+pub mod page_writer;
 pub mod ring;
 pub mod tracker;
 pub mod vmm_pages;
 
 pub use ring::DirtyRing;
 pub use tracker::{
-    DirtyError, DirtyStats, DirtyTracker, DirtyTrackerConfig, DirtyTrackerKind,
-    DirtyTrackingMode, DEFAULT_RING_ENTRIES,
+    DirtyError, DirtyStats, DirtyTracker, DirtyTrackerConfig, DirtyTrackerKind, DirtyTrackingMode,
+    DEFAULT_RING_ENTRIES,
 };
 pub use vmm_pages::{VmmDirtyPages, PAGE_SIZE};

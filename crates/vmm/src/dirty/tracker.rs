@@ -321,7 +321,11 @@ impl DirtyTracker {
                 vm.enable_dirty_ring(cap, entries)?;
                 (DirtyTrackerKind::Ring, entries, false)
             }
-            _ => (DirtyTrackerKind::Bitmap, 0, vm.enable_manual_dirty_protect()?),
+            _ => (
+                DirtyTrackerKind::Bitmap,
+                0,
+                vm.enable_manual_dirty_protect()?,
+            ),
         };
         tracing::info!(
             kind = ?kind,
@@ -594,10 +598,7 @@ impl DirtyTracker {
 
     /// Pages waiting in the pending set (harvested from full rings).
     pub fn pending(&self) -> usize {
-        self.lock()
-            .tracking
-            .as_ref()
-            .map_or(0, |t| t.pending.len())
+        self.lock().tracking.as_ref().map_or(0, |t| t.pending.len())
     }
 }
 

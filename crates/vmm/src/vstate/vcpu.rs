@@ -83,7 +83,10 @@ impl VcpuExitCounters {
             ("mmio_read", self.mmio_read.load(Ordering::Relaxed)),
             ("mmio_write", self.mmio_write.load(Ordering::Relaxed)),
             ("interrupted", self.interrupted.load(Ordering::Relaxed)),
-            ("dirty_ring_full", self.dirty_ring_full.load(Ordering::Relaxed)),
+            (
+                "dirty_ring_full",
+                self.dirty_ring_full.load(Ordering::Relaxed),
+            ),
             ("other", self.other.load(Ordering::Relaxed)),
         ]
     }

@@ -11,10 +11,10 @@ use kvm_bindings::{
     KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY,
 };
 use kvm_ioctls::{Cap, IoEventAddress, Kvm, VmFd};
-use vmm_sys_util::ioctl::{ioctl, ioctl_with_ref};
-use vmm_sys_util::{ioctl_io_nr, ioctl_iow_nr, ioctl_iowr_nr};
 use vm_memory::{Address, GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::ioctl::{ioctl, ioctl_with_ref};
+use vmm_sys_util::{ioctl_io_nr, ioctl_iow_nr, ioctl_iowr_nr};
 
 use crate::memory::GuestMemoryMmap;
 
@@ -318,7 +318,9 @@ impl Vm {
             .iter()
             .find(|r| r.slot == slot)
             .map(|r| r.memory_size / 4096)
-            .ok_or(VmError::DirtyLogArgs("KVM_GET_DIRTY_LOG of an unknown slot"))?;
+            .ok_or(VmError::DirtyLogArgs(
+                "KVM_GET_DIRTY_LOG of an unknown slot",
+            ))?;
         if (pages as usize).div_ceil(64) > bitmap.len() {
             return Err(VmError::DirtyLogArgs("KVM_GET_DIRTY_LOG bitmap too short"));
         }
@@ -352,7 +354,9 @@ impl Vm {
         bitmap: &[u64],
     ) -> Result<(), VmError> {
         if (num_pages as usize).div_ceil(64) > bitmap.len() {
-            return Err(VmError::DirtyLogArgs("KVM_CLEAR_DIRTY_LOG bitmap too short"));
+            return Err(VmError::DirtyLogArgs(
+                "KVM_CLEAR_DIRTY_LOG bitmap too short",
+            ));
         }
         let clear = kvm_clear_dirty_log {
             slot,
