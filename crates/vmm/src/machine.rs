@@ -18,6 +18,7 @@ use crate::devices::legacy::{
     SERIAL_PORT,
 };
 use crate::devices::virtio::DeviceCounters;
+use crate::dirty::{DirtyError, DirtyTracker, DirtyTrackerConfig};
 use crate::memory::{GuestMemoryFile, GuestMemoryMmap, MemoryError};
 use crate::output::{OutputGate, PassThroughGate};
 use crate::virtio_devices::{self, AttachError, AttachedDevice};
@@ -53,6 +54,9 @@ pub enum MachineError {
     /// Device event loop.
     #[error(transparent)]
     EventLoop(#[from] EventLoopError),
+    /// Dirty-page tracking.
+    #[error(transparent)]
+    Dirty(#[from] DirtyError),
     /// The serial console's output could not be opened.
     #[error("serial console output {path}")]
     Serial {
@@ -149,6 +153,7 @@ pub struct Machine {
     state: RunState,
     built_at: Instant,
     pauses: u64,
+    dirty: Arc<DirtyTracker>,
 }
 
 impl Machine {
@@ -169,12 +174,27 @@ impl Machine {
         start_paused: bool,
         gate: Arc<dyn OutputGate>,
     ) -> Result<Self, MachineError> {
+        let dirty = DirtyTrackerConfig::default();
+        Self::build_with_dirty_tracking(config, events, start_paused, gate, dirty)
+    }
+
+    /// Like [`build_with_gate`](Self::build_with_gate), choosing how dirty
+    /// pages are tracked (the choice is made before the vCPUs exist; tracking
+    /// itself starts later, see [`dirty_tracker`](Self::dirty_tracker)).
+    pub fn build_with_dirty_tracking(
+        config: MachineConfig,
+        events: VmEventSink,
+        start_paused: bool,
+        gate: Arc<dyn OutputGate>,
+        dirty: DirtyTrackerConfig,
+    ) -> Result<Self, MachineError> {
         let built_at = Instant::now();
         config.validate()?;
         let memory_file = GuestMemoryFile::create(config.memory_bytes, &config.memory_backing)?;
         let guest_memory = memory_file.map()?;
         let t_memory = built_at.elapsed();
         let vm = Vm::new()?;
+        let dirty = DirtyTracker::new(&vm, &guest_memory, dirty)?;
         let t_vm = built_at.elapsed();
         // Memory slots cost O(memory) in KVM: register them while the devices,
         // the kernel and the vCPUs are set up, and join before any vCPU runs.
@@ -200,7 +220,8 @@ impl Machine {
         } = setup?;
         let t_setup = built_at.elapsed();
         let mut vcpus = Vec::with_capacity(created.len());
-        for vcpu in created {
+        for mut vcpu in created {
+            dirty.attach_vcpu(&mut vcpu)?;
             vcpus.push(vcpu.start(
                 io_bus.clone(),
                 mmio_bus.clone(),
@@ -243,6 +264,7 @@ impl Machine {
             state,
             built_at,
             pauses: 0,
+            dirty,
         })
     }
 
@@ -359,6 +381,20 @@ impl Machine {
     /// The KVM VM.
     pub fn vm(&self) -> &Vm {
         &self.vm
+    }
+
+    /// The dirty-page tracker (off until its `start()`).
+    pub fn dirty_tracker(&self) -> &Arc<DirtyTracker> {
+        &self.dirty
+    }
+
+    /// Guest page frame numbers written since tracking started or the last
+    /// harvest; running vCPUs are kicked so that none is missed.
+    pub fn harvest_dirty(&self) -> Result<Vec<u64>, MachineError> {
+        Ok(match self.state {
+            RunState::Running => self.dirty.harvest_running(&self.vcpus)?,
+            RunState::Paused => self.dirty.harvest()?,
+        })
     }
 
     /// Stops every vCPU, then the device event loop.
