@@ -18,6 +18,7 @@ use crate::devices::legacy::{
     SERIAL_PORT,
 };
 use crate::devices::virtio::DeviceCounters;
+use crate::dirty::{DirtyError, DirtyTracker, DirtyTrackerConfig};
 use crate::memory::{GuestMemoryFile, GuestMemoryMmap, MemoryError};
 use crate::output::{OutputGate, PassThroughGate};
 use crate::persist::{self, VmState};
@@ -54,6 +55,9 @@ pub enum MachineError {
     /// Device event loop.
     #[error(transparent)]
     EventLoop(#[from] EventLoopError),
+    /// Dirty-page tracking.
+    #[error(transparent)]
+    Dirty(#[from] DirtyError),
     /// The serial console's output could not be opened.
     #[error("serial console output {path}")]
     Serial {
@@ -168,6 +172,7 @@ pub struct Machine {
     state: RunState,
     built_at: Instant,
     pauses: u64,
+    dirty: Arc<DirtyTracker>,
 }
 
 impl Machine {
@@ -188,6 +193,20 @@ impl Machine {
         start_paused: bool,
         gate: Arc<dyn OutputGate>,
     ) -> Result<Self, MachineError> {
+        let dirty = DirtyTrackerConfig::default();
+        Self::build_with_dirty_tracking(config, events, start_paused, gate, dirty)
+    }
+
+    /// Like [`build_with_gate`](Self::build_with_gate), choosing how dirty
+    /// pages are tracked (the choice is made before the vCPUs exist; tracking
+    /// itself starts later, see [`dirty_tracker`](Self::dirty_tracker)).
+    pub fn build_with_dirty_tracking(
+        config: MachineConfig,
+        events: VmEventSink,
+        start_paused: bool,
+        gate: Arc<dyn OutputGate>,
+        dirty: DirtyTrackerConfig,
+    ) -> Result<Self, MachineError> {
         config.validate()?;
         let memory_file = GuestMemoryFile::create(config.memory_bytes, &config.memory_backing)?;
         Self::assemble(
@@ -198,6 +217,7 @@ impl Machine {
             gate,
             None,
             Vec::new(),
+            dirty,
         )
     }
 
@@ -242,6 +262,7 @@ impl Machine {
             gate,
             Some(state),
             taps,
+            DirtyTrackerConfig::default(),
         )
     }
 
@@ -284,6 +305,7 @@ impl Machine {
             gate,
             Some(state),
             taps,
+            DirtyTrackerConfig::default(),
         )
     }
 
@@ -296,6 +318,7 @@ impl Machine {
         gate: Arc<dyn OutputGate>,
         saved: Option<&VmState>,
         taps: Vec<std::fs::File>,
+        dirty: DirtyTrackerConfig,
     ) -> Result<Self, MachineError> {
         let guest_memory = memory_file.map()?;
         let vm = Vm::new()?;
@@ -313,6 +336,7 @@ impl Machine {
             gate,
             saved,
             taps,
+            dirty,
         )
     }
 
@@ -326,6 +350,7 @@ impl Machine {
         gate: Arc<dyn OutputGate>,
         saved: Option<&VmState>,
         taps: Vec<std::fs::File>,
+        dirty: DirtyTrackerConfig,
     ) -> Result<Self, MachineError> {
         let built_at = Instant::now();
         let PreparedVm {
@@ -333,6 +358,8 @@ impl Machine {
             guest_memory,
             vm,
         } = prepared;
+        // Before any vCPU exists: the dirty ring must be enabled first.
+        let dirty = DirtyTracker::new(&vm, &guest_memory, dirty)?;
         let t_memory = built_at.elapsed();
         let t_vm = built_at.elapsed();
         // Memory slots cost O(memory) in KVM: register them while the devices,
@@ -381,7 +408,8 @@ impl Machine {
         }
         let t_setup = built_at.elapsed();
         let mut vcpus = Vec::with_capacity(created.len());
-        for vcpu in created {
+        for mut vcpu in created {
+            dirty.attach_vcpu(&mut vcpu)?;
             vcpus.push(vcpu.start(
                 io_bus.clone(),
                 mmio_bus.clone(),
@@ -426,6 +454,7 @@ impl Machine {
             state,
             built_at,
             pauses: 0,
+            dirty,
         })
     }
 
@@ -624,6 +653,53 @@ impl Machine {
         &self.vm
     }
 
+    /// The dirty-page tracker (off until its `start()`).
+    pub fn dirty_tracker(&self) -> &Arc<DirtyTracker> {
+        &self.dirty
+    }
+
+    /// Guest page frame numbers written since tracking started or the last
+    /// harvest; running vCPUs are kicked so that none is missed.
+    pub fn harvest_dirty(&self) -> Result<Vec<u64>, MachineError> {
+        Ok(match self.state {
+            RunState::Running => self.dirty.harvest_running(&self.vcpus)?,
+            RunState::Paused => self.dirty.harvest()?,
+        })
+    }
+
+    /// Starts dirty-page logging (guest and VMM writes).
+    pub fn start_dirty_log(&self) -> Result<(), MachineError> {
+        Ok(self.dirty.start()?)
+    }
+
+    /// Stops dirty-page logging.
+    pub fn stop_dirty_log(&self) -> Result<(), MachineError> {
+        Ok(self.dirty.stop()?)
+    }
+
+    /// Announces each network device's MAC on its TAP (a RARP broadcast, as
+    /// switches expect after a VM moved), so that bridges learn its new port.
+    pub fn announce_network(&self) {
+        let taps = self.tap_fds();
+        for (net, fd) in self.config.nets.iter().zip(taps) {
+            let mac = net
+                .mac
+                .as_deref()
+                .and_then(|m| crate::config::parse_mac(m).ok())
+                .unwrap_or_else(|| crate::config::default_mac(&net.tap));
+            let frame = rarp_announce(mac);
+            for _ in 0..3 {
+                // SAFETY: write() reads `frame` (valid for its length) from our
+                // own buffer into the TAP fd the device owns; no memory is kept.
+                let rc = unsafe { libc::write(fd, frame.as_ptr().cast(), frame.len()) };
+                if rc < 0 {
+                    tracing::warn!(tap = %net.tap, error = %std::io::Error::last_os_error(), "cannot announce MAC");
+                    break;
+                }
+            }
+        }
+    }
+
     /// Stops every vCPU, then the device event loop.
     pub fn pause(&mut self) -> Result<(), MachineError> {
         if self.state == RunState::Paused {
@@ -722,6 +798,22 @@ impl Machine {
         self.event_loop = None;
         tracing::info!("machine shut down");
     }
+}
+
+/// A RARP "request reverse" broadcast from `mac`, behind a zeroed virtio-net
+/// header (the TAP expects one), padded to the 60-byte Ethernet minimum.
+fn rarp_announce(mac: [u8; 6]) -> Vec<u8> {
+    let mut f = vec![0u8; 12]; // virtio-net header
+    f.extend_from_slice(&[0xff; 6]);
+    f.extend_from_slice(&mac);
+    f.extend_from_slice(&[0x80, 0x35]); // RARP
+    f.extend_from_slice(&[0, 1, 0x08, 0x00, 6, 4, 0, 3]);
+    f.extend_from_slice(&mac);
+    f.extend_from_slice(&[0; 4]);
+    f.extend_from_slice(&mac);
+    f.extend_from_slice(&[0; 4]);
+    f.resize(12 + 60, 0);
+    f
 }
 
 fn open_serial(cfg: &SerialConfig) -> Result<(SerialOutput, String), MachineError> {

@@ -68,6 +68,8 @@ pub struct VcpuExitCounters {
     pub mmio_write: AtomicU64,
     /// KVM_RUN interrupted by a signal (kicks).
     pub interrupted: AtomicU64,
+    /// KVM_EXIT_DIRTY_RING_FULL: the vCPU's dirty ring needed harvesting.
+    pub dirty_ring_full: AtomicU64,
     /// Every other exit.
     pub other: AtomicU64,
 }
@@ -81,6 +83,10 @@ impl VcpuExitCounters {
             ("mmio_read", self.mmio_read.load(Ordering::Relaxed)),
             ("mmio_write", self.mmio_write.load(Ordering::Relaxed)),
             ("interrupted", self.interrupted.load(Ordering::Relaxed)),
+            (
+                "dirty_ring_full",
+                self.dirty_ring_full.load(Ordering::Relaxed),
+            ),
             ("other", self.other.load(Ordering::Relaxed)),
         ]
     }
@@ -119,10 +125,20 @@ pub enum BootEntry {
     },
 }
 
+/// KVM_EXIT_DIRTY_RING_FULL (not decoded by kvm-ioctls 0.25).
+const KVM_EXIT_DIRTY_RING_FULL: u32 = kvm_bindings::KVM_EXIT_DIRTY_RING_FULL;
+
+/// Called on the vCPU thread (with the vCPU index) when KVM_RUN exits with
+/// KVM_EXIT_DIRTY_RING_FULL. It must harvest the vCPU's ring and issue
+/// KVM_RESET_DIRTY_RINGS before returning (or block until someone has): the
+/// vCPU re-enters KVM_RUN right after, and a ring still full exits again.
+pub type DirtyRingFullHandler = Arc<dyn Fn(u8) + Send + Sync>;
+
 /// A vCPU before its thread starts.
 pub struct Vcpu {
     index: u8,
     fd: VcpuFd,
+    dirty_ring_full: Option<DirtyRingFullHandler>,
 }
 
 impl Vcpu {
@@ -135,7 +151,11 @@ impl Vcpu {
                 what: "KVM_CREATE_VCPU",
                 source,
             })?;
-        Ok(Vcpu { index, fd })
+        Ok(Vcpu {
+            index,
+            fd,
+            dirty_ring_full: None,
+        })
     }
 
     /// The TSC frequency KVM gives this vCPU, if it knows it.
@@ -183,6 +203,13 @@ impl Vcpu {
     /// The KVM vCPU fd (for state save/restore before the thread starts).
     pub fn fd(&mut self) -> &mut VcpuFd {
         &mut self.fd
+    }
+
+    /// Installs what the vCPU thread calls on KVM_EXIT_DIRTY_RING_FULL (see
+    /// [`DirtyRingFullHandler`]). Without one, a full ring stops the vCPU with
+    /// an error rather than spinning.
+    pub fn set_dirty_ring_full_handler(&mut self, handler: DirtyRingFullHandler) {
+        self.dirty_ring_full = Some(handler);
     }
 
     /// Sets the boot vCPU's registers for `entry`.
@@ -293,6 +320,7 @@ impl Vcpu {
             mmio_bus,
             events,
             counters: counters.clone(),
+            dirty_ring_full: self.dirty_ring_full,
         };
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{index}"))
@@ -409,6 +437,7 @@ struct VcpuRunner {
     mmio_bus: Arc<Bus>,
     events: VmEventSink,
     counters: Arc<VcpuExitCounters>,
+    dirty_ring_full: Option<DirtyRingFullHandler>,
 }
 
 enum Flow {
@@ -523,6 +552,18 @@ impl VcpuRunner {
                     self.index
                 )));
                 return Flow::Stop;
+            }
+            Ok(VcpuExit::Unsupported(KVM_EXIT_DIRTY_RING_FULL)) => {
+                c.dirty_ring_full.fetch_add(1, Ordering::Relaxed);
+                let Some(handler) = &self.dirty_ring_full else {
+                    self.events.send(VmEvent::Error(format!(
+                        "vCPU {}: dirty ring full and nobody harvests it",
+                        self.index
+                    )));
+                    return Flow::Stop;
+                };
+                // Harvest + KVM_RESET_DIRTY_RINGS, then re-enter.
+                handler(self.index);
             }
             Ok(VcpuExit::Intr) => {
                 c.interrupted.fetch_add(1, Ordering::Relaxed);

@@ -1,10 +1,20 @@
 //! The KVM VM: creation, in-kernel irqchip and PIT, memory slots, irqfds and
 //! ioeventfds.
 
-use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
+use std::os::fd::{AsRawFd, FromRawFd};
+use std::sync::{Arc, Mutex};
+
+use kvm_bindings::{
+    kvm_clear_dirty_log, kvm_clear_dirty_log__bindgen_ty_1, kvm_dirty_log,
+    kvm_dirty_log__bindgen_ty_1, kvm_enable_cap, kvm_pit_config, kvm_userspace_memory_region,
+    KVM_CAP_DIRTY_LOG_RING, KVM_CAP_DIRTY_LOG_RING_ACQ_REL, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
+    KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY,
+};
 use kvm_ioctls::{Cap, IoEventAddress, Kvm, VmFd};
 use vm_memory::{Address, GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::ioctl::{ioctl, ioctl_with_ref};
+use vmm_sys_util::{ioctl_io_nr, ioctl_iow_nr, ioctl_iowr_nr};
 
 use crate::memory::GuestMemoryMmap;
 
@@ -12,6 +22,32 @@ use crate::memory::GuestMemoryMmap;
 /// would collide with nothing we map).
 const KVM_TSS_ADDRESS: usize = 0xfffb_d000;
 const KVM_IDENTITY_MAP_ADDRESS: u64 = 0xfffb_c000;
+
+const KVMIO: u32 = 0xAE;
+// Not wrapped by kvm-ioctls 0.25.
+ioctl_io_nr!(KVM_RESET_DIRTY_RINGS, KVMIO, 0xc7);
+ioctl_iowr_nr!(KVM_CLEAR_DIRTY_LOG, KVMIO, 0xc0, kvm_clear_dirty_log);
+// kvm-ioctls has it, but allocates the bitmap on every call.
+ioctl_iow_nr!(KVM_GET_DIRTY_LOG, KVMIO, 0x42, kvm_dirty_log);
+
+/// Which flavour of the KVM dirty ring a VM has enabled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DirtyRingCap {
+    /// KVM_CAP_DIRTY_LOG_RING_ACQ_REL: the kernel publishes entries with
+    /// release and reads our RESET marks with acquire (any architecture).
+    AcqRel,
+    /// KVM_CAP_DIRTY_LOG_RING: the original x86 (TSO) flavour.
+    Tso,
+}
+
+impl DirtyRingCap {
+    fn number(self) -> u32 {
+        match self {
+            DirtyRingCap::AcqRel => KVM_CAP_DIRTY_LOG_RING_ACQ_REL,
+            DirtyRingCap::Tso => KVM_CAP_DIRTY_LOG_RING,
+        }
+    }
+}
 
 /// Errors while creating or configuring the VM.
 #[derive(Debug, thiserror::Error)]
@@ -25,6 +61,9 @@ pub enum VmError {
     /// A capability we need is missing.
     #[error("KVM lacks a capability kemari needs: {0}")]
     MissingCap(&'static str),
+    /// A dirty-log call was given arguments that do not fit the slot.
+    #[error("dirty log: {0}")]
+    DirtyLogArgs(&'static str),
     /// A KVM ioctl failed.
     #[error("KVM {what} failed")]
     Kvm {
@@ -44,7 +83,10 @@ fn kvm_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
 pub struct Vm {
     kvm: Kvm,
     fd: VmFd,
-    slots: std::sync::atomic::AtomicU32,
+    slots: Arc<std::sync::atomic::AtomicU32>,
+    /// The slots as registered (flags aside), for dirty logging to re-register
+    /// them; shared with clones.
+    regions: Arc<Mutex<Vec<kvm_userspace_memory_region>>>,
 }
 
 impl Vm {
@@ -80,7 +122,8 @@ impl Vm {
         Ok(Vm {
             kvm,
             fd,
-            slots: std::sync::atomic::AtomicU32::new(0),
+            slots: Arc::new(std::sync::atomic::AtomicU32::new(0)),
+            regions: Arc::new(Mutex::new(Vec::new())),
         })
     }
 
@@ -115,6 +158,10 @@ impl Vm {
             // `mem` (and so the mapping) alive at least as long as the VM fd.
             unsafe { self.fd.set_user_memory_region(slot) }
                 .map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
+            self.regions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(slot);
         }
         Ok(())
     }
@@ -142,5 +189,192 @@ impl Vm {
         self.fd
             .register_ioevent(evt, &IoEventAddress::Mmio(addr), datamatch)
             .map_err(kvm_err("KVM_IOEVENTFD"))
+    }
+
+    /// A second handle on the same KVM VM (duplicated file descriptors), for
+    /// components that outlive borrows of the machine (the dirty tracker).
+    pub fn try_clone(&self) -> Result<Vm, VmError> {
+        let dup = |fd: i32, what: &'static str| {
+            // SAFETY: dup of a descriptor we own; the result is checked.
+            let new = unsafe { libc::dup(fd) };
+            if new < 0 {
+                Err(VmError::Kvm {
+                    what,
+                    source: kvm_ioctls::Error::last(),
+                })
+            } else {
+                Ok(new)
+            }
+        };
+        let kvm_fd = dup(self.kvm.as_raw_fd(), "dup of /dev/kvm")?;
+        // SAFETY: `kvm_fd` is a fresh duplicate of an open /dev/kvm descriptor,
+        // owned by nothing else.
+        let kvm = unsafe { Kvm::from_raw_fd(kvm_fd) };
+        let vm_fd = dup(self.fd.as_raw_fd(), "dup of the VM fd")?;
+        // SAFETY: `vm_fd` is a fresh duplicate of this VM's descriptor, owned by
+        // nothing else.
+        let fd = unsafe { kvm.create_vmfd_from_rawfd(vm_fd) }.map_err(kvm_err("VM fd clone"))?;
+        Ok(Vm {
+            kvm,
+            fd,
+            slots: self.slots.clone(),
+            regions: self.regions.clone(),
+        })
+    }
+
+    /// The memory slots registered so far, with the flags they were given.
+    pub fn memory_slot_regions(&self) -> Vec<kvm_userspace_memory_region> {
+        self.regions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// The dirty ring flavour KVM offers and its largest ring in bytes, if any.
+    pub fn dirty_ring_support(&self) -> Option<(DirtyRingCap, usize)> {
+        [DirtyRingCap::AcqRel, DirtyRingCap::Tso]
+            .into_iter()
+            .find_map(|cap| {
+                let max = self.fd.check_extension_raw(u64::from(cap.number()));
+                (max > 0).then_some((cap, max as usize))
+            })
+    }
+
+    /// Enables the per-vCPU dirty ring with `entries` entries (a power of two,
+    /// at least 256). Must run before the first vCPU is created.
+    pub fn enable_dirty_ring(&self, cap: DirtyRingCap, entries: u32) -> Result<(), VmError> {
+        let bytes = u64::from(entries) * std::mem::size_of::<kvm_bindings::kvm_dirty_gfn>() as u64;
+        let mut enable = kvm_enable_cap {
+            cap: cap.number(),
+            ..Default::default()
+        };
+        enable.args[0] = bytes;
+        self.fd
+            .enable_cap(&enable)
+            .map_err(kvm_err("KVM_ENABLE_CAP(DIRTY_LOG_RING)"))
+    }
+
+    /// Turns on KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2 if KVM has it: then
+    /// KVM_GET_DIRTY_LOG only reads and KVM_CLEAR_DIRTY_LOG re-protects.
+    /// Returns whether it is on.
+    pub fn enable_manual_dirty_protect(&self) -> Result<bool, VmError> {
+        let supported = self
+            .fd
+            .check_extension_raw(u64::from(KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2));
+        if supported <= 0 || supported as u32 & KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE == 0 {
+            return Ok(false);
+        }
+        let mut enable = kvm_enable_cap {
+            cap: KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
+            ..Default::default()
+        };
+        enable.args[0] = u64::from(KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE);
+        self.fd
+            .enable_cap(&enable)
+            .map_err(kvm_err("KVM_ENABLE_CAP(MANUAL_DIRTY_LOG_PROTECT2)"))?;
+        Ok(true)
+    }
+
+    /// Sets or clears KVM_MEM_LOG_DIRTY_PAGES on every registered slot (the
+    /// dirty ring and the dirty bitmap both log only such slots). Turning it
+    /// on write-protects the slot's pages, O(memory), once.
+    pub fn set_dirty_logging(&self, enabled: bool) -> Result<(), VmError> {
+        let mut regions = self.regions.lock().unwrap_or_else(|p| p.into_inner());
+        for region in regions.iter_mut() {
+            if enabled {
+                region.flags |= KVM_MEM_LOG_DIRTY_PAGES;
+            } else {
+                region.flags &= !KVM_MEM_LOG_DIRTY_PAGES;
+            }
+            // SAFETY: same slot, same host mapping as registered by
+            // `register_memory` (still alive, see there); only the flags change.
+            unsafe { self.fd.set_user_memory_region(*region) }
+                .map_err(kvm_err("KVM_SET_USER_MEMORY_REGION(LOG_DIRTY_PAGES)"))?;
+        }
+        Ok(())
+    }
+
+    /// KVM_RESET_DIRTY_RINGS: re-protects the pages of every ring entry marked
+    /// RESET and frees those entries. Returns the number of entries reset.
+    pub fn reset_dirty_rings(&self) -> Result<u32, VmError> {
+        // SAFETY: the ioctl takes no argument and only touches the VM's rings.
+        let ret = unsafe { ioctl(&self.fd, KVM_RESET_DIRTY_RINGS()) };
+        if ret < 0 {
+            return Err(VmError::Kvm {
+                what: "KVM_RESET_DIRTY_RINGS",
+                source: kvm_ioctls::Error::last(),
+            });
+        }
+        Ok(ret as u32)
+    }
+
+    /// KVM_GET_DIRTY_LOG of `slot` into `bitmap` (one bit per page; at least
+    /// pages/64 words, rounded up).
+    pub fn get_dirty_log_into(&self, slot: u32, bitmap: &mut [u64]) -> Result<(), VmError> {
+        let pages = self
+            .regions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|r| r.slot == slot)
+            .map(|r| r.memory_size / 4096)
+            .ok_or(VmError::DirtyLogArgs(
+                "KVM_GET_DIRTY_LOG of an unknown slot",
+            ))?;
+        if (pages as usize).div_ceil(64) > bitmap.len() {
+            return Err(VmError::DirtyLogArgs("KVM_GET_DIRTY_LOG bitmap too short"));
+        }
+        let log = kvm_dirty_log {
+            slot,
+            padding1: 0,
+            __bindgen_anon_1: kvm_dirty_log__bindgen_ty_1 {
+                dirty_bitmap: bitmap.as_mut_ptr().cast(),
+            },
+        };
+        // SAFETY: KVM writes the slot's pages/64 words (rounded up) into
+        // `bitmap`, which is that long (checked above) and outlives the call.
+        let ret = unsafe { ioctl_with_ref(&self.fd, KVM_GET_DIRTY_LOG(), &log) };
+        if ret < 0 {
+            return Err(VmError::Kvm {
+                what: "KVM_GET_DIRTY_LOG",
+                source: kvm_ioctls::Error::last(),
+            });
+        }
+        Ok(())
+    }
+
+    /// KVM_CLEAR_DIRTY_LOG: re-protects the pages of `slot` whose bits are set
+    /// in `bitmap`, bit 0 being page `first_page` (a multiple of 64);
+    /// `num_pages` is a multiple of 64 or reaches the end of the slot.
+    pub fn clear_dirty_log(
+        &self,
+        slot: u32,
+        first_page: u64,
+        num_pages: u32,
+        bitmap: &[u64],
+    ) -> Result<(), VmError> {
+        if (num_pages as usize).div_ceil(64) > bitmap.len() {
+            return Err(VmError::DirtyLogArgs(
+                "KVM_CLEAR_DIRTY_LOG bitmap too short",
+            ));
+        }
+        let clear = kvm_clear_dirty_log {
+            slot,
+            num_pages,
+            first_page,
+            __bindgen_anon_1: kvm_clear_dirty_log__bindgen_ty_1 {
+                dirty_bitmap: bitmap.as_ptr() as *mut libc::c_void,
+            },
+        };
+        // SAFETY: KVM reads num_pages bits from `bitmap`, which is long enough
+        // (checked above) and outlives the call.
+        let ret = unsafe { ioctl_with_ref(&self.fd, KVM_CLEAR_DIRTY_LOG(), &clear) };
+        if ret < 0 {
+            return Err(VmError::Kvm {
+                what: "KVM_CLEAR_DIRTY_LOG",
+                source: kvm_ioctls::Error::last(),
+            });
+        }
+        Ok(())
     }
 }
