@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod scenario;
+
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};

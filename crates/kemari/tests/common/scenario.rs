@@ -1,0 +1,310 @@
+//! A guest under load for availability tests: the test guest counting,
+//! writing flushed blocks and echoing TCP through a TAP, and the checks that it
+//! went on across an operation.
+
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::*;
+
+/// One scenario at a time: each runs a polling guest and a TAP subnet.
+pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A TAP device with the host end at 10.201.N.1/24, removed on drop.
+pub struct TapNet {
+    pub name: String,
+    pub subnet: u8,
+}
+
+impl TapNet {
+    pub fn create(tag: &str, subnet: u8) -> TapNet {
+        let name = format!("kav{tag}{}", std::process::id() % 10000);
+        let _ = Command::new("ip")
+            .args(["link", "del", &name])
+            .stderr(Stdio::null())
+            .status();
+        let ok = |args: &[&str]| {
+            let st = Command::new("ip").args(args).status().expect("ip");
+            assert!(st.success(), "ip {args:?} failed (tests need root)");
+        };
+        ok(&["tuntap", "add", &name, "mode", "tap"]);
+        ok(&[
+            "addr",
+            "add",
+            &format!("10.201.{subnet}.1/24"),
+            "dev",
+            &name,
+        ]);
+        ok(&["link", "set", &name, "up"]);
+        TapNet { name, subnet }
+    }
+
+    pub fn guest_ip(&self) -> String {
+        format!("10.201.{}.2", self.subnet)
+    }
+}
+
+impl Drop for TapNet {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.name])
+            .status();
+    }
+}
+
+/// Streams random chunks to the guest's echo port and checks every byte.
+pub struct EchoChecker {
+    stop: Arc<AtomicBool>,
+    verified: Arc<AtomicU64>,
+    thread: Option<JoinHandle<Result<(), String>>>,
+}
+
+impl EchoChecker {
+    pub fn start(ip: &str) -> EchoChecker {
+        let mut s = None;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while s.is_none() {
+            match TcpStream::connect_timeout(
+                &format!("{ip}:7").parse().unwrap(),
+                Duration::from_secs(2),
+            ) {
+                Ok(c) => s = Some(c),
+                Err(e) => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "cannot connect to the guest's echo service: {e}"
+                    );
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
+        let mut s = s.unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let verified = Arc::new(AtomicU64::new(0));
+        let (st, v) = (stop.clone(), verified.clone());
+        let thread = std::thread::spawn(move || {
+            let mut seed: u32 = 0x1234_5678;
+            while !st.load(Ordering::SeqCst) {
+                let chunk: Vec<u8> = (0..2048)
+                    .map(|_| {
+                        seed ^= seed << 13;
+                        seed ^= seed >> 17;
+                        seed ^= seed << 5;
+                        seed as u8
+                    })
+                    .collect();
+                s.write_all(&chunk).map_err(|e| format!("send: {e}"))?;
+                let mut back = vec![0u8; chunk.len()];
+                s.read_exact(&mut back)
+                    .map_err(|e| format!("receive: {e}"))?;
+                if back != chunk {
+                    return Err("echoed bytes differ".into());
+                }
+                v.fetch_add(chunk.len() as u64, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Ok(())
+        });
+        EchoChecker {
+            stop,
+            verified,
+            thread: Some(thread),
+        }
+    }
+
+    pub fn verified(&self) -> u64 {
+        self.verified.load(Ordering::SeqCst)
+    }
+
+    pub fn finish(mut self) -> u64 {
+        self.stop.store(true, Ordering::SeqCst);
+        let r = self.thread.take().unwrap().join().unwrap();
+        if let Err(e) = r {
+            panic!("TCP echo through the operation failed: {e}");
+        }
+        self.verified()
+    }
+}
+
+/// Numbers `n` of complete `counter: n ...` lines in a console file.
+pub fn counters(console: &Path) -> Vec<u64> {
+    read_text(console)
+        .lines()
+        .filter_map(|l| l.strip_prefix("counter: "))
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect()
+}
+
+/// Largest `acked=` (or `write done blocks=`) a console shows.
+pub fn acked_blocks(console: &Path) -> u64 {
+    read_text(console)
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("disk: acked=")
+                .and_then(|r| r.split_whitespace().next()?.parse().ok())
+                .or_else(|| {
+                    l.strip_prefix("disk: write done blocks=")?
+                        .trim()
+                        .parse()
+                        .ok()
+                })
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+pub struct Vmm {
+    pub child: KillOnDrop,
+    pub console: PathBuf,
+    pub api: PathBuf,
+}
+
+pub fn spawn_vmm(args: &[String], console: &Path, api: &Path, env: &[(&str, &str)]) -> Vmm {
+    let mut cmd = kemari();
+    cmd.args(args)
+        .arg("--serial")
+        .arg(format!("file:{}", console.display()))
+        .arg("--api-socket")
+        .arg(api)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    Vmm {
+        child: KillOnDrop(cmd.spawn().expect("spawn kemari")),
+        console: console.to_path_buf(),
+        api: api.to_path_buf(),
+    }
+}
+
+pub fn wait_exit(child: &mut Child, what: &str) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "{what} did not exit");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+pub fn ctl(api: &Path, args: &[&str]) -> std::process::Output {
+    run_with_timeout(kemarictl(api).args(args), Duration::from_secs(60))
+}
+
+pub const BLOCKS: u64 = 3000;
+
+/// Boots the guest with counter + flushed sequential disk writes + network;
+/// waits until it runs and its echo service answers.
+pub fn start_source(dir: &Path, net: &TapNet, disk: &Path, extra: &[String]) -> (Vmm, EchoChecker) {
+    let mut args: Vec<String> = vec![
+        "--kernel".into(),
+        guest_elf().display().to_string(),
+        "--memory".into(),
+        "256M".into(),
+        "--cmdline".into(),
+        format!(
+            "counter=100 ip={}/24 disk=write,{BLOCKS},seq,flush",
+            net.guest_ip()
+        ),
+        "--disk".into(),
+        disk.display().to_string(),
+        "--net".into(),
+        format!("tap={}", net.name),
+    ];
+    args.extend_from_slice(extra);
+    let vmm = spawn_vmm(
+        &args,
+        &dir.join("console-1.log"),
+        &dir.join("api-1.sock"),
+        &[],
+    );
+    wait_for("guest network up", Duration::from_secs(30), || {
+        read_text(&vmm.console).contains("net: up")
+    });
+    let echo = EchoChecker::start(&net.guest_ip());
+    // Operate mid-way through the disk job: some blocks acknowledged, more to come.
+    wait_for(
+        "echo traffic, counter and disk writes",
+        Duration::from_secs(60),
+        || {
+            echo.verified() > 8192
+                && counters(&vmm.console).len() >= 3
+                && acked_blocks(&vmm.console) >= 1000
+        },
+    );
+    (vmm, echo)
+}
+
+/// After an operation that moved the VM from `old` to `new`: the counter goes
+/// on, the echo stream goes on, and every acknowledged block verifies.
+pub fn check_continuity(old: &Path, new: &Vmm, echo: EchoChecker, disk: &Path) {
+    let before = counters(old);
+    let last_old = *before.last().expect("the source printed counter lines");
+    wait_for(
+        "counter lines from the new VMM",
+        Duration::from_secs(30),
+        || counters(&new.console).len() >= 3,
+    );
+    let after = counters(&new.console);
+    assert!(
+        after[0] > 1 && after[0] <= last_old + 2,
+        "counter restarted or jumped: source ended at {last_old}, new VMM began at {}",
+        after[0]
+    );
+    assert!(
+        after.windows(2).all(|w| w[1] == w[0] + 1),
+        "counter not monotonic: {after:?}"
+    );
+    let echoed = echo.verified();
+    wait_for(
+        "echo traffic after the operation",
+        Duration::from_secs(30),
+        || echo.verified() > echoed + 8192,
+    );
+    echo.finish();
+    // The disk job started before the operation finishes after it.
+    wait_for("the disk job to finish", Duration::from_secs(60), || {
+        read_text(&new.console).contains(&format!("disk: write done blocks={BLOCKS}"))
+    });
+    let acked = acked_blocks(old).max(acked_blocks(&new.console));
+    assert_eq!(acked, BLOCKS);
+    assert!(ctl(&new.api, &["shutdown"]).status.success());
+    let out = run_with_timeout(
+        kemari()
+            .arg("--kernel")
+            .arg(guest_elf())
+            .args(["--memory", "256M", "--cmdline"])
+            .arg(format!("disk=verify,{acked} poweroff=done"))
+            .arg("--disk")
+            .arg(disk),
+        Duration::from_secs(60),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains(&format!("disk: verify ok blocks={acked}")),
+        "acknowledged blocks lost: {text}"
+    );
+}
+
+pub fn disk_image(dir: &Path) -> PathBuf {
+    let p = dir.join("disk.img");
+    std::fs::File::create(&p)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    p
+}

@@ -1,0 +1,333 @@
+//! Live migration over TCP (127.0.0.1) between two kemari processes, with the
+//! test guest counting, writing flushed blocks and echoing a TCP stream from
+//! the host. The two VMMs have a TAP each on one bridge; the destination
+//! announces the guest's MAC, and the host's connection must survive. Plus the
+//! failure rules: wrong key, destination killed, source killed, link cut.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::scenario::*;
+use common::*;
+
+/// A bridge with the host at 10.202.N.1/24 and two TAPs (source, destination).
+struct Bridge {
+    name: String,
+    taps: [String; 2],
+    subnet: u8,
+}
+
+impl Bridge {
+    fn create(tag: &str, subnet: u8) -> Bridge {
+        let id = std::process::id() % 10000;
+        let name = format!("klb{tag}{id}");
+        let taps = [format!("kla{tag}{id}"), format!("klz{tag}{id}")];
+        let quiet_del = |n: &str| {
+            let _ = Command::new("ip")
+                .args(["link", "del", n])
+                .stderr(Stdio::null())
+                .status();
+        };
+        quiet_del(&name);
+        taps.iter().for_each(|t| quiet_del(t));
+        let ok = |args: &[&str]| {
+            let st = Command::new("ip").args(args).status().expect("ip");
+            assert!(st.success(), "ip {args:?} failed (tests need root)");
+        };
+        ok(&["link", "add", &name, "type", "bridge"]);
+        ok(&["addr", "add", &format!("10.202.{subnet}.1/24"), "dev", &name]);
+        ok(&["link", "set", &name, "up"]);
+        for t in &taps {
+            ok(&["tuntap", "add", t, "mode", "tap"]);
+            ok(&["link", "set", t, "master", &name]);
+            ok(&["link", "set", t, "up"]);
+        }
+        Bridge { name, taps, subnet }
+    }
+
+    fn guest_ip(&self) -> String {
+        format!("10.202.{}.2", self.subnet)
+    }
+}
+
+impl Drop for Bridge {
+    fn drop(&mut self) {
+        for n in self.taps.iter().chain(std::iter::once(&self.name)) {
+            let _ = Command::new("ip").args(["link", "del", n]).status();
+        }
+    }
+}
+
+fn port(n: u16) -> u16 {
+    20000 + (std::process::id() % 2000) as u16 * 4 + n
+}
+
+fn key_file(dir: &Path, text: &str) -> PathBuf {
+    let p = dir.join(format!("key-{}", text.len()));
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+const KEY: &str = "kemari-test-key-0123456789abcdef";
+
+/// The source: test guest with counter, flushed disk writes, echo over the bridge.
+fn start(dir: &Path, br: &Bridge, disk: &Path, extra_cmdline: &str) -> (Vmm, EchoChecker) {
+    let args: Vec<String> = vec![
+        "--kernel".into(),
+        guest_elf().display().to_string(),
+        "--memory".into(),
+        "512M".into(),
+        "--cmdline".into(),
+        format!(
+            "counter=100 ip={}/24 disk=write,{BLOCKS},seq,flush {extra_cmdline}",
+            br.guest_ip()
+        ),
+        "--disk".into(),
+        disk.display().to_string(),
+        "--net".into(),
+        format!("tap={}", br.taps[0]),
+    ];
+    let vmm = spawn_vmm(&args, &dir.join("console-1.log"), &dir.join("api-1.sock"), &[]);
+    wait_for("guest network up", Duration::from_secs(30), || {
+        read_text(&vmm.console).contains("net: up")
+    });
+    let echo = EchoChecker::start(&br.guest_ip());
+    wait_for("traffic, counter and disk writes", Duration::from_secs(60), || {
+        echo.verified() > 8192 && counters(&vmm.console).len() >= 3 && acked_blocks(&vmm.console) >= 1000
+    });
+    (vmm, echo)
+}
+
+fn destination(dir: &Path, br: &Bridge, listen: &str, key: &Path, env: &[(&str, &str)]) -> Vmm {
+    let args: Vec<String> = vec![
+        "--incoming".into(),
+        listen.into(),
+        "--migration-key-file".into(),
+        key.display().to_string(),
+        "--net".into(),
+        format!("tap={}", br.taps[1]),
+    ];
+    spawn_vmm(&args, &dir.join("console-2.log"), &dir.join("api-2.sock"), env)
+}
+
+fn migrate(api: &Path, to: &str, key: &Path, extra: &[&str]) -> std::process::Output {
+    let mut args = vec!["migrate", "--to", to, "--key-file", key.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    run_with_timeout(kemarictl(api).args(&args), Duration::from_secs(120))
+}
+
+/// The source must still run its guest: counter, echo and API.
+fn assert_source_runs(src: &Vmm, echo: EchoChecker) {
+    let n = counters(&src.console).len();
+    wait_for("the source's counter", Duration::from_secs(30), || {
+        counters(&src.console).len() > n + 3
+    });
+    let info = run_with_timeout(kemarictl(&src.api).arg("info"), Duration::from_secs(10));
+    let v: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+    assert_eq!(v["state"], "running");
+    let e = echo.verified();
+    wait_for("echo on the source", Duration::from_secs(30), || echo.verified() > e + 8192);
+    echo.finish();
+    let st = run_with_timeout(kemarictl(&src.api).arg("shutdown"), Duration::from_secs(10));
+    assert!(st.status.success());
+}
+
+#[test]
+fn live_migration_keeps_counter_disk_and_tcp() {
+    if !have_kvm() {
+        return;
+    }
+    let dir = scratch("lm-ok");
+    let br = Bridge::create("o", 21);
+    let disk = disk_image(&dir);
+    let key = key_file(&dir, KEY);
+    let (mut src, echo) = start(&dir, &br, &disk, "dirty=1000,32");
+    let to = format!("127.0.0.1:{}", port(0));
+    let dst = destination(&dir, &br, &to, &key, &[]);
+    std::thread::sleep(Duration::from_millis(300));
+    let out = migrate(&src.api, &to, &key, &[]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["status"], "completed");
+    assert!(report["round"].as_u64().unwrap() >= 2, "{report}");
+    assert!(report["downtime_ms"].as_f64().is_some());
+    let status = src.child.0.wait().unwrap();
+    assert!(status.success());
+    check_continuity(&src.console, &dst, echo, &disk);
+}
+
+#[test]
+fn heavy_dirtier_converges_or_stops_at_the_round_limit() {
+    if !have_kvm() {
+        return;
+    }
+    let dir = scratch("lm-dirty");
+    let br = Bridge::create("d", 22);
+    let disk = disk_image(&dir);
+    let key = key_file(&dir, KEY);
+    let (mut src, echo) = start(&dir, &br, &disk, "dirty=10000,128");
+    let to = format!("127.0.0.1:{}", port(1));
+    let dst = destination(&dir, &br, &to, &key, &[]);
+    std::thread::sleep(Duration::from_millis(300));
+    let out = migrate(&src.api, &to, &key, &["--max-rounds", "4", "--max-downtime-ms", "20"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let reason = report["stop_reason"].as_str().unwrap();
+    assert!(reason == "converged" || reason == "round limit", "{report}");
+    assert!(report["round"].as_u64().unwrap() <= 5, "{report}");
+    assert!(src.child.0.wait().unwrap().success());
+    check_continuity(&src.console, &dst, echo, &disk);
+}
+
+#[test]
+fn wrong_key_is_refused_and_the_source_runs_on() {
+    if !have_kvm() {
+        return;
+    }
+    let dir = scratch("lm-key");
+    let br = Bridge::create("k", 23);
+    let disk = disk_image(&dir);
+    let key = key_file(&dir, KEY);
+    let other = key_file(&dir, "a-different-key-of-some-length!!!");
+    let (src, echo) = start(&dir, &br, &disk, "");
+    let to = format!("127.0.0.1:{}", port(2));
+    let mut dst = destination(&dir, &br, &to, &other, &[]);
+    std::thread::sleep(Duration::from_millis(300));
+    let out = migrate(&src.api, &to, &key, &[]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("authentication") || err.contains("destination failed"), "{err}");
+    let st = dst.child.0.wait().unwrap();
+    assert_eq!(st.code(), Some(1), "the destination must give up");
+    assert_source_runs(&src, echo);
+}
+
+#[test]
+fn destination_killed_mid_migration_leaves_the_source_running() {
+    if !have_kvm() {
+        return;
+    }
+    let dir = scratch("lm-kill-dst");
+    let br = Bridge::create("x", 24);
+    let disk = disk_image(&dir);
+    let key = key_file(&dir, KEY);
+    let (src, echo) = start(&dir, &br, &disk, "");
+    let to = format!("127.0.0.1:{}", port(3));
+    let mut dst = destination(&dir, &br, &to, &key, &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "3000")]);
+    std::thread::sleep(Duration::from_millis(300));
+    let api = src.api.clone();
+    let (to2, key2) = (to.clone(), key.clone());
+    let m = std::thread::spawn(move || migrate(&api, &to2, &key2, &[]));
+    // The destination holds with the VM received, the source paused.
+    std::thread::sleep(Duration::from_millis(1500));
+    dst.child.0.kill().unwrap();
+    let _ = dst.child.0.wait();
+    let out = m.join().unwrap();
+    assert!(!out.status.success());
+    assert_source_runs(&src, echo);
+}
+
+#[test]
+fn source_killed_mid_migration_leaves_nothing_half_made() {
+    if !have_kvm() {
+        return;
+    }
+    let dir = scratch("lm-kill-src");
+    let br = Bridge::create("y", 25);
+    let disk = disk_image(&dir);
+    let key = key_file(&dir, KEY);
+    let (mut src, echo) = start(&dir, &br, &disk, "");
+    let to = format!("127.0.0.1:{}", port(0) + 2000);
+    let mut dst = destination(&dir, &br, &to, &key, &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "2000")]);
+    std::thread::sleep(Duration::from_millis(300));
+    let api = src.api.clone();
+    let (to2, key2) = (to.clone(), key.clone());
+    let m = std::thread::spawn(move || migrate(&api, &to2, &key2, &[]));
+    std::thread::sleep(Duration::from_millis(1000));
+    src.child.0.kill().unwrap(); // power failure of the source, mid-migration
+    let _ = src.child.0.wait();
+    let _ = m.join();
+    drop(echo);
+    let st = dst.child.0.wait().unwrap();
+    assert_eq!(st.code(), Some(1), "the destination must not run a half-made VM");
+    assert!(
+        counters(&dst.console).is_empty(),
+        "the destination's guest ran: {}",
+        read_text(&dst.console)
+    );
+}
+
+/// A TCP relay the test can cut: forwards both ways until `cut` is set.
+fn relay(listen: u16, to: String, cut: Arc<AtomicBool>, moved: Arc<AtomicU64>) {
+    let l = TcpListener::bind(("127.0.0.1", listen)).unwrap();
+    std::thread::spawn(move || {
+        let Ok((a, _)) = l.accept() else { return };
+        let Ok(b) = TcpStream::connect(&to) else { return };
+        let pipe = |mut from: TcpStream, mut to: TcpStream, cut: Arc<AtomicBool>, moved: Arc<AtomicU64>| {
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 65536];
+                loop {
+                    if cut.load(Ordering::SeqCst) {
+                        let _ = from.shutdown(Shutdown::Both);
+                        let _ = to.shutdown(Shutdown::Both);
+                        return;
+                    }
+                    match from.read(&mut buf) {
+                        Ok(0) | Err(_) => {
+                            let _ = to.shutdown(Shutdown::Both);
+                            return;
+                        }
+                        Ok(n) => {
+                            moved.fetch_add(n as u64, Ordering::SeqCst);
+                            if to.write_all(&buf[..n]).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+            })
+        };
+        let _ = pipe(a.try_clone().unwrap(), b.try_clone().unwrap(), cut.clone(), moved.clone());
+        let _ = pipe(b, a, cut, moved);
+    });
+}
+
+#[test]
+fn link_cut_mid_migration_leaves_the_source_running() {
+    if !have_kvm() {
+        return;
+    }
+    let dir = scratch("lm-cut");
+    let br = Bridge::create("c", 26);
+    let disk = disk_image(&dir);
+    let key = key_file(&dir, KEY);
+    let (src, echo) = start(&dir, &br, &disk, "");
+    let real = format!("127.0.0.1:{}", port(1) + 2000);
+    let mut dst = destination(&dir, &br, &real, &key, &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "2000")]);
+    std::thread::sleep(Duration::from_millis(300));
+    let cut = Arc::new(AtomicBool::new(false));
+    let moved = Arc::new(AtomicU64::new(0));
+    let relay_port = port(2) + 2000;
+    relay(relay_port, real, cut.clone(), moved.clone());
+    let api = src.api.clone();
+    let key2 = key.clone();
+    let m = std::thread::spawn(move || migrate(&api, &format!("127.0.0.1:{relay_port}"), &key2, &[]));
+    wait_for("memory flowing over the link", Duration::from_secs(30), || {
+        moved.load(Ordering::SeqCst) > 1 << 20
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    cut.store(true, Ordering::SeqCst);
+    let out = m.join().unwrap();
+    assert!(!out.status.success(), "the migration cannot have succeeded over a cut link");
+    let st = dst.child.0.wait().unwrap();
+    assert_eq!(st.code(), Some(1), "the destination must discard the partial VM");
+    assert!(counters(&dst.console).is_empty());
+    assert_source_runs(&src, echo);
+}
