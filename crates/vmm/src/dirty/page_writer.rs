@@ -30,6 +30,12 @@ pub enum PageWriterError {
     /// Setting registers failed.
     #[error(transparent)]
     Vcpu(#[from] VcpuError),
+    /// KVM_RUN failed.
+    #[error("KVM_RUN failed")]
+    Run(#[source] kvm_ioctls::Error),
+    /// The vCPU stopped for something other than the writer's `out`.
+    #[error("unexpected vCPU exit: {0}")]
+    Exit(String),
 }
 
 /// The program's parameters.
@@ -117,6 +123,20 @@ impl PageWriter {
         };
         fd.set_regs(&regs).map_err(err("KVM_SET_REGS"))?;
         Ok(())
+    }
+
+    /// Runs `vcpu` on the calling thread (instead of a vCPU thread) until the
+    /// end of the next round.
+    pub fn run_round(&self, vcpu: &mut Vcpu) -> Result<(), PageWriterError> {
+        loop {
+            match vcpu.fd().run() {
+                Ok(kvm_ioctls::VcpuExit::IoOut(port, _)) if port == self.port => return Ok(()),
+                Ok(kvm_ioctls::VcpuExit::Intr) => {}
+                Ok(other) => return Err(PageWriterError::Exit(format!("{other:?}"))),
+                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {}
+                Err(e) => return Err(PageWriterError::Run(e)),
+            }
+        }
     }
 }
 
