@@ -21,6 +21,7 @@ use crate::devices::virtio::DeviceCounters;
 use crate::dirty::{DirtyError, DirtyTracker, DirtyTrackerConfig};
 use crate::memory::{GuestMemoryFile, GuestMemoryMmap, MemoryError};
 use crate::output::{OutputGate, PassThroughGate};
+use crate::persist::{self, VmState};
 use crate::virtio_devices::{self, AttachError, AttachedDevice};
 use crate::vstate::cpuid;
 use crate::vstate::vcpu::{BootEntry, Vcpu, VcpuError, VcpuHandle};
@@ -69,6 +70,15 @@ pub enum MachineError {
     /// An eventfd could not be created.
     #[error("cannot create an eventfd")]
     EventFd(#[source] std::io::Error),
+    /// A vCPU's state could not be saved or restored.
+    #[error(transparent)]
+    VcpuState(#[from] persist::vcpu::VcpuStateError),
+    /// The VM-wide KVM state could not be saved or restored.
+    #[error(transparent)]
+    VmState(persist::VmStateError),
+    /// Saved state that cannot be restored here.
+    #[error("cannot restore the saved state: {0}")]
+    InvalidState(String),
     /// The operation does not apply in the current state.
     #[error("the VM is {0}")]
     State(RunState),
@@ -127,6 +137,16 @@ pub struct MachineMetrics {
     pub pauses: u64,
 }
 
+/// A KVM VM with guest memory mapped and registered, built ahead of a restore
+/// so that the guest's pause does not include KVM's O(memory) slot set-up
+/// (zero-copy migration prepares while the source still runs).
+pub struct PreparedVm {
+    memory_file: GuestMemoryFile,
+    guest_memory: GuestMemoryMmap,
+    vm: Vm,
+    dirty: DirtyTrackerConfig,
+}
+
 /// What is built besides memory slots, before the vCPUs start.
 struct Setup {
     serial: Arc<Mutex<SerialDevice>>,
@@ -174,13 +194,109 @@ impl Machine {
         start_paused: bool,
         gate: Arc<dyn OutputGate>,
     ) -> Result<Self, MachineError> {
-        let dirty = DirtyTrackerConfig::default();
-        Self::build_with_dirty_tracking(config, events, start_paused, gate, dirty)
+        config.validate()?;
+        let memory_file = GuestMemoryFile::create(config.memory_bytes, &config.memory_backing)?;
+        Self::assemble(
+            config,
+            memory_file,
+            events,
+            start_paused,
+            gate,
+            None,
+            Vec::new(),
+        )
+    }
+
+    /// Rebuilds a machine from saved `state` around `memory_file` (the same
+    /// memory, kept or passed over, or a copy loaded from an image). Nothing of
+    /// the guest is reloaded: vCPUs, devices and the in-kernel irqchip, PIT and
+    /// clock continue from the state.
+    pub fn restore(
+        state: &VmState,
+        memory_file: GuestMemoryFile,
+        events: VmEventSink,
+        start_paused: bool,
+        gate: Arc<dyn OutputGate>,
+    ) -> Result<Self, MachineError> {
+        Self::restore_with_taps(state, memory_file, events, start_paused, gate, Vec::new())
+    }
+
+    /// Like [`restore`](Self::restore), with the network devices' TAP fds handed
+    /// over by the previous VMM (in network-device order) instead of opened by
+    /// name: a TAP can be attached to one fd at a time.
+    pub fn restore_with_taps(
+        state: &VmState,
+        memory_file: GuestMemoryFile,
+        events: VmEventSink,
+        start_paused: bool,
+        gate: Arc<dyn OutputGate>,
+        taps: Vec<std::fs::File>,
+    ) -> Result<Self, MachineError> {
+        state.validate().map_err(MachineError::InvalidState)?;
+        if memory_file.size() != state.memory.size {
+            return Err(MachineError::InvalidState(format!(
+                "guest memory is {} bytes, the state needs {}",
+                memory_file.size(),
+                state.memory.size
+            )));
+        }
+        Self::assemble(
+            state.config.clone(),
+            memory_file,
+            events,
+            start_paused,
+            gate,
+            Some(state),
+            taps,
+        )
+    }
+
+    /// Creates the VM and registers `memory_file` as its memory, for a later
+    /// [`restore_prepared`](Self::restore_prepared).
+    pub fn prepare(memory_file: GuestMemoryFile) -> Result<PreparedVm, MachineError> {
+        let guest_memory = memory_file.map()?;
+        let vm = Vm::new()?;
+        vm.register_memory(&guest_memory)?;
+        Ok(PreparedVm {
+            memory_file,
+            guest_memory,
+            vm,
+            dirty: DirtyTrackerConfig::default(),
+        })
+    }
+
+    /// [`restore_with_taps`](Self::restore_with_taps) into a prepared VM.
+    pub fn restore_prepared(
+        state: &VmState,
+        prepared: PreparedVm,
+        events: VmEventSink,
+        start_paused: bool,
+        gate: Arc<dyn OutputGate>,
+        taps: Vec<std::fs::File>,
+    ) -> Result<Self, MachineError> {
+        state.validate().map_err(MachineError::InvalidState)?;
+        if prepared.memory_file.size() != state.memory.size {
+            return Err(MachineError::InvalidState(format!(
+                "guest memory is {} bytes, the state needs {}",
+                prepared.memory_file.size(),
+                state.memory.size
+            )));
+        }
+        Self::assemble_in(
+            state.config.clone(),
+            prepared,
+            true,
+            events,
+            start_paused,
+            gate,
+            Some(state),
+            taps,
+        )
     }
 
     /// Like [`build_with_gate`](Self::build_with_gate), choosing how dirty
-    /// pages are tracked (the choice is made before the vCPUs exist; tracking
-    /// itself starts later, see [`dirty_tracker`](Self::dirty_tracker)).
+    /// pages are tracked (decided before the vCPUs exist; tracking itself
+    /// starts later, see [`dirty_tracker`](Self::dirty_tracker)).
     pub fn build_with_dirty_tracking(
         config: MachineConfig,
         events: VmEventSink,
@@ -188,23 +304,100 @@ impl Machine {
         gate: Arc<dyn OutputGate>,
         dirty: DirtyTrackerConfig,
     ) -> Result<Self, MachineError> {
-        let built_at = Instant::now();
         config.validate()?;
         let memory_file = GuestMemoryFile::create(config.memory_bytes, &config.memory_backing)?;
         let guest_memory = memory_file.map()?;
-        let t_memory = built_at.elapsed();
         let vm = Vm::new()?;
+        let prepared = PreparedVm {
+            memory_file,
+            guest_memory,
+            vm,
+            dirty,
+        };
+        Self::assemble_in(
+            config,
+            prepared,
+            false,
+            events,
+            start_paused,
+            gate,
+            None,
+            Vec::new(),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        config: MachineConfig,
+        memory_file: GuestMemoryFile,
+        events: VmEventSink,
+        start_paused: bool,
+        gate: Arc<dyn OutputGate>,
+        saved: Option<&VmState>,
+        taps: Vec<std::fs::File>,
+    ) -> Result<Self, MachineError> {
+        let guest_memory = memory_file.map()?;
+        let vm = Vm::new()?;
+        let prepared = PreparedVm {
+            memory_file,
+            guest_memory,
+            vm,
+            dirty: DirtyTrackerConfig::default(),
+        };
+        Self::assemble_in(
+            config,
+            prepared,
+            false,
+            events,
+            start_paused,
+            gate,
+            saved,
+            taps,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble_in(
+        config: MachineConfig,
+        prepared: PreparedVm,
+        slots_registered: bool,
+        events: VmEventSink,
+        start_paused: bool,
+        gate: Arc<dyn OutputGate>,
+        saved: Option<&VmState>,
+        taps: Vec<std::fs::File>,
+    ) -> Result<Self, MachineError> {
+        let built_at = Instant::now();
+        let PreparedVm {
+            memory_file,
+            guest_memory,
+            vm,
+            dirty,
+        } = prepared;
+        // Before any vCPU exists (the dirty ring must be enabled first).
         let dirty = DirtyTracker::new(&vm, &guest_memory, dirty)?;
+        let t_memory = built_at.elapsed();
         let t_vm = built_at.elapsed();
         // Memory slots cost O(memory) in KVM: register them while the devices,
         // the kernel and the vCPUs are set up, and join before any vCPU runs.
         let (setup, slots) = std::thread::scope(|scope| {
             let slots = scope.spawn(|| {
-                let r = vm.register_memory(&guest_memory);
+                let r = if slots_registered {
+                    Ok(())
+                } else {
+                    vm.register_memory(&guest_memory)
+                };
                 (r, built_at.elapsed())
             });
-            let setup =
-                Self::setup_devices_kernel_vcpus(&config, &vm, &guest_memory, &events, gate);
+            let setup = Self::setup_devices_kernel_vcpus(
+                &config,
+                &vm,
+                &guest_memory,
+                &events,
+                gate,
+                saved,
+                taps,
+            );
             (setup, slots.join())
         });
         let (slots_result, t_slots) = slots.unwrap_or_else(|p| std::panic::resume_unwind(p));
@@ -218,6 +411,17 @@ impl Machine {
             io_bus,
             mmio_bus,
         } = setup?;
+        if let Some(state) = saved {
+            // Last, so that the clock resumes as close as possible to the start.
+            state.kvm.restore(vm.fd()).map_err(MachineError::VmState)?;
+            // Requests the guest queued after the last notification served
+            // before the save: look at every queue once.
+            for d in &virtio {
+                for evt in &d.queue_events {
+                    let _ = evt.write(1);
+                }
+            }
+        }
         let t_setup = built_at.elapsed();
         let mut vcpus = Vec::with_capacity(created.len());
         for mut vcpu in created {
@@ -248,8 +452,10 @@ impl Machine {
             memory_mib = config.memory_bytes >> 20,
             kernel = %config.kernel.display(),
             devices = virtio.len(),
+            restored = saved.is_some(),
             setup_us = built_at.elapsed().as_micros() as u64,
-            "machine booted"
+            "machine {}",
+            if saved.is_some() { "restored" } else { "booted" }
         );
         Ok(Machine {
             config,
@@ -276,12 +482,19 @@ impl Machine {
         guest_memory: &GuestMemoryMmap,
         events: &VmEventSink,
         gate: Arc<dyn OutputGate>,
+        saved: Option<&VmState>,
+        taps: Vec<std::fs::File>,
     ) -> Result<Setup, MachineError> {
         // Legacy devices.
         let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(MachineError::EventFd)?;
         vm.register_irqfd(&serial_irq, SERIAL_GSI)?;
         let (serial_out, serial_backend) = open_serial(&config.serial)?;
-        let serial = Arc::new(Mutex::new(SerialDevice::new(serial_irq, serial_out)));
+        let serial = match saved {
+            None => SerialDevice::new(serial_irq, serial_out),
+            Some(s) => SerialDevice::from_state(serial_irq, serial_out, &(&s.serial).into())
+                .map_err(MachineError::InvalidState)?,
+        };
+        let serial = Arc::new(Mutex::new(serial));
         let mut io_bus = Bus::new();
         io_bus.insert(serial.clone(), SERIAL_PORT, 8)?;
         io_bus.insert(
@@ -297,7 +510,15 @@ impl Machine {
 
         // virtio devices.
         let mut mmio_bus = Bus::new();
-        let virtio = virtio_devices::attach_all(config, vm, guest_memory, &mut mmio_bus, gate)?;
+        let virtio = virtio_devices::attach_all(
+            config,
+            vm,
+            guest_memory,
+            &mut mmio_bus,
+            gate,
+            saved.map(|s| s.virtio.as_slice()),
+            taps,
+        )?;
         let mut cmdline = config.cmdline.clone();
         for d in &virtio {
             cmdline.push_str(&format!(
@@ -312,19 +533,46 @@ impl Machine {
                 .collect::<Result<_, _>>()?,
         )?;
 
-        // Kernel.
+        let vcpus = match saved {
+            None => Self::boot_fresh(config, vm, guest_memory, cmdline.trim())?,
+            Some(state) => {
+                let mut vcpus = Vec::with_capacity(state.vcpus.len());
+                for vs in &state.vcpus {
+                    let mut vcpu = Vcpu::new(vm.fd(), vs.index)?;
+                    persist::vcpu::restore(vcpu.fd(), vs).map_err(MachineError::VcpuState)?;
+                    vcpus.push(vcpu);
+                }
+                vcpus
+            }
+        };
+        Ok(Setup {
+            serial,
+            serial_backend,
+            virtio,
+            event_loop,
+            vcpus,
+            io_bus: Arc::new(io_bus),
+            mmio_bus: Arc::new(mmio_bus),
+        })
+    }
+
+    /// Loads the kernel and creates the vCPUs in their boot state.
+    fn boot_fresh(
+        config: &MachineConfig,
+        vm: &Vm,
+        guest_memory: &GuestMemoryMmap,
+        cmdline: &str,
+    ) -> Result<Vec<Vcpu>, MachineError> {
         let pvh = boot::pvh::load(
             guest_memory,
             config.memory_bytes,
             &boot::pvh::PvhBootSpec {
                 kernel: &config.kernel,
                 initramfs: config.initramfs.as_deref(),
-                cmdline: cmdline.trim(),
+                cmdline,
                 rsdp: None,
             },
         )?;
-
-        // vCPUs.
         let kvm = vm.kvm();
         let mut base_cpuid = kvm
             .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
@@ -347,14 +595,52 @@ impl Machine {
             }
             vcpus.push(vcpu);
         }
-        Ok(Setup {
-            serial,
-            serial_backend,
-            virtio,
-            event_loop,
+        Ok(vcpus)
+    }
+
+    /// Saves the whole VM state. The machine must be paused (vCPUs and devices
+    /// at rest), so the state and guest memory form one consistent image.
+    pub fn save_state(&self) -> Result<VmState, MachineError> {
+        if self.state != RunState::Paused {
+            return Err(MachineError::State(self.state));
+        }
+        let msr_indices: Vec<u32> = self
+            .vm
+            .kvm()
+            .get_msr_index_list()
+            .map_err(|source| VmError::Kvm {
+                what: "KVM_GET_MSR_INDEX_LIST",
+                source,
+            })?
+            .as_slice()
+            .to_vec();
+        let mut vcpus = Vec::with_capacity(self.vcpus.len());
+        for v in &self.vcpus {
+            let index = v.index();
+            let msrs = msr_indices.clone();
+            let state = v.with_fd(move |fd| persist::vcpu::save(fd, index, &msrs))?;
+            vcpus.push(state.map_err(MachineError::VcpuState)?);
+        }
+        let kvm = persist::KvmVmState::save(self.vm.fd()).map_err(MachineError::VmState)?;
+        let serial = self
+            .serial
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .state()
+            .into();
+        let virtio = self.virtio.iter().map(|d| d.save()).collect();
+        Ok(VmState {
+            kemari_version: env!("CARGO_PKG_VERSION").to_owned(),
+            saved_at_ms: persist::now_ms(),
+            config: self.config.clone(),
+            memory: persist::MemoryState {
+                size: self.memory_file.size(),
+                backing: self.memory_file.backing().clone(),
+            },
+            kvm,
             vcpus,
-            io_bus: Arc::new(io_bus),
-            mmio_bus: Arc::new(mmio_bus),
+            serial,
+            virtio,
         })
     }
 
@@ -428,6 +714,21 @@ impl Machine {
         self.state = RunState::Running;
         tracing::info!("VM resumed");
         Ok(())
+    }
+
+    /// The TAP fds of the network devices, in network-device order (to hand
+    /// them to another VMM).
+    pub fn tap_fds(&self) -> Vec<std::os::fd::RawFd> {
+        self.virtio
+            .iter()
+            .filter(|d| d.info.kind == "virtio-net")
+            .filter_map(|d| {
+                d.device
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .backend_fd()
+            })
+            .collect()
     }
 
     /// Devices with their counters.

@@ -157,6 +157,20 @@ impl SerialDevice {
         }
     }
 
+    /// A UART continuing from saved register state.
+    pub fn from_state(
+        irq: EventFd,
+        out: SerialOutput,
+        state: &vm_superio::serial::SerialState,
+    ) -> Result<Self, String> {
+        let serial = Serial::from_state(state, IrqTrigger(irq), NoEvents, out)
+            .map_err(|e| format!("serial state: {e:?}"))?;
+        Ok(SerialDevice {
+            serial,
+            bytes_out: 0,
+        })
+    }
+
     /// Bytes the guest has written.
     pub fn bytes_out(&self) -> u64 {
         self.bytes_out
