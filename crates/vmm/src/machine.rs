@@ -674,6 +674,17 @@ impl Machine {
         &self.dirty
     }
 
+    /// Starts dirty-page tracking: from now on [`harvest_dirty`](Self::harvest_dirty)
+    /// returns every page written since the previous harvest.
+    pub fn start_dirty_log(&self) -> Result<(), MachineError> {
+        Ok(self.dirty.start()?)
+    }
+
+    /// Stops dirty-page tracking (what was not harvested is forgotten).
+    pub fn stop_dirty_log(&self) -> Result<(), MachineError> {
+        Ok(self.dirty.stop()?)
+    }
+
     /// Guest page frame numbers written since tracking started or the last
     /// harvest; running vCPUs are kicked so that none is missed.
     pub fn harvest_dirty(&self) -> Result<Vec<u64>, MachineError> {
