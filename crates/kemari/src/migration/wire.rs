@@ -223,11 +223,15 @@ fn read_hello(stream: &mut impl Read, peer: &str) -> Result<[u8; 32], WireError>
     let mut h = [0u8; HELLO_LEN];
     stream.read_exact(&mut h)?;
     if &h[..10] != MAGIC {
-        return Err(WireError::Handshake(format!("{peer} is not a kemari VMM (bad magic)")));
+        return Err(WireError::Handshake(format!(
+            "{peer} is not a kemari VMM (bad magic)"
+        )));
     }
     let version = u32::from_le_bytes([h[10], h[11], h[12], h[13]]);
     if version != VERSION {
-        return Err(WireError::Handshake(format!("{peer} speaks version {version}")));
+        return Err(WireError::Handshake(format!(
+            "{peer} speaks version {version}"
+        )));
     }
     let mut nonce = [0u8; 32];
     nonce.copy_from_slice(&h[14..]);
@@ -246,7 +250,11 @@ impl<S: Read + Write> Channel<S> {
         let nonce_s = random_nonce()?;
         stream.write_all(&hello(&nonce_s))?;
         let nonce_d = read_hello(&mut stream, "the destination")?;
-        Ok(Self::with_key(stream, session_key(psk, &nonce_s, &nonce_d), Side::Source))
+        Ok(Self::with_key(
+            stream,
+            session_key(psk, &nonce_s, &nonce_d),
+            Side::Source,
+        ))
     }
 
     /// Destination side of the handshake.
@@ -334,7 +342,9 @@ impl<S: Read + Write> Channel<S> {
             Kind::Control => {
                 serde_json::from_slice(buf).map_err(|e| WireError::Malformed(e.to_string()))
             }
-            Kind::Pages => Err(WireError::Malformed("pages where a control message was due".into())),
+            Kind::Pages => Err(WireError::Malformed(
+                "pages where a control message was due".into(),
+            )),
         }
     }
 
@@ -349,7 +359,10 @@ mod tests {
     use super::*;
     use std::os::unix::net::UnixStream;
 
-    fn pair(psk_s: &'static [u8], psk_d: &'static [u8]) -> (Channel<UnixStream>, Result<Channel<UnixStream>, WireError>) {
+    fn pair(
+        psk_s: &'static [u8],
+        psk_d: &'static [u8],
+    ) -> (Channel<UnixStream>, Result<Channel<UnixStream>, WireError>) {
         let (a, b) = UnixStream::pair().unwrap();
         let d = std::thread::spawn(move || Channel::accept(b, psk_d));
         let s = Channel::connect(a, psk_s).unwrap();
@@ -380,14 +393,21 @@ mod tests {
     fn garbage_is_refused() {
         let (mut a, b) = UnixStream::pair().unwrap();
         a.write_all(&[0x42; 46]).unwrap();
-        assert!(matches!(Channel::accept(b, b"k"), Err(WireError::Handshake(_))));
+        assert!(matches!(
+            Channel::accept(b, b"k"),
+            Err(WireError::Handshake(_))
+        ));
     }
 
     #[test]
     fn pages_round_trip_and_reject_malformed() {
         let page = vec![7u8; PAGE];
         let mut out = Vec::new();
-        encode_pages(3, &[(5, PageData::Data(&page)), (9, PageData::Zero)], &mut out);
+        encode_pages(
+            3,
+            &[(5, PageData::Data(&page)), (9, PageData::Zero)],
+            &mut out,
+        );
         let mut seen = Vec::new();
         let (round, count) = decode_pages(&out, |pfn, d| {
             seen.push((pfn, d.map(|d| d[0])));
