@@ -60,7 +60,7 @@ enum Bench {
         #[arg(long, default_value_t = 16)]
         pages: u16,
         /// Harvests measured per configuration (the median is reported).
-        #[arg(long, default_value_t = 300)]
+        #[arg(long, default_value_t = 1000)]
         rounds: usize,
     },
 }
@@ -261,51 +261,81 @@ mod dirty {
         move |err| format!("{what}: {err}")
     }
 
-    /// Median harvest time of one configuration.
-    fn measure(
+    /// One VM of the benchmark: its memory, tracker, vCPU and harvest times.
+    struct Rig {
         bytes: u64,
         kind: DirtyTrackerKind,
-        pages: u16,
-        rounds: usize,
-    ) -> Result<Duration, String> {
-        let file =
-            GuestMemoryFile::create(bytes, &MemoryBacking::Memfd).map_err(ctx("guest memory"))?;
-        let mem = file.map().map_err(ctx("guest memory"))?;
-        let vm = Vm::new().map_err(ctx("VM"))?;
-        let mode = match kind {
-            DirtyTrackerKind::Ring => DirtyTrackingMode::Ring,
-            DirtyTrackerKind::Bitmap => DirtyTrackingMode::Bitmap,
-        };
-        let config = DirtyTrackerConfig {
-            mode,
-            ..Default::default()
-        };
-        let tracker = DirtyTracker::new(&vm, &mem, config).map_err(ctx("tracker"))?;
-        vm.register_memory(&mem).map_err(ctx("memory slots"))?;
-        let mut vcpu = Vcpu::new(vm.fd(), 0).map_err(ctx("vCPU"))?;
-        tracker.attach_vcpu(&mut vcpu).map_err(ctx("ring"))?;
-        let writer = PageWriter::new(16, pages, PORT).map_err(ctx("writer"))?;
-        writer.install(&mem, &mut vcpu).map_err(ctx("writer"))?;
-        tracker.start().map_err(ctx("start"))?;
-        let mut times = Vec::with_capacity(rounds);
-        for round in 0..WARMUP + rounds {
-            writer.run_round(&mut vcpu).map_err(ctx("guest"))?;
+        _file: GuestMemoryFile,
+        _vm: Vm,
+        tracker: std::sync::Arc<DirtyTracker>,
+        vcpu: Vcpu,
+        writer: PageWriter,
+        times: Vec<Duration>,
+    }
+
+    impl Rig {
+        fn new(bytes: u64, kind: DirtyTrackerKind, pages: u16) -> Result<Self, String> {
+            let file = GuestMemoryFile::create(bytes, &MemoryBacking::Memfd)
+                .map_err(ctx("guest memory"))?;
+            let mem = file.map().map_err(ctx("guest memory"))?;
+            let vm = Vm::new().map_err(ctx("VM"))?;
+            let mode = match kind {
+                DirtyTrackerKind::Ring => DirtyTrackingMode::Ring,
+                DirtyTrackerKind::Bitmap => DirtyTrackingMode::Bitmap,
+            };
+            let config = DirtyTrackerConfig {
+                mode,
+                ..Default::default()
+            };
+            let tracker = DirtyTracker::new(&vm, &mem, config).map_err(ctx("tracker"))?;
+            vm.register_memory(&mem).map_err(ctx("memory slots"))?;
+            let mut vcpu = Vcpu::new(vm.fd(), 0).map_err(ctx("vCPU"))?;
+            tracker.attach_vcpu(&mut vcpu).map_err(ctx("ring"))?;
+            let writer = PageWriter::new(16, pages, PORT).map_err(ctx("writer"))?;
+            writer.install(&mem, &mut vcpu).map_err(ctx("writer"))?;
+            tracker.start().map_err(ctx("start"))?;
+            Ok(Rig {
+                bytes,
+                kind,
+                _file: file,
+                _vm: vm,
+                tracker,
+                vcpu,
+                writer,
+                times: Vec::new(),
+            })
+        }
+
+        /// One guest round, then one timed harvest.
+        fn round(&mut self, measure: bool) -> Result<(), String> {
+            self.writer
+                .run_round(&mut self.vcpu)
+                .map_err(ctx("guest"))?;
             let t = Instant::now();
-            let got = tracker.harvest().map_err(ctx("harvest"))?;
+            let got = self.tracker.harvest().map_err(ctx("harvest"))?;
             let elapsed = t.elapsed();
-            if got.len() != usize::from(pages) {
+            if got.len() != usize::from(self.writer.pages) {
                 return Err(format!(
-                    "{kind:?} at {bytes} bytes: harvest {round} returned {} pages, expected {pages}",
-                    got.len()
+                    "{:?} at {} bytes: a harvest returned {} pages, expected {}",
+                    self.kind,
+                    self.bytes,
+                    got.len(),
+                    self.writer.pages
                 ));
             }
-            if round >= WARMUP {
-                times.push(elapsed);
+            if measure {
+                self.times.push(elapsed);
             }
+            Ok(())
         }
-        tracker.stop().map_err(ctx("stop"))?;
-        times.sort();
-        Ok(times[times.len() / 2])
+
+        fn median(&mut self) -> Duration {
+            self.times.sort();
+            self.times
+                .get(self.times.len() / 2)
+                .copied()
+                .unwrap_or_default()
+        }
     }
 
     fn us(d: Duration) -> f64 {
@@ -325,10 +355,23 @@ mod dirty {
             "{:>8} {:>10} {:>10} {:>12}",
             "memory", "ring", "bitmap", "bitmap/ring"
         );
+        // Every VM exists at once and the rounds are interleaved, so that
+        // noise from other load on the host hits every configuration alike.
+        let mut rigs = Vec::new();
+        for &(_, bytes) in &sizes {
+            for kind in [DirtyTrackerKind::Ring, DirtyTrackerKind::Bitmap] {
+                rigs.push(Rig::new(bytes, kind, pages)?);
+            }
+        }
+        for round in 0..WARMUP + rounds {
+            for rig in &mut rigs {
+                rig.round(round >= WARMUP)?;
+            }
+        }
         let mut rows = Vec::new();
-        for (name, bytes) in sizes {
-            let ring = measure(bytes, DirtyTrackerKind::Ring, pages, rounds)?;
-            let bitmap = measure(bytes, DirtyTrackerKind::Bitmap, pages, rounds)?;
+        for (i, &(name, _)) in sizes.iter().enumerate() {
+            let ring = rigs[2 * i].median();
+            let bitmap = rigs[2 * i + 1].median();
             println!(
                 "{:>8} {:>10.2} {:>10.2} {:>11.1}x",
                 name,
