@@ -266,7 +266,7 @@ mod dirty {
         bytes: u64,
         kind: DirtyTrackerKind,
         _file: GuestMemoryFile,
-        _vm: Vm,
+        vm: Vm,
         tracker: std::sync::Arc<DirtyTracker>,
         vcpu: Vcpu,
         writer: PageWriter,
@@ -298,7 +298,7 @@ mod dirty {
                 bytes,
                 kind,
                 _file: file,
-                _vm: vm,
+                vm,
                 tracker,
                 vcpu,
                 writer,
@@ -351,10 +351,6 @@ mod dirty {
             "dirty-harvest: one harvest with {pages} pages dirtied by a vCPU \
              (median of {rounds}, µs; includes KVM_RESET_DIRTY_RINGS / KVM_CLEAR_DIRTY_LOG)"
         );
-        println!(
-            "{:>8} {:>10} {:>10} {:>12}",
-            "memory", "ring", "bitmap", "bitmap/ring"
-        );
         // Every VM exists at once and the rounds are interleaved, so that
         // noise from other load on the host hits every configuration alike.
         let mut rigs = Vec::new();
@@ -363,6 +359,19 @@ mod dirty {
                 rigs.push(Rig::new(bytes, kind, pages)?);
             }
         }
+        if let Some(rig) = rigs.get(1) {
+            println!(
+                "KVM: dirty ring {:?}; bitmap with manual protect (KVM_CLEAR_DIRTY_LOG): {}",
+                rig.vm
+                    .dirty_ring_support()
+                    .map(|(cap, max)| (cap, max / 16)),
+                rig.tracker.manual_protect()
+            );
+        }
+        println!(
+            "{:>8} {:>10} {:>10} {:>12}",
+            "memory", "ring", "bitmap", "bitmap/ring"
+        );
         for round in 0..WARMUP + rounds {
             for rig in &mut rigs {
                 rig.round(round >= WARMUP)?;
