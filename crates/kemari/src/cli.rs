@@ -63,6 +63,16 @@ pub struct Args {
     /// memory and TAPs are handed over. --serial and --api-socket may be given.
     #[arg(long, conflicts_with_all = ["config", "kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "nets", "restore"])]
     pub incoming_local: Option<PathBuf>,
+    /// Wait on this TCP address (HOST:PORT) for a live migration from another
+    /// kemari (`kemarictl migrate --to`) and run the VM. Needs
+    /// --migration-key-file; --net tap=NAME may rename TAPs for this host,
+    /// --serial and --api-socket may be given.
+    #[arg(long, conflicts_with_all = ["config", "kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "restore", "incoming_local"])]
+    pub incoming: Option<String>,
+    /// Pre-shared key (a file of at least 16 bytes) that authenticates the
+    /// live-migration stream; both ends need the same key.
+    #[arg(long)]
+    pub migration_key_file: Option<PathBuf>,
     /// Build the VM but do not start its vCPUs until resumed through the API.
     #[arg(long)]
     pub start_paused: bool,
@@ -204,6 +214,20 @@ impl Args {
     pub fn apply_restore_overrides(&self, config: &mut MachineConfig) -> Result<(), CliError> {
         if let Some(s) = &self.serial {
             config.serial = parse_serial(s)?;
+        }
+        // TAPs of this host, in network-device order.
+        for (i, n) in self.nets.iter().enumerate() {
+            let net = parse_net(n)?;
+            match config.nets.get_mut(i) {
+                Some(existing) => existing.tap = net.tap,
+                None => {
+                    return Err(CliError::Invalid(ConfigError::DeviceOption {
+                        kind: "net",
+                        value: n.clone(),
+                        reason: format!("the VM has {} network devices", config.nets.len()),
+                    }))
+                }
+            }
         }
         Ok(())
     }

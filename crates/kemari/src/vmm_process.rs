@@ -19,7 +19,8 @@ use vmm::vstate::{VmEvent, VmEventSink};
 use crate::api::routes::ApiRequest;
 use crate::api::server::{ApiResponse, ApiServer, PendingRequest, ServerError};
 use crate::cli::{Args, CliError};
-use crate::migration::local;
+use crate::migration::{local, tcp};
+use std::sync::Arc;
 
 /// Exit status when the guest reported a failure.
 pub const EXIT_GUEST_FAILURE: u8 = 3;
@@ -33,6 +34,9 @@ pub enum ProcessError {
     /// The machine could not be built or failed.
     #[error(transparent)]
     Machine(#[from] MachineError),
+    /// An incoming live migration failed.
+    #[error(transparent)]
+    LiveMigration(#[from] tcp::MigrationError),
     /// An incoming migration failed.
     #[error(transparent)]
     Migration(#[from] local::LocalMigrationError),
@@ -84,6 +88,19 @@ fn make_machine(args: &Args, sink: VmEventSink) -> Result<Machine, ProcessError>
             gate,
         )?);
     }
+    if let Some(listen) = &args.incoming {
+        let key_file = args
+            .migration_key_file
+            .as_ref()
+            .ok_or(CliError::Missing("--migration-key-file (with --incoming)"))?;
+        let key = tcp::read_key(key_file)?;
+        let mut overrides = Ok(());
+        let machine = tcp::migrate_in(listen, &key, sink, |config| {
+            overrides = args.apply_restore_overrides(config);
+        })?;
+        overrides?;
+        return Ok(machine);
+    }
     if let Some(socket) = &args.incoming_local {
         let mut overrides = Ok(());
         let machine = local::migrate_in(socket, sink, |config| {
@@ -107,8 +124,14 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
     let (tx, rx) = channel();
     let sink = VmEventSink::new(forwarder(&tx, Control::Vm));
     // The API socket first: a socket in use is refused before any VM exists.
+    let migration = Arc::new(tcp::MigrationShared::default());
+    let m = migration.clone();
     let _api = match &api_socket {
-        Some(path) => Some(ApiServer::start(path, forwarder(&tx, Control::Api))?),
+        Some(path) => Some(ApiServer::start_with_direct(
+            path,
+            forwarder(&tx, Control::Api),
+            move |req| direct_api(&m, req),
+        )?),
         None => None,
     };
     let mut machine = make_machine(args, sink)?;
@@ -154,7 +177,7 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
                 return Ok(ExitCode::SUCCESS);
             }
             Control::Api(PendingRequest { request, reply }) => {
-                let (resp, next) = handle_api(&mut machine, request);
+                let (resp, next) = handle_api(&mut machine, request, &migration);
                 let _ = reply.send(resp);
                 if let After::Exit = next {
                     machine.shutdown();
@@ -178,8 +201,53 @@ enum After {
     Exit,
 }
 
-fn handle_api(machine: &mut Machine, request: ApiRequest) -> (ApiResponse, After) {
+/// Requests answered on the API thread, even while the main thread migrates.
+fn direct_api(migration: &tcp::MigrationShared, request: &ApiRequest) -> Option<ApiResponse> {
     match request {
+        ApiRequest::MigrationStatus => Some(to_json(&migration.snapshot())),
+        ApiRequest::MigrationCancel => {
+            let running = migration.snapshot().status == "running";
+            if running {
+                migration
+                    .cancel
+                    .store(true, std::sync::atomic::Ordering::SeqCst);
+                Some(ApiResponse::ok(json!({ "cancelling": true })))
+            } else {
+                Some(ApiResponse::error(409, "no live migration is running"))
+            }
+        }
+        _ => None,
+    }
+}
+
+fn handle_api(
+    machine: &mut Machine,
+    request: ApiRequest,
+    migration: &tcp::MigrationShared,
+) -> (ApiResponse, After) {
+    match request {
+        ApiRequest::Migrate {
+            to,
+            key_file,
+            max_downtime_ms,
+            max_rounds,
+        } => {
+            let key = match tcp::read_key(&key_file) {
+                Ok(k) => k,
+                Err(e) => return (ApiResponse::error(400, e), After::Continue),
+            };
+            let mut limits = tcp::MigrationLimits::default();
+            if let Some(ms) = max_downtime_ms {
+                limits.max_downtime = std::time::Duration::from_millis(ms);
+            }
+            if let Some(r) = max_rounds {
+                limits.max_rounds = r.max(1);
+            }
+            match tcp::migrate_out(machine, &to, &key, limits, migration) {
+                Ok(report) => (ApiResponse::ok(json!(report)), After::Exit),
+                Err(e) => (ApiResponse::error(409, e), After::Continue),
+            }
+        }
         ApiRequest::Shutdown => (
             ApiResponse::ok(json!({ "state": "shutting_down" })),
             After::Exit,
@@ -324,6 +392,9 @@ fn handle_query(machine: &mut Machine, request: ApiRequest) -> ApiResponse {
         ApiRequest::Shutdown
         | ApiRequest::Snapshot { .. }
         | ApiRequest::WarmRestart { .. }
-        | ApiRequest::MigrateLocal { .. } => ApiResponse::error(500, "not a query"),
+        | ApiRequest::MigrateLocal { .. }
+        | ApiRequest::Migrate { .. }
+        | ApiRequest::MigrationStatus
+        | ApiRequest::MigrationCancel => ApiResponse::error(500, "not a query"),
     }
 }

@@ -144,7 +144,6 @@ pub struct PreparedVm {
     memory_file: GuestMemoryFile,
     guest_memory: GuestMemoryMmap,
     vm: Vm,
-    dirty: DirtyTrackerConfig,
 }
 
 /// What is built besides memory slots, before the vCPUs start.
@@ -194,6 +193,20 @@ impl Machine {
         start_paused: bool,
         gate: Arc<dyn OutputGate>,
     ) -> Result<Self, MachineError> {
+        let dirty = DirtyTrackerConfig::default();
+        Self::build_with_dirty_tracking(config, events, start_paused, gate, dirty)
+    }
+
+    /// Like [`build_with_gate`](Self::build_with_gate), choosing how dirty
+    /// pages are tracked (the choice is made before the vCPUs exist; tracking
+    /// itself starts later, see [`dirty_tracker`](Self::dirty_tracker)).
+    pub fn build_with_dirty_tracking(
+        config: MachineConfig,
+        events: VmEventSink,
+        start_paused: bool,
+        gate: Arc<dyn OutputGate>,
+        dirty: DirtyTrackerConfig,
+    ) -> Result<Self, MachineError> {
         config.validate()?;
         let memory_file = GuestMemoryFile::create(config.memory_bytes, &config.memory_backing)?;
         Self::assemble(
@@ -204,6 +217,7 @@ impl Machine {
             gate,
             None,
             Vec::new(),
+            dirty,
         )
     }
 
@@ -248,6 +262,7 @@ impl Machine {
             gate,
             Some(state),
             taps,
+            DirtyTrackerConfig::default(),
         )
     }
 
@@ -261,7 +276,6 @@ impl Machine {
             memory_file,
             guest_memory,
             vm,
-            dirty: DirtyTrackerConfig::default(),
         })
     }
 
@@ -291,38 +305,7 @@ impl Machine {
             gate,
             Some(state),
             taps,
-        )
-    }
-
-    /// Like [`build_with_gate`](Self::build_with_gate), choosing how dirty
-    /// pages are tracked (decided before the vCPUs exist; tracking itself
-    /// starts later, see [`dirty_tracker`](Self::dirty_tracker)).
-    pub fn build_with_dirty_tracking(
-        config: MachineConfig,
-        events: VmEventSink,
-        start_paused: bool,
-        gate: Arc<dyn OutputGate>,
-        dirty: DirtyTrackerConfig,
-    ) -> Result<Self, MachineError> {
-        config.validate()?;
-        let memory_file = GuestMemoryFile::create(config.memory_bytes, &config.memory_backing)?;
-        let guest_memory = memory_file.map()?;
-        let vm = Vm::new()?;
-        let prepared = PreparedVm {
-            memory_file,
-            guest_memory,
-            vm,
-            dirty,
-        };
-        Self::assemble_in(
-            config,
-            prepared,
-            false,
-            events,
-            start_paused,
-            gate,
-            None,
-            Vec::new(),
+            DirtyTrackerConfig::default(),
         )
     }
 
@@ -335,6 +318,7 @@ impl Machine {
         gate: Arc<dyn OutputGate>,
         saved: Option<&VmState>,
         taps: Vec<std::fs::File>,
+        dirty: DirtyTrackerConfig,
     ) -> Result<Self, MachineError> {
         let guest_memory = memory_file.map()?;
         let vm = Vm::new()?;
@@ -342,7 +326,6 @@ impl Machine {
             memory_file,
             guest_memory,
             vm,
-            dirty: DirtyTrackerConfig::default(),
         };
         Self::assemble_in(
             config,
@@ -353,6 +336,7 @@ impl Machine {
             gate,
             saved,
             taps,
+            dirty,
         )
     }
 
@@ -366,15 +350,15 @@ impl Machine {
         gate: Arc<dyn OutputGate>,
         saved: Option<&VmState>,
         taps: Vec<std::fs::File>,
+        dirty: DirtyTrackerConfig,
     ) -> Result<Self, MachineError> {
         let built_at = Instant::now();
         let PreparedVm {
             memory_file,
             guest_memory,
             vm,
-            dirty,
         } = prepared;
-        // Before any vCPU exists (the dirty ring must be enabled first).
+        // Before any vCPU exists: the dirty ring must be enabled first.
         let dirty = DirtyTracker::new(&vm, &guest_memory, dirty)?;
         let t_memory = built_at.elapsed();
         let t_vm = built_at.elapsed();
@@ -674,17 +658,6 @@ impl Machine {
         &self.dirty
     }
 
-    /// Starts dirty-page tracking: from now on [`harvest_dirty`](Self::harvest_dirty)
-    /// returns every page written since the previous harvest.
-    pub fn start_dirty_log(&self) -> Result<(), MachineError> {
-        Ok(self.dirty.start()?)
-    }
-
-    /// Stops dirty-page tracking (what was not harvested is forgotten).
-    pub fn stop_dirty_log(&self) -> Result<(), MachineError> {
-        Ok(self.dirty.stop()?)
-    }
-
     /// Guest page frame numbers written since tracking started or the last
     /// harvest; running vCPUs are kicked so that none is missed.
     pub fn harvest_dirty(&self) -> Result<Vec<u64>, MachineError> {
@@ -692,6 +665,39 @@ impl Machine {
             RunState::Running => self.dirty.harvest_running(&self.vcpus)?,
             RunState::Paused => self.dirty.harvest()?,
         })
+    }
+
+    /// Starts dirty-page logging (guest and VMM writes).
+    pub fn start_dirty_log(&self) -> Result<(), MachineError> {
+        Ok(self.dirty.start()?)
+    }
+
+    /// Stops dirty-page logging.
+    pub fn stop_dirty_log(&self) -> Result<(), MachineError> {
+        Ok(self.dirty.stop()?)
+    }
+
+    /// Announces each network device's MAC on its TAP (a RARP broadcast, as
+    /// switches expect after a VM moved), so that bridges learn its new port.
+    pub fn announce_network(&self) {
+        let taps = self.tap_fds();
+        for (net, fd) in self.config.nets.iter().zip(taps) {
+            let mac = net
+                .mac
+                .as_deref()
+                .and_then(|m| crate::config::parse_mac(m).ok())
+                .unwrap_or_else(|| crate::config::default_mac(&net.tap));
+            let frame = rarp_announce(mac);
+            for _ in 0..3 {
+                // SAFETY: write() reads `frame` (valid for its length) from our
+                // own buffer into the TAP fd the device owns; no memory is kept.
+                let rc = unsafe { libc::write(fd, frame.as_ptr().cast(), frame.len()) };
+                if rc < 0 {
+                    tracing::warn!(tap = %net.tap, error = %std::io::Error::last_os_error(), "cannot announce MAC");
+                    break;
+                }
+            }
+        }
     }
 
     /// Stops every vCPU, then the device event loop.
@@ -792,6 +798,22 @@ impl Machine {
         self.event_loop = None;
         tracing::info!("machine shut down");
     }
+}
+
+/// A RARP "request reverse" broadcast from `mac`, behind a zeroed virtio-net
+/// header (the TAP expects one), padded to the 60-byte Ethernet minimum.
+fn rarp_announce(mac: [u8; 6]) -> Vec<u8> {
+    let mut f = vec![0u8; 12]; // virtio-net header
+    f.extend_from_slice(&[0xff; 6]);
+    f.extend_from_slice(&mac);
+    f.extend_from_slice(&[0x80, 0x35]); // RARP
+    f.extend_from_slice(&[0, 1, 0x08, 0x00, 6, 4, 0, 3]);
+    f.extend_from_slice(&mac);
+    f.extend_from_slice(&[0; 4]);
+    f.extend_from_slice(&mac);
+    f.extend_from_slice(&[0; 4]);
+    f.resize(12 + 60, 0);
+    f
 }
 
 fn open_serial(cfg: &SerialConfig) -> Result<(SerialOutput, String), MachineError> {

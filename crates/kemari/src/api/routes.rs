@@ -13,6 +13,9 @@
 //! | PUT    | /vm/snapshot    | {"dir", "exit"?}: full snapshot (state + memory image) |
 //! | PUT    | /vm/warm-restart| {"dir"}: save state only, keep memory, end the process |
 //! | PUT    | /vm/migrate-local | {"socket"}: zero-copy migration to another kemari |
+//! | PUT    | /vm/migrate     | {"to", "key_file", "max_downtime_ms"?, "max_rounds"?}: live migration |
+//! | GET    | /vm/migration   | progress of the running or last live migration |
+//! | PUT    | /vm/migration/cancel | cancel the running live migration |
 
 use std::path::PathBuf;
 
@@ -55,6 +58,32 @@ pub enum ApiRequest {
         /// The destination's Unix socket (`kemari --incoming-local`).
         socket: PathBuf,
     },
+    /// Live migration over TCP.
+    Migrate {
+        /// Destination `host:port` (`kemari --incoming`).
+        to: String,
+        /// Pre-shared key file.
+        key_file: PathBuf,
+        /// Downtime limit in ms.
+        max_downtime_ms: Option<u64>,
+        /// Round limit.
+        max_rounds: Option<u32>,
+    },
+    /// Progress of the live migration.
+    MigrationStatus,
+    /// Cancel the live migration.
+    MigrationCancel,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MigrateBody {
+    to: String,
+    key_file: PathBuf,
+    #[serde(default)]
+    max_downtime_ms: Option<u64>,
+    #[serde(default)]
+    max_rounds: Option<u32>,
 }
 
 #[derive(Deserialize)]
@@ -135,7 +164,9 @@ pub fn route(method: &str, path: &str, body_bytes: &[u8]) -> Result<ApiRequest, 
         "/vm/pause" => (ApiRequest::Pause, "PUT"),
         "/vm/resume" => (ApiRequest::Resume, "PUT"),
         "/vm/shutdown" => (ApiRequest::Shutdown, "PUT"),
-        "/vm/snapshot" | "/vm/warm-restart" | "/vm/migrate-local" => {
+        "/vm/migration" => (ApiRequest::MigrationStatus, "GET"),
+        "/vm/migration/cancel" => (ApiRequest::MigrationCancel, "PUT"),
+        "/vm/snapshot" | "/vm/warm-restart" | "/vm/migrate-local" | "/vm/migrate" => {
             if !method.eq_ignore_ascii_case("PUT") {
                 return Err(RouteError::MethodNotAllowed {
                     method: truncate(method),
@@ -154,6 +185,15 @@ pub fn route(method: &str, path: &str, body_bytes: &[u8]) -> Result<ApiRequest, 
                 "/vm/warm-restart" => ApiRequest::WarmRestart {
                     dir: parse_body::<DirBody>(body_bytes)?.dir,
                 },
+                "/vm/migrate" => {
+                    let b: MigrateBody = parse_body(body_bytes)?;
+                    ApiRequest::Migrate {
+                        to: b.to,
+                        key_file: b.key_file,
+                        max_downtime_ms: b.max_downtime_ms,
+                        max_rounds: b.max_rounds,
+                    }
+                }
                 _ => ApiRequest::MigrateLocal {
                     socket: parse_body::<SocketBody>(body_bytes)?.socket,
                 },

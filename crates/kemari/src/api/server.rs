@@ -77,6 +77,16 @@ impl ApiServer {
         path: &Path,
         requests: impl Fn(PendingRequest) + Send + 'static,
     ) -> Result<Self, ServerError> {
+        Self::start_with_direct(path, requests, |_| None)
+    }
+
+    /// Like [`start`](Self::start); `direct` may answer a request on the API
+    /// thread itself (status of a long operation the main thread is busy with).
+    pub fn start_with_direct(
+        path: &Path,
+        requests: impl Fn(PendingRequest) + Send + 'static,
+        direct: impl Fn(&ApiRequest) -> Option<ApiResponse> + Send + 'static,
+    ) -> Result<Self, ServerError> {
         let bind_err = |message: String| ServerError::Bind {
             path: path.into(),
             message,
@@ -93,7 +103,7 @@ impl ApiServer {
         let s = stop.clone();
         let thread = std::thread::Builder::new()
             .name("api".into())
-            .spawn(move || serve(&listener, &s, requests))
+            .spawn(move || serve(&listener, &s, requests, direct))
             .map_err(|e| bind_err(e.to_string()))?;
         Ok(ApiServer {
             path: path.into(),
@@ -115,7 +125,12 @@ impl Drop for ApiServer {
     }
 }
 
-fn serve(listener: &UnixListener, stop: &AtomicBool, requests: impl Fn(PendingRequest)) {
+fn serve(
+    listener: &UnixListener,
+    stop: &AtomicBool,
+    requests: impl Fn(PendingRequest),
+    direct: impl Fn(&ApiRequest) -> Option<ApiResponse>,
+) {
     for stream in listener.incoming() {
         if stop.load(Ordering::SeqCst) {
             return;
@@ -129,10 +144,14 @@ fn serve(listener: &UnixListener, stop: &AtomicBool, requests: impl Fn(PendingRe
             Ok(req) => match route(&req.method, &req.path, &req.body) {
                 Err(e) => ApiResponse::error(e.status(), e),
                 Ok(request) => {
-                    let (tx, rx) = channel();
-                    requests(PendingRequest { request, reply: tx });
-                    rx.recv()
-                        .unwrap_or_else(|_| ApiResponse::error(503, "the VMM is shutting down"))
+                    if let Some(r) = direct(&request) {
+                        r
+                    } else {
+                        let (tx, rx) = channel();
+                        requests(PendingRequest { request, reply: tx });
+                        rx.recv()
+                            .unwrap_or_else(|_| ApiResponse::error(503, "the VMM is shutting down"))
+                    }
                 }
             },
         };

@@ -49,6 +49,26 @@ enum Command {
         /// State directory.
         dir: PathBuf,
     },
+    /// Live migration (pre-copy over TCP) to the kemari started with
+    /// `--incoming HOST:PORT`; prints the final report.
+    Migrate {
+        /// Destination HOST:PORT.
+        #[arg(long)]
+        to: String,
+        /// Pre-shared key file (the destination's --migration-key-file).
+        #[arg(long)]
+        key_file: PathBuf,
+        /// Pause the guest once the rest can move within this many ms (default 300).
+        #[arg(long)]
+        max_downtime_ms: Option<u64>,
+        /// Pause the guest after this many rounds whatever remains (default 30).
+        #[arg(long)]
+        max_rounds: Option<u32>,
+    },
+    /// Progress of the running (or last) live migration.
+    Migration,
+    /// Cancel the running live migration (the VM keeps running here).
+    MigrateCancel,
     /// Zero-copy migration into the kemari started with `--incoming-local SOCKET`.
     MigrateLocal {
         /// The destination's socket.
@@ -73,6 +93,22 @@ fn main() -> ExitCode {
             body = Some(serde_json::json!({ "socket": abs(socket) }));
             ("PUT", "/vm/migrate-local")
         }
+        Command::Migrate {
+            to,
+            key_file,
+            max_downtime_ms,
+            max_rounds,
+        } => {
+            body = Some(serde_json::json!({
+                "to": to,
+                "key_file": abs(key_file),
+                "max_downtime_ms": max_downtime_ms,
+                "max_rounds": max_rounds,
+            }));
+            ("PUT", "/vm/migrate")
+        }
+        Command::Migration => ("GET", "/vm/migration"),
+        Command::MigrateCancel => ("PUT", "/vm/migration/cancel"),
         Command::Info => ("GET", "/vm"),
         Command::Config => ("GET", "/vm/config"),
         Command::Devices => ("GET", "/vm/devices"),

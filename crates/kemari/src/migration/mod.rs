@@ -1,4 +1,5 @@
 //! Moving a running VM to another VMM process.
 
 pub mod local;
+pub mod tcp;
 pub mod wire;

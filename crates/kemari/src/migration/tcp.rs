@@ -25,8 +25,8 @@ use vmm::persist::format;
 use vmm::vstate::VmEventSink;
 
 use super::wire::{
-    decode_pages, encode_pages, Channel, Control, Kind, PageData, WireError,
-    MAX_PAGES_PER_FRAME, PAGE,
+    decode_pages, encode_pages, Channel, Control, Kind, PageData, WireError, MAX_PAGES_PER_FRAME,
+    PAGE,
 };
 
 /// Errors of a live migration.
@@ -67,9 +67,7 @@ pub fn read_key(path: &Path) -> Result<Vec<u8>, MigrationError> {
         reason,
     };
     let raw = std::fs::read(path).map_err(|e| err(e.to_string()))?;
-    let key: Vec<u8> = raw
-        .trim_ascii()
-        .to_vec();
+    let key: Vec<u8> = raw.trim_ascii().to_vec();
     if key.len() < 16 {
         return Err(err("shorter than 16 bytes".into()));
     }
@@ -431,7 +429,11 @@ fn migrate_out_inner(
     let restore_ms = match ch.recv_control(&mut buf)? {
         Control::Restored { restore_ms } => restore_ms,
         Control::Failed { reason } => return Err(MigrationError::Refused(reason)),
-        other => return Err(MigrationError::Protocol(format!("expected Restored, got {other:?}"))),
+        other => {
+            return Err(MigrationError::Protocol(format!(
+                "expected Restored, got {other:?}"
+            )))
+        }
     };
     // Point of no return.
     ch.send_control(&Control::Commit)?;
@@ -473,7 +475,9 @@ fn expect(
     match ch.recv_control(buf)? {
         c if ok(&c) => Ok(()),
         Control::Failed { reason } => Err(MigrationError::Refused(reason)),
-        other => Err(MigrationError::Protocol(format!("expected {what}, got {other:?}"))),
+        other => Err(MigrationError::Protocol(format!(
+            "expected {what}, got {other:?}"
+        ))),
     }
 }
 
@@ -523,13 +527,19 @@ fn receive_vm(
             config,
             memory_size,
         } => (config, memory_size),
-        other => return Err(MigrationError::Protocol(format!("expected Config, got {other:?}"))),
+        other => {
+            return Err(MigrationError::Protocol(format!(
+                "expected Config, got {other:?}"
+            )))
+        }
     };
     config
         .validate()
         .map_err(|e| MigrationError::Protocol(e.to_string()))?;
     if memory_size != config.memory_bytes {
-        return Err(MigrationError::Protocol("memory size does not match the configuration".into()));
+        return Err(MigrationError::Protocol(
+            "memory size does not match the configuration".into(),
+        ));
     }
     adjust(&mut config);
     let memory = GuestMemoryFile::create(memory_size, &MemoryBacking::Memfd)
@@ -569,8 +579,7 @@ fn receive_vm(
         }
     };
     let started = Instant::now();
-    let mut state =
-        format::decode(&state).map_err(|e| MigrationError::Protocol(e.to_string()))?;
+    let mut state = format::decode(&state).map_err(|e| MigrationError::Protocol(e.to_string()))?;
     state.config.serial = config.serial.clone();
     state.config.nets = config.nets.clone();
     state.config.disks = config.disks.clone();
@@ -589,7 +598,11 @@ fn receive_vm(
     })?;
     match ch.recv_control(&mut buf)? {
         Control::Commit => {}
-        other => return Err(MigrationError::Protocol(format!("expected Commit, got {other:?}"))),
+        other => {
+            return Err(MigrationError::Protocol(format!(
+                "expected Commit, got {other:?}"
+            )))
+        }
     }
     machine.resume()?;
     machine.announce_network();

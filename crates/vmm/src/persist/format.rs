@@ -129,8 +129,10 @@ pub(crate) mod tests {
             disks: vec![],
             nets: vec![],
         };
-        let mut regs = kvm_bindings::kvm_regs::default();
-        regs.rip = 0x1234_5678;
+        let regs = kvm_bindings::kvm_regs {
+            rip: 0x1234_5678,
+            ..Default::default()
+        };
         VmState {
             kemari_version: "test".into(),
             saved_at_ms: 1,
