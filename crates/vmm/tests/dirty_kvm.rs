@@ -276,3 +276,44 @@ fn tiny_ring_fills_many_times_per_round_and_loses_nothing() {
     drop(go_tx);
     drop(handle);
 }
+
+#[test]
+fn rings_of_several_vcpus_are_merged_and_deduplicated() {
+    if !have_kvm() {
+        return;
+    }
+    let file = GuestMemoryFile::create(64 << 20, &MemoryBacking::Memfd).unwrap();
+    let mem = file.map().unwrap();
+    let vm = Vm::new().unwrap();
+    let config = DirtyTrackerConfig {
+        mode: DirtyTrackingMode::Ring,
+        ..Default::default()
+    };
+    let tracker = match DirtyTracker::new(&vm, &mem, config) {
+        Ok(t) => t,
+        Err(vmm::dirty::DirtyError::RingUnavailable) => return,
+        Err(e) => panic!("tracker: {e}"),
+    };
+    vm.register_memory(&mem).unwrap();
+    // vCPU 0 writes pages 16..48, vCPU 1 pages 32..64: 32..48 from both.
+    let w0 = PageWriter::new(16, 32, PORT).unwrap();
+    let w1 = PageWriter::new(32, 32, PORT).unwrap();
+    let mut v0 = Vcpu::new(vm.fd(), 0).unwrap();
+    let mut v1 = Vcpu::new(vm.fd(), 1).unwrap();
+    tracker.attach_vcpu(&mut v0).unwrap();
+    tracker.attach_vcpu(&mut v1).unwrap();
+    assert!(tracker.attach_vcpu(&mut v1).is_err(), "attached twice");
+    w0.install_at(&mem, &mut v0, 0x1000).unwrap();
+    w1.install_at(&mem, &mut v1, 0x2000).unwrap();
+    tracker.start().unwrap();
+    let want: BTreeSet<u64> = (16..64).collect();
+    for round in 0..5 {
+        w0.run_round(&mut v0).unwrap();
+        w1.run_round(&mut v1).unwrap();
+        let before = tracker.stats().ring_entries;
+        let got = tracker.harvest().unwrap();
+        assert_eq!(got.len(), 48, "round {round}: {got:?}");
+        assert_eq!(got.into_iter().collect::<BTreeSet<_>>(), want);
+        assert_eq!(tracker.stats().ring_entries - before, 64, "both rings read");
+    }
+}
