@@ -5,6 +5,10 @@
 //! `kemari-bench boot --kernel guest.elf`: time from process start to the
 //! guest's first line on the serial console, kemari vs QEMU (`-M microvm`,
 //! `-accel kvm`), at several memory sizes.
+//!
+//! `kemari-bench dirty-harvest`: the cost of one dirty-page harvest with 16
+//! pages dirtied by a vCPU, KVM dirty ring vs dirty bitmap, at 256 MiB to
+//! 16 GiB of guest memory (docs/dirty-tracking.md).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -47,10 +51,33 @@ enum Bench {
         #[arg(long, default_value = "qemu-system-x86_64")]
         qemu: String,
     },
+    /// One dirty-page harvest with N vCPU-dirtied pages: ring vs bitmap.
+    DirtyHarvest {
+        /// Guest memory sizes.
+        #[arg(long, value_delimiter = ',', default_values = ["256M", "1G", "4G", "16G"])]
+        memory: Vec<String>,
+        /// Pages the guest dirties between two harvests (at most 200).
+        #[arg(long, default_value_t = 16)]
+        pages: u16,
+        /// Harvests measured per configuration (the median is reported).
+        #[arg(long, default_value_t = 1000)]
+        rounds: usize,
+    },
 }
 
 fn main() -> ExitCode {
     match Cli::parse().command {
+        Bench::DirtyHarvest {
+            memory,
+            pages,
+            rounds,
+        } => match dirty::harvest_bench(&memory, pages, rounds.max(1)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kemari-bench: {e}");
+                ExitCode::from(1)
+            }
+        },
         Bench::Boot {
             kernel,
             cmdline,
@@ -198,4 +225,186 @@ fn boot_bench(
         );
     }
     Ok(())
+}
+
+/// `dirty-harvest`: a VM per (size, kind) with one vCPU running
+/// [`PageWriter`](vmm::dirty::page_writer::PageWriter) (writes `pages` pages,
+/// then `out`); the bench runs the vCPU on its own thread, so between rounds
+/// the vCPU is outside KVM_RUN and a plain harvest is complete.
+mod dirty {
+    use std::time::{Duration, Instant};
+
+    use vmm::dirty::page_writer::PageWriter;
+    use vmm::dirty::{DirtyTracker, DirtyTrackerConfig, DirtyTrackerKind, DirtyTrackingMode};
+    use vmm::memory::{GuestMemoryFile, MemoryBacking};
+    use vmm::vstate::vcpu::Vcpu;
+    use vmm::vstate::vm::Vm;
+
+    const PORT: u16 = 0x510;
+    const WARMUP: usize = 20;
+
+    /// "256M", "4G", "1024K" or bytes.
+    pub fn parse_size(s: &str) -> Result<u64, String> {
+        let (num, shift) = match s.as_bytes().last() {
+            Some(b'K' | b'k') => (&s[..s.len() - 1], 10),
+            Some(b'M' | b'm') => (&s[..s.len() - 1], 20),
+            Some(b'G' | b'g') => (&s[..s.len() - 1], 30),
+            _ => (s, 0),
+        };
+        num.parse::<u64>()
+            .ok()
+            .and_then(|n| n.checked_mul(1 << shift))
+            .ok_or_else(|| format!("bad memory size {s:?}"))
+    }
+
+    fn ctx<E: std::fmt::Display>(what: &'static str) -> impl FnOnce(E) -> String {
+        move |err| format!("{what}: {err}")
+    }
+
+    /// One VM of the benchmark: its memory, tracker, vCPU and harvest times.
+    struct Rig {
+        bytes: u64,
+        kind: DirtyTrackerKind,
+        _file: GuestMemoryFile,
+        vm: Vm,
+        tracker: std::sync::Arc<DirtyTracker>,
+        vcpu: Vcpu,
+        writer: PageWriter,
+        times: Vec<Duration>,
+    }
+
+    impl Rig {
+        fn new(bytes: u64, kind: DirtyTrackerKind, pages: u16) -> Result<Self, String> {
+            let file = GuestMemoryFile::create(bytes, &MemoryBacking::Memfd)
+                .map_err(ctx("guest memory"))?;
+            let mem = file.map().map_err(ctx("guest memory"))?;
+            let vm = Vm::new().map_err(ctx("VM"))?;
+            let mode = match kind {
+                DirtyTrackerKind::Ring => DirtyTrackingMode::Ring,
+                DirtyTrackerKind::Bitmap => DirtyTrackingMode::Bitmap,
+            };
+            let config = DirtyTrackerConfig {
+                mode,
+                ..Default::default()
+            };
+            let tracker = DirtyTracker::new(&vm, &mem, config).map_err(ctx("tracker"))?;
+            vm.register_memory(&mem).map_err(ctx("memory slots"))?;
+            let mut vcpu = Vcpu::new(vm.fd(), 0).map_err(ctx("vCPU"))?;
+            tracker.attach_vcpu(&mut vcpu).map_err(ctx("ring"))?;
+            let writer = PageWriter::new(16, pages, PORT).map_err(ctx("writer"))?;
+            writer.install(&mem, &mut vcpu).map_err(ctx("writer"))?;
+            tracker.start().map_err(ctx("start"))?;
+            Ok(Rig {
+                bytes,
+                kind,
+                _file: file,
+                vm,
+                tracker,
+                vcpu,
+                writer,
+                times: Vec::new(),
+            })
+        }
+
+        /// One guest round, then one timed harvest.
+        fn round(&mut self, measure: bool) -> Result<(), String> {
+            self.writer
+                .run_round(&mut self.vcpu)
+                .map_err(ctx("guest"))?;
+            let t = Instant::now();
+            let got = self.tracker.harvest().map_err(ctx("harvest"))?;
+            let elapsed = t.elapsed();
+            if got.len() != usize::from(self.writer.pages) {
+                return Err(format!(
+                    "{:?} at {} bytes: a harvest returned {} pages, expected {}",
+                    self.kind,
+                    self.bytes,
+                    got.len(),
+                    self.writer.pages
+                ));
+            }
+            if measure {
+                self.times.push(elapsed);
+            }
+            Ok(())
+        }
+
+        fn median(&mut self) -> Duration {
+            self.times.sort();
+            self.times
+                .get(self.times.len() / 2)
+                .copied()
+                .unwrap_or_default()
+        }
+    }
+
+    fn us(d: Duration) -> f64 {
+        d.as_secs_f64() * 1e6
+    }
+
+    pub fn harvest_bench(memory: &[String], pages: u16, rounds: usize) -> Result<(), String> {
+        let sizes = memory
+            .iter()
+            .map(|m| parse_size(m).map(|b| (m.as_str(), b)))
+            .collect::<Result<Vec<_>, _>>()?;
+        println!(
+            "dirty-harvest: one harvest with {pages} pages dirtied by a vCPU \
+             (median of {rounds}, µs; includes KVM_RESET_DIRTY_RINGS / KVM_CLEAR_DIRTY_LOG)"
+        );
+        // Every VM exists at once and the rounds are interleaved, so that
+        // noise from other load on the host hits every configuration alike.
+        let mut rigs = Vec::new();
+        for &(_, bytes) in &sizes {
+            for kind in [DirtyTrackerKind::Ring, DirtyTrackerKind::Bitmap] {
+                rigs.push(Rig::new(bytes, kind, pages)?);
+            }
+        }
+        if let Some(rig) = rigs.get(1) {
+            println!(
+                "KVM: dirty ring {:?}; bitmap with manual protect (KVM_CLEAR_DIRTY_LOG): {}",
+                rig.vm
+                    .dirty_ring_support()
+                    .map(|(cap, max)| (cap, max / 16)),
+                rig.tracker.manual_protect()
+            );
+        }
+        println!(
+            "{:>8} {:>10} {:>10} {:>12}",
+            "memory", "ring", "bitmap", "bitmap/ring"
+        );
+        for round in 0..WARMUP + rounds {
+            for rig in &mut rigs {
+                rig.round(round >= WARMUP)?;
+            }
+        }
+        let mut rows = Vec::new();
+        for (i, &(name, _)) in sizes.iter().enumerate() {
+            let ring = rigs[2 * i].median();
+            let bitmap = rigs[2 * i + 1].median();
+            println!(
+                "{:>8} {:>10.2} {:>10.2} {:>11.1}x",
+                name,
+                us(ring),
+                us(bitmap),
+                bitmap.as_secs_f64() / ring.as_secs_f64()
+            );
+            rows.push((name, ring, bitmap));
+        }
+        if let (Some(first), Some(last)) = (rows.first(), rows.last()) {
+            let flat = last.1.as_secs_f64() / first.1.as_secs_f64();
+            let gain = last.2.as_secs_f64() / last.1.as_secs_f64();
+            println!(
+                "ring {} vs {}: {flat:.2}x (goal: <= 1.2x) {}",
+                last.0,
+                first.0,
+                if flat <= 1.2 { "MET" } else { "NOT MET" }
+            );
+            println!(
+                "bitmap/ring at {}: {gain:.1}x (goal: >= 10x) {}",
+                last.0,
+                if gain >= 10.0 { "MET" } else { "NOT MET" }
+            );
+        }
+        Ok(())
+    }
 }

@@ -30,6 +30,12 @@ pub enum PageWriterError {
     /// Setting registers failed.
     #[error(transparent)]
     Vcpu(#[from] VcpuError),
+    /// KVM_RUN failed.
+    #[error("KVM_RUN failed")]
+    Run(#[source] kvm_ioctls::Error),
+    /// The vCPU stopped for something other than the writer's `out`.
+    #[error("unexpected vCPU exit: {0}")]
+    Exit(String),
 }
 
 /// The program's parameters.
@@ -95,7 +101,26 @@ impl PageWriter {
     /// Writes the program at [`CODE_ADDR`] and points `vcpu` (not started)
     /// at it in real mode.
     pub fn install(&self, mem: &GuestMemoryMmap, vcpu: &mut Vcpu) -> Result<(), PageWriterError> {
-        mem.write_slice(&self.program(), GuestAddress(CODE_ADDR))
+        self.install_at(mem, vcpu, CODE_ADDR)
+    }
+
+    /// Like [`install`](Self::install), with the code at `code_addr` (below
+    /// 64 KiB, outside the pages written): several vCPUs can run writers of
+    /// their own.
+    pub fn install_at(
+        &self,
+        mem: &GuestMemoryMmap,
+        vcpu: &mut Vcpu,
+        code_addr: u64,
+    ) -> Result<(), PageWriterError> {
+        let code_page = code_addr >> 12;
+        if code_addr >= 0x1_0000 || self.pfns().contains(&code_page) || code_page == 0 {
+            return Err(PageWriterError::Range {
+                first: self.first_page,
+                end: self.first_page + u64::from(self.pages),
+            });
+        }
+        mem.write_slice(&self.program(), GuestAddress(code_addr))
             .map_err(PageWriterError::Memory)?;
         let index = vcpu.index();
         let err = |what| {
@@ -111,12 +136,32 @@ impl PageWriter {
         sregs.cs.selector = 0;
         fd.set_sregs(&sregs).map_err(err("KVM_SET_SREGS"))?;
         let regs = kvm_bindings::kvm_regs {
-            rip: CODE_ADDR,
+            rip: code_addr,
             rflags: 0x2,
             ..Default::default()
         };
         fd.set_regs(&regs).map_err(err("KVM_SET_REGS"))?;
+        // An application processor would otherwise wait for INIT/SIPI in
+        // KVM_RUN forever.
+        let runnable = kvm_bindings::kvm_mp_state {
+            mp_state: kvm_bindings::KVM_MP_STATE_RUNNABLE,
+        };
+        fd.set_mp_state(runnable).map_err(err("KVM_SET_MP_STATE"))?;
         Ok(())
+    }
+
+    /// Runs `vcpu` on the calling thread (instead of a vCPU thread) until the
+    /// end of the next round.
+    pub fn run_round(&self, vcpu: &mut Vcpu) -> Result<(), PageWriterError> {
+        loop {
+            match vcpu.fd().run() {
+                Ok(kvm_ioctls::VcpuExit::IoOut(port, _)) if port == self.port => return Ok(()),
+                Ok(kvm_ioctls::VcpuExit::Intr) => {}
+                Ok(other) => return Err(PageWriterError::Exit(format!("{other:?}"))),
+                Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {}
+                Err(e) => return Err(PageWriterError::Run(e)),
+            }
+        }
     }
 }
 

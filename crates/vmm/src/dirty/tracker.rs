@@ -22,7 +22,7 @@
 //! by a later harvest.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use serde::{Deserialize, Serialize};
 
@@ -406,12 +406,12 @@ impl DirtyTracker {
             }
             state.rings[i] = Some(ring);
         }
-        let weak: Weak<Self> = Arc::downgrade(self);
-        vcpu.set_dirty_ring_full_handler(Arc::new(move |index| {
-            if let Some(tracker) = weak.upgrade() {
-                tracker.on_ring_full(index);
-            }
-        }));
+        // A strong reference: the ring must stay mapped and harvestable for
+        // as long as the vCPU can exit with a full ring (a handler that could
+        // no longer harvest would make the vCPU spin). No cycle: the tracker
+        // holds no vCPU.
+        let tracker = Arc::clone(self);
+        vcpu.set_dirty_ring_full_handler(Arc::new(move |index| tracker.on_ring_full(index)));
         Ok(())
     }
 
