@@ -6,3 +6,7 @@ pub mod backend;
 pub mod client;
 pub mod protocol;
 pub mod server;
+pub mod control;
+pub mod ext;
+pub mod proxy;
+pub mod relay;

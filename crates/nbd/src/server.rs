@@ -167,7 +167,7 @@ fn transmission_flags(b: &dyn Backend) -> u16 {
         | TFLAG_SEND_WRITE_ZEROES
         | TFLAG_CAN_MULTI_CONN;
     if b.read_only() {
-        f |= TFLAG_READ_ONLY;
+        f = (f | TFLAG_READ_ONLY) & !(TFLAG_SEND_FUA | TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES);
     }
     f
 }
