@@ -148,6 +148,10 @@ fn submit(sh: &Shared, win: &mut Window, s: u64, e: u64) -> bool {
         if sh.cut_over.load(Ordering::Acquire) {
             return false;
         }
+        // Skip if clients fetched it meanwhile.
+        if (s..e).all(|b| sh.cache.is_cached(b)) {
+            return true;
+        }
         let forced = sh.force_cutover.load(Ordering::Acquire);
         if sh.paused.load(Ordering::Acquire) && !forced {
             drain(sh, win, 0);
@@ -174,10 +178,6 @@ fn submit(sh: &Shared, win: &mut Window, s: u64, e: u64) -> bool {
             tb.0 -= len as f64;
         }
         break;
-    }
-    // Skip if clients fetched it meanwhile.
-    if (s..e).all(|b| sh.cache.is_cached(b)) {
-        return true;
     }
     let t = sh
         .bg_link
