@@ -85,10 +85,7 @@ pub struct FileBackend {
 
 impl FileBackend {
     pub fn open(path: &Path, read_only: bool) -> io::Result<Self> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(!read_only)
-            .open(path)?;
+        let file = OpenOptions::new().read(true).write(!read_only).open(path)?;
         let size = file.metadata()?.len();
         Ok(FileBackend {
             file,
@@ -214,7 +211,10 @@ impl Backend for MemBackend {
         Ok(())
     }
     fn write_at(&self, data: &[u8], offset: u64, _fua: bool) -> io::Result<()> {
-        let mut d = self.data.write().map_err(|_| io::Error::other("poisoned"))?;
+        let mut d = self
+            .data
+            .write()
+            .map_err(|_| io::Error::other("poisoned"))?;
         let o = offset as usize;
         d[o..o + data.len()].copy_from_slice(data);
         Ok(())
@@ -226,7 +226,10 @@ impl Backend for MemBackend {
         Ok(())
     }
     fn write_zeroes(&self, offset: u64, len: u64, _may_trim: bool, _fua: bool) -> io::Result<()> {
-        let mut d = self.data.write().map_err(|_| io::Error::other("poisoned"))?;
+        let mut d = self
+            .data
+            .write()
+            .map_err(|_| io::Error::other("poisoned"))?;
         d[offset as usize..(offset + len) as usize].fill(0);
         Ok(())
     }

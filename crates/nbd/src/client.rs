@@ -91,8 +91,12 @@ pub fn parse_url(url: &str) -> Result<NbdUrl> {
         why,
     };
     if let Some(rest) = url.strip_prefix("nbd+unix://") {
-        let rest = rest.strip_prefix('/').ok_or_else(|| bad("expected nbd+unix:///export?socket=path"))?;
-        let (export, query) = rest.split_once('?').ok_or_else(|| bad("missing ?socket="))?;
+        let rest = rest
+            .strip_prefix('/')
+            .ok_or_else(|| bad("expected nbd+unix:///export?socket=path"))?;
+        let (export, query) = rest
+            .split_once('?')
+            .ok_or_else(|| bad("missing ?socket="))?;
         let sock = query
             .split('&')
             .find_map(|kv| kv.strip_prefix("socket="))
@@ -105,7 +109,9 @@ pub fn parse_url(url: &str) -> Result<NbdUrl> {
             export: export.to_string(),
         });
     }
-    let rest = url.strip_prefix("nbd://").ok_or_else(|| bad("scheme must be nbd:// or nbd+unix://"))?;
+    let rest = url
+        .strip_prefix("nbd://")
+        .ok_or_else(|| bad("scheme must be nbd:// or nbd+unix://"))?;
     let (hostport, export) = match rest.split_once('/') {
         Some((h, e)) => (h, e),
         None => (rest, ""),
@@ -269,7 +275,11 @@ fn handshake(s: &mut Stream, export: &str) -> Result<ExportInfo> {
                 Info::Other(_) => {}
             },
             REP_ACK if got_export => return Ok(info),
-            REP_ACK => return Err(ClientError::Unexpected("NBD_OPT_GO acked without export info")),
+            REP_ACK => {
+                return Err(ClientError::Unexpected(
+                    "NBD_OPT_GO acked without export info",
+                ))
+            }
             REP_ERR_UNSUP => {
                 // An old server: fall back to NBD_OPT_EXPORT_NAME.
                 send_option(s, OPT_EXPORT_NAME, export.as_bytes())?;
@@ -503,7 +513,7 @@ impl Client {
 
     fn ranged(&self, cmd: u16, flags: u16, offset: u64, len: u64) -> Result<()> {
         self.check(offset, len)?;
-        let max = u64::from(u32::MAX & !0xfff);
+        let max = u64::from(!0xfffu32);
         let mut tickets = Vec::new();
         let mut off = offset;
         while off < offset + len {
@@ -597,9 +607,9 @@ fn receive_one<R: Read>(r: &mut R, sh: &Shared) -> Result<()> {
             let mut payload = vec![0u8; len as usize];
             r.read_exact(&mut payload)?;
             let mut pend = lock(&sh.pending);
-            let p = pend
-                .get_mut(&cookie)
-                .ok_or(ClientError::Unexpected("structured reply to an unknown cookie"))?;
+            let p = pend.get_mut(&cookie).ok_or(ClientError::Unexpected(
+                "structured reply to an unknown cookie",
+            ))?;
             let mut failed = None;
             match reply_type {
                 REPLY_TYPE_OFFSET_DATA | REPLY_TYPE_OFFSET_HOLE => {
@@ -611,7 +621,8 @@ fn receive_one<R: Read>(r: &mut R, sh: &Shared) -> Result<()> {
                     let n = if reply_type == REPLY_TYPE_OFFSET_DATA {
                         payload.len() - 8
                     } else if payload.len() >= 12 {
-                        u32::from_be_bytes([payload[8], payload[9], payload[10], payload[11]]) as usize
+                        u32::from_be_bytes([payload[8], payload[9], payload[10], payload[11]])
+                            as usize
                     } else {
                         return Err(ClientError::Unexpected("short hole chunk"));
                     };
@@ -682,9 +693,6 @@ mod tests {
         assert!(parse_url("http://x").is_err());
         assert!(parse_url("nbd://h:port/x").is_err());
         assert!(parse_url("nbd+unix:///e").is_err());
-        assert_eq!(
-            parse_url("nbd://h:1/e").unwrap().to_string(),
-            "nbd://h:1/e"
-        );
+        assert_eq!(parse_url("nbd://h:1/e").unwrap().to_string(), "nbd://h:1/e");
     }
 }

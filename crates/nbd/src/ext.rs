@@ -178,7 +178,9 @@ mod tests {
             b.copy_from_slice(&img[o as usize..o as usize + b.len()]);
             Ok(())
         };
-        assert!(used_blocks(&mut rd, img.len() as u64, 4096).unwrap().is_none());
+        assert!(used_blocks(&mut rd, img.len() as u64, 4096)
+            .unwrap()
+            .is_none());
     }
 
     #[test]
@@ -212,7 +214,9 @@ mod tests {
             b.copy_from_slice(&img[o as usize..o as usize + b.len()]);
             Ok(())
         };
-        let u = used_blocks(&mut rd, (64 * bs) as u64, 4096).unwrap().unwrap();
+        let u = used_blocks(&mut rd, (64 * bs) as u64, 4096)
+            .unwrap()
+            .unwrap();
         assert_eq!(u.used_fs_blocks, 5);
         assert!(u.contains(0) && u.contains(3) && u.contains(10));
         assert!(!u.contains(4) && !u.contains(11));

@@ -4,9 +4,9 @@
 
 pub mod backend;
 pub mod client;
-pub mod protocol;
-pub mod server;
 pub mod control;
 pub mod ext;
+pub mod protocol;
 pub mod proxy;
 pub mod relay;
+pub mod server;

@@ -120,7 +120,14 @@ fn spawn_conn(peer: String, f: impl FnOnce() -> Result<(), ServerError> + Send +
             debug!(%peer, "connection opened");
             match f() {
                 Ok(()) => debug!(%peer, "connection closed"),
-                Err(ServerError::Io(e)) if e.kind() == io::ErrorKind::UnexpectedEof => {
+                Err(ServerError::Io(e))
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::UnexpectedEof
+                            | io::ErrorKind::ConnectionReset
+                            | io::ErrorKind::BrokenPipe
+                    ) =>
+                {
                     debug!(%peer, "client went away")
                 }
                 Err(e) => warn!(%peer, error = %e, cause = ?std::error::Error::source(&e), "connection ended with an error"),
@@ -390,9 +397,7 @@ fn execute(b: &dyn Backend, req: &Request, payload: Vec<u8>, mut buf: Vec<u8>) -
         CMD_WRITE => b.write_at(&payload, req.offset, fua),
         CMD_FLUSH => b.flush(),
         CMD_TRIM => b.trim(req.offset, len),
-        CMD_WRITE_ZEROES => {
-            b.write_zeroes(req.offset, len, req.flags & CMD_FLAG_NO_HOLE == 0, fua)
-        }
+        CMD_WRITE_ZEROES => b.write_zeroes(req.offset, len, req.flags & CMD_FLAG_NO_HOLE == 0, fua),
         CMD_CACHE => Ok(()),
         _ => return Outcome::Err(EINVAL, "unknown command"),
     };

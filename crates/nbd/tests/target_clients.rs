@@ -23,7 +23,8 @@ fn nbdinfo_lists_exports_and_block_sizes() {
         format!("a={}", d.path("a.img").display()),
         format!("b={},ro", d.path("b.img").display()),
     ]);
-    let out = run(Command::new("nbdinfo").args(["--list", "--json", &format!("nbd://127.0.0.1:{port}")]));
+    let out =
+        run(Command::new("nbdinfo").args(["--list", "--json", &format!("nbd://127.0.0.1:{port}")]));
     let v: serde_json::Value = serde_json::from_slice(&out).expect("nbdinfo json");
     let ex = v["exports"].as_array().expect("exports");
     assert_eq!(ex.len(), 2);
@@ -100,11 +101,21 @@ fn qemu_img_and_qemu_io() {
     assert!(!out.contains("Pattern verification failed"), "{out}");
     // A read-only export refuses writes.
     let ro = Command::new("qemu-io")
-        .args(["-f", "raw", "-c", "write 0 4096", &format!("nbd://127.0.0.1:{port}/r")])
+        .args([
+            "-f",
+            "raw",
+            "-c",
+            "write 0 4096",
+            &format!("nbd://127.0.0.1:{port}/r"),
+        ])
         .output()
         .unwrap();
-    let msg = String::from_utf8_lossy(&ro.stdout).to_string() + &String::from_utf8_lossy(&ro.stderr);
-    assert!(!ro.status.success() || msg.contains("denied") || msg.contains("failed"), "{msg}");
+    let msg =
+        String::from_utf8_lossy(&ro.stdout).to_string() + &String::from_utf8_lossy(&ro.stderr);
+    assert!(
+        !ro.status.success() || msg.contains("denied") || msg.contains("failed"),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -208,7 +219,8 @@ fn hostile_traffic_never_kills_the_server() {
     let (_t, port) = serve(&[format!("a={}", d.path("a.img").display())]);
     let send = |bytes: &[u8]| {
         let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-        s.set_read_timeout(Some(std::time::Duration::from_secs(2))).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(2)))
+            .unwrap();
         let _ = s.write_all(bytes);
         let mut sink = Vec::new();
         let _ = s.read_to_end(&mut sink);

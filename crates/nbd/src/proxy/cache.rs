@@ -134,7 +134,7 @@ impl Cache {
                 *w = u64::from_le_bytes(c.try_into().unwrap_or([0; 8]));
             }
             // Bits past the end are meaningless: clear them.
-            if nblocks % 64 != 0 {
+            if nblocks & 63 != 0 {
                 if let Some(last) = words_v.last_mut() {
                     *last &= (1u64 << (nblocks % 64)) - 1;
                 }
@@ -198,7 +198,9 @@ impl Cache {
         let n = (last - first + 1).min(STRIPES as u64);
         let mut idx: Vec<u64> = (first..first + n).map(|b| b % STRIPES as u64).collect();
         idx.sort_unstable();
-        idx.into_iter().map(|i| lock(&self.stripes[i as usize])).collect()
+        idx.into_iter()
+            .map(|i| lock(&self.stripes[i as usize]))
+            .collect()
     }
 
     /// Stores fetched upstream data for blocks starting at `first_block`,
@@ -261,7 +263,11 @@ impl Cache {
     pub fn persist(&self) -> io::Result<()> {
         let _g = lock(&self.persist_lock);
         let dirty = self.dirty.swap(false, Ordering::AcqRel);
-        let snap: Vec<u64> = self.bits.iter().map(|w| w.load(Ordering::Acquire)).collect();
+        let snap: Vec<u64> = self
+            .bits
+            .iter()
+            .map(|w| w.load(Ordering::Acquire))
+            .collect();
         if let Err(e) = self.data.sync_data() {
             self.dirty.store(true, Ordering::Release);
             return Err(e);

@@ -185,7 +185,11 @@ impl OnDemand {
         Err(FetchError::Retries)
     }
 
-    fn fetch_runs(&self, cache: &Cache, runs: &[(u64, u64, Arc<InFlight>)]) -> Result<(), FetchError> {
+    fn fetch_runs(
+        &self,
+        cache: &Cache,
+        runs: &[(u64, u64, Arc<InFlight>)],
+    ) -> Result<(), FetchError> {
         let err = |first, end, source| FetchError::Upstream { first, end, source };
         let n = runs.len() as u64;
         self.stats.ondemand_inflight.fetch_add(n, Ordering::Relaxed);

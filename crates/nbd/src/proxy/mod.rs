@@ -306,7 +306,7 @@ impl Proxy {
                     }
                 }
             })
-            .map_err(|e| CacheError::Io(e))?;
+            .map_err(CacheError::Io)?;
         let sh = shared.clone();
         std::thread::Builder::new()
             .name("nbd-bgcopy".into())
@@ -338,9 +338,7 @@ impl Backend for Proxy {
         false
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.shared
-            .counters
-            .record(offset, buf.len() as u64, false);
+        self.shared.counters.record(offset, buf.len() as u64, false);
         self.shared.read_through(buf, offset)
     }
     fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()> {

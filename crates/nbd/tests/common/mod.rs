@@ -51,7 +51,10 @@ pub fn free_port() -> u16 {
 pub fn wait_port(port: u16) {
     let t = Instant::now();
     while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(t.elapsed() < Duration::from_secs(10), "port {port} never opened");
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "port {port} never opened"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -104,7 +107,9 @@ pub fn make_image(path: &Path, size: usize, seed: u64) -> Vec<u8> {
 pub fn serve(exports: &[String]) -> (Proc, u16) {
     let port = free_port();
     let mut c = Command::new(BIN);
-    c.arg("serve").arg("--listen").arg(format!("127.0.0.1:{port}"));
+    c.arg("serve")
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"));
     for e in exports {
         c.arg("--export").arg(e);
     }
@@ -149,7 +154,7 @@ pub fn status(control: &Path) -> serde_json::Value {
     v["status"].clone()
 }
 
-pub fn ctl(cmd: &str, control: &Path) {
+pub fn control_cmd(cmd: &str, control: &Path) {
     let st = Command::new(BIN)
         .arg(cmd)
         .arg("--control")
