@@ -6,6 +6,7 @@ pub mod backend;
 pub mod client;
 pub mod control;
 pub mod ext;
+pub mod loadgen;
 pub mod protocol;
 pub mod proxy;
 pub mod relay;

@@ -85,6 +85,18 @@ enum Cmd {
     },
     /// Print an export's per-group access counts (kemari NBD extension).
     AccessCounts { url: String },
+    /// Random 4 KiB reads of listed blocks for a while; prints JSON (benchmark).
+    #[command(hide = true)]
+    RandomReads {
+        url: String,
+        /// File of 4 KiB block numbers (whitespace separated).
+        #[arg(long)]
+        blocks: PathBuf,
+        #[arg(long, default_value_t = 30)]
+        secs: u64,
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+    },
     /// A TCP relay that delays every chunk (WAN emulation for benchmarks).
     #[command(hide = true)]
     Relay {
@@ -188,6 +200,21 @@ fn main() -> Result<()> {
             for (i, (r, w)) in c.groups.iter().enumerate() {
                 println!("{i} {r} {w}");
             }
+        }
+        Cmd::RandomReads {
+            url,
+            blocks,
+            secs,
+            threads,
+        } => {
+            let text = std::fs::read_to_string(&blocks)
+                .with_context(|| format!("reading {}", blocks.display()))?;
+            let list: Vec<u64> = text
+                .split_whitespace()
+                .filter_map(|w| w.parse().ok())
+                .collect();
+            let r = kemari_nbd::loadgen::random_reads(&url, &list, secs, threads)?;
+            println!("{}", serde_json::to_string(&r)?);
         }
         Cmd::Relay {
             listen,

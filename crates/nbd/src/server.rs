@@ -383,7 +383,7 @@ fn write_reply<W: Write>(
 }
 
 /// Executes one request (a WRITE's payload already read into `payload`).
-fn execute(b: &dyn Backend, req: &Request, payload: Vec<u8>, mut buf: Vec<u8>) -> Outcome {
+fn execute(b: &dyn Backend, req: &Request, payload: &[u8], mut buf: Vec<u8>) -> Outcome {
     let fua = req.flags & CMD_FLAG_FUA != 0;
     let len = u64::from(req.len);
     let res = match req.command {
@@ -394,7 +394,7 @@ fn execute(b: &dyn Backend, req: &Request, payload: Vec<u8>, mut buf: Vec<u8>) -
                 Err(e) => Err(e),
             }
         }
-        CMD_WRITE => b.write_at(&payload, req.offset, fua),
+        CMD_WRITE => b.write_at(payload, req.offset, fua),
         CMD_FLUSH => b.flush(),
         CMD_TRIM => b.trim(req.offset, len),
         CMD_WRITE_ZEROES => b.write_zeroes(req.offset, len, req.flags & CMD_FLAG_NO_HOLE == 0, fua),
@@ -461,6 +461,7 @@ where
         active: AtomicUsize::new(0),
     });
     let mut buf: Vec<u8> = Vec::new();
+    let mut pbuf: Vec<u8> = Vec::new();
     let result = loop {
         if r.buffer().is_empty() {
             lock(&w).flush()?;
@@ -473,7 +474,8 @@ where
         if req.command == CMD_DISC {
             break Ok(());
         }
-        let mut payload = Vec::new();
+        let mut payload = std::mem::take(&mut pbuf);
+        payload.clear();
         if req.has_payload() {
             if req.len > MAX_PAYLOAD {
                 // The payload cannot be skipped safely: answer and hang up.
@@ -492,11 +494,17 @@ where
                 }
                 .into());
             }
-            payload.resize(req.len as usize, 0);
-            r.read_exact(&mut payload)?;
+            // read_to_end fills spare capacity without zeroing it first.
+            let want = req.len as usize;
+            payload.reserve(want);
+            (&mut r).take(want as u64).read_to_end(&mut payload)?;
+            if payload.len() != want {
+                return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
+            }
         }
         if let Some(bad) = validate(backend.as_ref(), &req) {
             write_reply(&mut *lock(&w), structured, &req, &bad)?;
+            pbuf = payload;
             continue;
         }
         if backend.may_block(req.command, req.offset, req.len)
@@ -506,7 +514,7 @@ where
             *lock(&helpers.count) += 1;
             let (b, w2, h2) = (backend.clone(), w.clone(), helpers.clone());
             std::thread::spawn(move || {
-                let out = execute(b.as_ref(), &req, payload, Vec::new());
+                let out = execute(b.as_ref(), &req, &payload, Vec::new());
                 {
                     let mut g = lock(&w2);
                     let _ = write_reply(&mut *g, structured, &req, &out).and_then(|_| g.flush());
@@ -520,7 +528,8 @@ where
             });
             continue;
         }
-        let out = execute(backend.as_ref(), &req, payload, std::mem::take(&mut buf));
+        let out = execute(backend.as_ref(), &req, &payload, std::mem::take(&mut buf));
+        pbuf = payload;
         write_reply(&mut *lock(&w), structured, &req, &out)?;
         if let Outcome::Data(d) = out {
             buf = d;

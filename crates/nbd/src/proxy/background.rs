@@ -84,7 +84,8 @@ pub fn run(sh: Arc<Shared>) {
     let mut pass = 0;
     while !sh.cache.complete() && !sh.cut_over.load(Ordering::Acquire) {
         let used_only = pass == 0 && plan.used.is_some();
-        for &g in &plan.group_order {
+        let mut done = vec![false; plan.group_order.len()];
+        while let Some(g) = next_group(&sh, &plan, &mut done) {
             let start = g * plan.group_blocks;
             let end = ((g + 1) * plan.group_blocks).min(sh.cache.nblocks());
             let wanted = |b: u64| {
@@ -130,6 +131,44 @@ pub fn run(sh: Arc<Shared>) {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// Groups copied in a dynamic order up to this many (the pick is O(groups)).
+const DYNAMIC_GROUPS: usize = 8192;
+
+/// Picks the next group to copy: the one this proxy's own clients have
+/// accessed most (so the copy follows the working set after migration),
+/// ties broken by the upstream's hotness order.
+fn next_group(sh: &Shared, plan: &Plan, done: &mut [bool]) -> Option<u64> {
+    let n = plan.group_order.len();
+    let pick = if n <= DYNAMIC_GROUPS {
+        let local = sh.counters.snapshot();
+        let gbytes = plan.group_blocks * BLOCK;
+        let heat = |g: u64| {
+            let i = (g * gbytes / local.group_size.max(1)) as usize;
+            local.groups.get(i).map_or(0, |(r, w)| r + w)
+        };
+        let mut best: Option<(u64, u64)> = None; // (heat, group)
+        for &g in &plan.group_order {
+            if done[g as usize] {
+                continue;
+            }
+            let h = heat(g);
+            if best.is_none_or(|(bh, _)| h > bh) {
+                best = Some((h, g));
+            }
+        }
+        best.map(|(_, g)| g)
+    } else {
+        plan.group_order
+            .iter()
+            .copied()
+            .find(|&g| !done[g as usize])
+    };
+    if let Some(g) = pick {
+        done[g as usize] = true;
+    }
+    pick
 }
 
 fn window_limit(sh: &Shared) -> u64 {
