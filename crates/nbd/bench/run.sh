@@ -15,14 +15,15 @@
 #           the relocation test (client I/O during the copy, proxy SIGKILLed
 #           and restarted, cut-over, target stopped, every byte checked).
 #
-# Env: SECS (fio runtime per loopback case, default 5), WAN_SECS (per Table 4
+# Env: SECS (fio runtime per loopback case, default 4), ROUNDS (default 3), WAN_SECS (per Table 4
 # case, default 30), WORK (scratch dir, default /tmp/knbd-bench), BIN.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../../.." && pwd)
 MODE=${1:-all}
-SECS=${SECS:-5}
+SECS=${SECS:-4}
+ROUNDS=${ROUNDS:-3}
 WAN_SECS=${WAN_SECS:-30}
 WORK=${WORK:-/tmp/knbd-bench}
 BIN=${BIN:-$ROOT/target/release/kemari-nbd}
@@ -62,6 +63,11 @@ wait_port() { # [netns] port
 LAST_PID=
 bg() { "$@" & LAST_PID=$!; PIDS+=("$LAST_PID"); }
 
+# Lines "PORT IOPS MBPS" on stdin -> "IOPS/MBPS" of the median-IOPS run for PORT.
+median_of() {
+    awk -v p="$1" '$1 == p { print $2, $3 }' | sort -n | awk '{ a[NR] = $1 "/" $2 } END { print a[int((NR + 1) / 2)] }'
+}
+
 # fio against an NBD URI: fio_case URI RW BS QD [extra...] -> "IOPS MB/s"
 fio_case() {
     local uri=$1 rw=$2 bs=$3 qd=$4; shift 4
@@ -81,13 +87,21 @@ loopback() {
     bg nbdkit -f -i 127.0.0.1 -p $P2 file "file=$img" >/dev/null
     bg qemu-nbd -f raw -x disk -b 127.0.0.1 -p $P3 --persistent --shared=8 "$img" >/dev/null
     wait_port "" $P1; wait_port "" $P2; wait_port "" $P3
-    printf '%-28s %14s %14s %14s\n' "case (IOPS MB/s)" kemari-nbd nbdkit qemu-nbd
-    local c
+    # The machine is shared: run ROUNDS interleaved rounds, report medians.
+    local c r p
+    log "(IOPS/MB/s, median of $ROUNDS interleaved rounds of ${SECS}s)"
+    printf '%-22s %14s %14s %14s\n' "case" kemari-nbd nbdkit qemu-nbd
     for c in "read 1M 8" "write 1M 8" "randread 4k 1" "randread 4k 16"; do
         set -- $c
-        printf '%-28s' "$1 bs=$2 qd=$3"
+        local res=()
+        for r in $(seq 1 "$ROUNDS"); do
+            for p in $P1 $P2 $P3; do
+                res+=("$p $(fio_case nbd://127.0.0.1:$p/disk "$1" "$2" "$3" --size=$size)")
+            done
+        done
+        printf '%-22s' "$1 bs=$2 qd=$3"
         for p in $P1 $P2 $P3; do
-            printf ' %14s' "$(fio_case nbd://127.0.0.1:$p/disk "$1" "$2" "$3" --size=$size | tr ' ' '/')"
+            printf ' %14s' "$(printf '%s\n' "${res[@]}" | median_of "$p")"
         done
         printf '\n'
     done
@@ -97,14 +111,20 @@ loopback() {
         --export disk --listen 127.0.0.1:$P4 --control "$WORK/loop.ctl" >/dev/null
     wait_port "" $P4
     "$BIN" cutover --wait --control "$WORK/loop.ctl" >/dev/null
-    printf '%-28s %14s %14s %8s\n' "case (IOPS MB/s)" target proxy ratio
-    for c in "read 1M 8" "randread 4k 1" "randread 4k 16" "write 1M 8"; do
+    printf '%-22s %14s %14s %8s\n' "case" target proxy ratio
+    for c in "read 1M 8" "write 1M 8" "randread 4k 1" "randread 4k 16"; do
         set -- $c
+        local res=()
+        for r in $(seq 1 "$ROUNDS"); do
+            for p in $P1 $P4; do
+                res+=("$p $(fio_case nbd://127.0.0.1:$p/disk "$1" "$2" "$3" --size=$size)")
+            done
+        done
         local a b
-        a=$(fio_case nbd://127.0.0.1:$P1/disk "$1" "$2" "$3" --size=$size)
-        b=$(fio_case nbd://127.0.0.1:$P4/disk "$1" "$2" "$3" --size=$size)
-        printf '%-28s %14s %14s %8s\n' "$1 bs=$2 qd=$3" "${a/ //}" "${b/ //}" \
-            "$(python3 -c "print(f'{${b%% *}/max(1,${a%% *}):.3f}')")"
+        a=$(printf '%s\n' "${res[@]}" | median_of $P1)
+        b=$(printf '%s\n' "${res[@]}" | median_of $P4)
+        printf '%-22s %14s %14s %8s\n' "$1 bs=$2 qd=$3" "$a" "$b" \
+            "$(python3 -c "print(f'{${b%%/*}/max(1,${a%%/*}):.3f}')")"
     done
     for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
     wait 2>/dev/null || true
@@ -173,6 +193,10 @@ wan() {
     local remote
     remote=$(ip netns exec $NS_DST fio --name=r --ioengine=nbd --uri=nbd://$SRC_IP:$RELAY_PORT/disk \
         --rw=randread --bs=4k --iodepth=1 --runtime=10 --time_based --offset=16M --size=192M \
+        --output-format=json 2>/dev/null | "$SUM" read)
+    local remote16
+    remote16=$(ip netns exec $NS_DST fio --name=r --ioengine=nbd --uri=nbd://$SRC_IP:$RELAY_PORT/disk \
+        --rw=randread --bs=4k --iodepth=16 --runtime=10 --time_based --offset=16M --size=192M \
         --output-format=json 2>/dev/null | "$SUM" read)
     local seqwan
     seqwan=$(ip netns exec $NS_DST fio --name=s --ioengine=nbd --uri=nbd://$SRC_IP:$RELAY_PORT/disk \

@@ -21,6 +21,8 @@ use crate::protocol::*;
 /// Replies to at most this many blocking requests at once per connection;
 /// beyond it, requests are served inline (back-pressure on a hostile client).
 const MAX_HELPERS_PER_CONN: usize = 256;
+/// Reads and writes at least this large are served on helper threads.
+const OFFLOAD_MIN: u32 = 256 * 1024;
 
 #[derive(Debug, Error)]
 pub enum ServerError {
@@ -340,7 +342,7 @@ fn errno_of(e: &io::Error) -> u32 {
 }
 
 fn write_reply<W: Write>(
-    w: &mut W,
+    w: &mut BufWriter<W>,
     structured: bool,
     req: &Request,
     outcome: &Outcome,
@@ -355,19 +357,17 @@ fn write_reply<W: Write>(
         )),
         Outcome::Ok => w.write_all(&encode_simple_reply(0, req.cookie)),
         Outcome::Data(d) if structured => {
-            w.write_all(&encode_structured_header(
+            let mut h = [0u8; STRUCTURED_REPLY_HEADER_LEN + 8];
+            h[..STRUCTURED_REPLY_HEADER_LEN].copy_from_slice(&encode_structured_header(
                 REPLY_FLAG_DONE,
                 REPLY_TYPE_OFFSET_DATA,
                 req.cookie,
                 8 + d.len() as u32,
-            ))?;
-            w.write_all(&req.offset.to_be_bytes())?;
-            w.write_all(d)
+            ));
+            h[STRUCTURED_REPLY_HEADER_LEN..].copy_from_slice(&req.offset.to_be_bytes());
+            write_header_and_data(w, &h, d)
         }
-        Outcome::Data(d) => {
-            w.write_all(&encode_simple_reply(0, req.cookie))?;
-            w.write_all(d)
-        }
+        Outcome::Data(d) => write_header_and_data(w, &encode_simple_reply(0, req.cookie), d),
         Outcome::Err(e, msg) if structured && is_read => {
             let p = encode_error_chunk(*e, msg);
             w.write_all(&encode_structured_header(
@@ -382,13 +382,39 @@ fn write_reply<W: Write>(
     }
 }
 
+/// Small replies are buffered; a large one goes out as one vectored write
+/// (header and data together), after whatever is buffered.
+fn write_header_and_data<W: Write>(w: &mut BufWriter<W>, h: &[u8], d: &[u8]) -> io::Result<()> {
+    if h.len() + d.len() <= w.capacity() - w.buffer().len() {
+        w.write_all(h)?;
+        return w.write_all(d);
+    }
+    w.flush()?;
+    let inner = w.get_mut();
+    let (mut h, mut d) = (h, d);
+    while !h.is_empty() || !d.is_empty() {
+        let n = inner.write_vectored(&[io::IoSlice::new(h), io::IoSlice::new(d)])?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        let from_h = n.min(h.len());
+        h = &h[from_h..];
+        d = &d[n - from_h..];
+    }
+    Ok(())
+}
+
 /// Executes one request (a WRITE's payload already read into `payload`).
 fn execute(b: &dyn Backend, req: &Request, payload: &[u8], mut buf: Vec<u8>) -> Outcome {
     let fua = req.flags & CMD_FLAG_FUA != 0;
     let len = u64::from(req.len);
     let res = match req.command {
         CMD_READ => {
-            buf.resize(req.len as usize, 0);
+            let n = req.len as usize;
+            if buf.len() < n {
+                buf.resize(n, 0);
+            }
+            buf.truncate(n);
             match b.read_at(&mut buf, req.offset) {
                 Ok(()) => return Outcome::Data(buf),
                 Err(e) => Err(e),
@@ -442,6 +468,25 @@ struct Helpers {
     count: Mutex<usize>,
     idle: Condvar,
     active: AtomicUsize,
+    /// Recycled data buffers (so large transfers do not allocate and zero
+    /// a fresh buffer per request).
+    pool: Mutex<Vec<Vec<u8>>>,
+}
+
+impl Helpers {
+    fn take(&self) -> Vec<u8> {
+        lock(&self.pool).pop().unwrap_or_default()
+    }
+    fn give(&self, mut b: Vec<u8>) {
+        let mut p = lock(&self.pool);
+        if p.len() < 32 && b.capacity() > 0 {
+            // Keep the buffer initialized to its capacity: reusing it for a
+            // read of the same size then costs no memset.
+            let cap = b.capacity();
+            b.resize(cap, 0);
+            p.push(b);
+        }
+    }
 }
 
 fn transmission<R, W>(
@@ -459,6 +504,7 @@ where
         count: Mutex::new(0),
         idle: Condvar::new(),
         active: AtomicUsize::new(0),
+        pool: Mutex::new(Vec::new()),
     });
     let mut buf: Vec<u8> = Vec::new();
     let mut pbuf: Vec<u8> = Vec::new();
@@ -474,7 +520,11 @@ where
         if req.command == CMD_DISC {
             break Ok(());
         }
-        let mut payload = std::mem::take(&mut pbuf);
+        let mut payload = if pbuf.capacity() > 0 {
+            std::mem::take(&mut pbuf)
+        } else {
+            helpers.take()
+        };
         payload.clear();
         if req.has_payload() {
             if req.len > MAX_PAYLOAD {
@@ -507,17 +557,24 @@ where
             pbuf = payload;
             continue;
         }
-        if backend.may_block(req.command, req.offset, req.len)
+        // Large transfers also go to helpers, so that receiving the next
+        // request overlaps with this one's file I/O.
+        let large = req.len >= OFFLOAD_MIN && matches!(req.command, CMD_READ | CMD_WRITE);
+        if (large || backend.may_block(req.command, req.offset, req.len))
             && helpers.active.load(Ordering::Relaxed) < MAX_HELPERS_PER_CONN
         {
             helpers.active.fetch_add(1, Ordering::Relaxed);
             *lock(&helpers.count) += 1;
             let (b, w2, h2) = (backend.clone(), w.clone(), helpers.clone());
             std::thread::spawn(move || {
-                let out = execute(b.as_ref(), &req, &payload, Vec::new());
+                let out = execute(b.as_ref(), &req, &payload, h2.take());
                 {
                     let mut g = lock(&w2);
                     let _ = write_reply(&mut *g, structured, &req, &out).and_then(|_| g.flush());
+                }
+                h2.give(payload);
+                if let Outcome::Data(d) = out {
+                    h2.give(d);
                 }
                 h2.active.fetch_sub(1, Ordering::Relaxed);
                 let mut c = lock(&h2.count);

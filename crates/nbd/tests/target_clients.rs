@@ -289,3 +289,39 @@ fn hostile_traffic_never_kills_the_server() {
     let c = Client::connect(&format!("nbd://127.0.0.1:{port}/a")).unwrap();
     c.read_at(0, &mut b).unwrap();
 }
+
+#[test]
+fn unix_socket_listener_and_access_counts() {
+    let d = TempDir::new("unix");
+    let img = make_image(&d.path("a.img"), 32 << 20, 11);
+    let sock = d.path("t.sock");
+    let _t = Proc(
+        Command::new(BIN)
+            .args(["serve", "--export"])
+            .arg(format!("a={}", d.path("a.img").display()))
+            .arg("--listen")
+            .arg(format!("unix:{}", sock.display()))
+            .env("RUST_LOG", "warn")
+            .spawn()
+            .unwrap(),
+    );
+    let t = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        assert!(t.elapsed().as_secs() < 10, "unix socket never opened");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let url = format!("nbd+unix:///a?socket={}", sock.display());
+    let c = Client::connect(&url).unwrap();
+    let mut b = vec![0u8; 8192];
+    c.read_at(20 << 20, &mut b).unwrap();
+    assert!(b[..] == img[20 << 20..(20 << 20) + 8192]);
+    c.write_at(0, &[1; 4096]).unwrap();
+    // The kemari extension: reads counted in group 1 (16 MiB groups), a write in group 0.
+    let counts =
+        kemari_nbd::client::query_access_counts(&kemari_nbd::client::parse_url(&url).unwrap())
+            .unwrap();
+    assert_eq!(counts.group_size, 16 << 20);
+    assert_eq!(counts.groups.len(), 2);
+    assert!(counts.groups[1].0 >= 1);
+    assert!(counts.groups[0].1 >= 1);
+}
