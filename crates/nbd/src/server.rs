@@ -23,6 +23,10 @@ use crate::protocol::*;
 const MAX_HELPERS_PER_CONN: usize = 256;
 /// Reads and writes at least this large are served on helper threads.
 const OFFLOAD_MIN: u32 = 256 * 1024;
+/// Worker threads per connection for large transfers.
+const LARGE_WORKERS: usize = 4;
+
+type Job = Box<dyn FnOnce() + Send>;
 
 #[derive(Debug, Error)]
 pub enum ServerError {
@@ -508,6 +512,7 @@ where
     });
     let mut buf: Vec<u8> = Vec::new();
     let mut pbuf: Vec<u8> = Vec::new();
+    let mut workers: Option<std::sync::mpsc::Sender<Job>> = None;
     let result = loop {
         if r.buffer().is_empty() {
             lock(&w).flush()?;
@@ -566,7 +571,8 @@ where
             helpers.active.fetch_add(1, Ordering::Relaxed);
             *lock(&helpers.count) += 1;
             let (b, w2, h2) = (backend.clone(), w.clone(), helpers.clone());
-            std::thread::spawn(move || {
+            let blocking = !large;
+            let job = move || {
                 let out = execute(b.as_ref(), &req, &payload, h2.take());
                 {
                     let mut g = lock(&w2);
@@ -582,7 +588,33 @@ where
                 if *c == 0 {
                     h2.idle.notify_all();
                 }
-            });
+            };
+            if blocking {
+                // May wait on the network for a long time: its own thread.
+                std::thread::spawn(job);
+            } else {
+                // Large local transfers: a small per-connection worker pool.
+                if workers.is_none() {
+                    let (tx, rx) = std::sync::mpsc::channel::<Job>();
+                    let rx = Arc::new(Mutex::new(rx));
+                    for _ in 0..LARGE_WORKERS {
+                        let rx = rx.clone();
+                        std::thread::spawn(move || loop {
+                            let next = lock(&rx).recv();
+                            match next {
+                                Ok(job) => job(),
+                                Err(_) => break,
+                            }
+                        });
+                    }
+                    workers = Some(tx);
+                }
+                if let Some(tx) = &workers {
+                    if let Err(e) = tx.send(Box::new(job)) {
+                        (e.0)();
+                    }
+                }
+            }
             continue;
         }
         let out = execute(backend.as_ref(), &req, &payload, std::mem::take(&mut buf));
