@@ -1,7 +1,9 @@
 //! The background copy: fetches every uncached block at low priority, in
 //! this order (as in the paper): blocks an ext2/3/4 file system in the image
 //! uses, hottest access groups first; then all remaining blocks, hottest
-//! groups first. When every block is cached it triggers the cut-over.
+//! groups first. "Hottest" is first the proxy's own clients' accesses (so
+//! the copy follows the migrated VM's working set), then the upstream's
+//! access counts. When every block is cached it triggers the cut-over.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
