@@ -224,6 +224,12 @@ last = sum(t[-10:]) / max(1, len(t[-10:]))
 print(f"{name:<14} {r['ops_per_sec']:>10.0f} {last:>12.0f} {pct:>10.1f}   per-second: {' '.join(str(x) for x in t)}")
 PY
     }
+    if [ -n "${ONLY_BGCOPY_ON:-}" ]; then
+        printf '%-14s %10s %12s %10s\n' case "ops/s" "last10s/s" "cached%"
+        rm -rf "$WORK/c-on"
+        table4_case "bgcopy on" "$WORK/c-on" ${PROXY_ARGS:-}
+        return
+    fi
     log "== Table 4: 4 KiB random reads (QD1) over the used region, ${WAN_SECS}s, through the proxy"
     rm -rf "$WORK/c-pre" "$WORK/c-off" "$WORK/c-on"
     # precached: let a proxy copy everything first.

@@ -53,6 +53,10 @@ enum Cmd {
         /// Background bytes in flight (suffixes K, M).
         #[arg(long, default_value = "1M")]
         bg_window: String,
+        /// Background bytes in flight while a client waits on a fetch
+        /// (default: half of --bg-window).
+        #[arg(long)]
+        bg_window_busy: Option<String>,
         /// Start with the background copy paused.
         #[arg(long)]
         no_background: bool,
@@ -159,6 +163,7 @@ fn main() -> Result<()> {
             control: ctl,
             rate_limit,
             bg_window,
+            bg_window_busy,
             no_background,
             no_auto_cutover,
         } => {
@@ -166,7 +171,10 @@ fn main() -> Result<()> {
             let mut cfg = ProxyConfig::new(url, &cache);
             cfg.rate_limit = rate_limit.as_deref().map(parse_size).transpose()?;
             cfg.bg_window = parse_size(&bg_window)?.max(4096);
-            cfg.bg_window_busy = (cfg.bg_window / 4).max(128 << 10);
+            cfg.bg_window_busy = match bg_window_busy {
+                Some(b) => parse_size(&b)?.max(4096),
+                None => (cfg.bg_window / 2).max(128 << 10),
+            };
             cfg.background = !no_background;
             cfg.auto_cutover = !no_auto_cutover;
             let proxy = Arc::new(Proxy::start(cfg)?);
