@@ -64,7 +64,7 @@ impl ProxyConfig {
             upstream,
             cache_dir: cache_dir.to_path_buf(),
             bg_window: 1 << 20,
-            bg_window_busy: 256 << 10,
+            bg_window_busy: 512 << 10,
             rate_limit: None,
             background: true,
             auto_cutover: true,
