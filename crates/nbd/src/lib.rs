@@ -1,1 +1,13 @@
-//! NBD target and proxy (issue 8).
+//! kemari-nbd: an NBD target server and a relocation proxy (xNBD-style
+//! copy-on-read with a prioritized background copy), plus a blocking NBD
+//! client for the VMM. See docs/nbd.md.
+
+pub mod backend;
+pub mod client;
+pub mod control;
+pub mod ext;
+pub mod loadgen;
+pub mod protocol;
+pub mod proxy;
+pub mod relay;
+pub mod server;

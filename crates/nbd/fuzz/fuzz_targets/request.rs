@@ -1,0 +1,11 @@
+//! Transmission-phase decoders: request headers and reply headers.
+#![no_main]
+use kemari_nbd::protocol::{decode_reply_header, Request};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    if let Ok(r) = Request::decode(data) {
+        assert_eq!(Request::decode(&r.encode()), Ok(r));
+    }
+    let _ = decode_reply_header(data);
+});

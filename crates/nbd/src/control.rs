@@ -1,0 +1,84 @@
+//! The proxy's control socket: one JSON request per line over a Unix
+//! socket, one JSON reply per line.
+//!
+//! Requests: `{"cmd":"status"}`, `{"cmd":"pause"}`, `{"cmd":"resume"}`,
+//! `{"cmd":"cutover"}`. Replies: `{"ok":true,"status":{...}}` or
+//! `{"ok":false,"error":"..."}`.
+
+use std::io::{self, BufRead, BufReader, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tracing::warn;
+
+use crate::proxy::Proxy;
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct ControlRequest {
+    pub cmd: String,
+}
+
+fn handle(proxy: &Proxy, line: &str) -> Value {
+    let req: ControlRequest = match serde_json::from_str(line) {
+        Ok(r) => r,
+        Err(e) => return json!({"ok": false, "error": format!("bad request: {e}")}),
+    };
+    match req.cmd.as_str() {
+        "status" => {}
+        "pause" => proxy.pause(true),
+        "resume" => proxy.pause(false),
+        "cutover" => proxy.force_cutover(),
+        other => return json!({"ok": false, "error": format!("unknown command {other:?}")}),
+    }
+    json!({"ok": true, "status": proxy.shared.status()})
+}
+
+/// Serves the control socket at `path` on a background thread.
+pub fn spawn(path: &Path, proxy: Arc<Proxy>) -> io::Result<()> {
+    let _ = std::fs::remove_file(path);
+    let l = UnixListener::bind(path)?;
+    std::thread::Builder::new()
+        .name("nbd-control".into())
+        .spawn(move || {
+            for s in l.incoming() {
+                let Ok(s) = s else { continue };
+                let p = proxy.clone();
+                std::thread::spawn(move || {
+                    if let Err(e) = serve_one(s, &p) {
+                        warn!(error = %e, "control connection failed");
+                    }
+                });
+            }
+        })?;
+    Ok(())
+}
+
+fn serve_one(s: UnixStream, proxy: &Proxy) -> io::Result<()> {
+    let mut w = s.try_clone()?;
+    let r = BufReader::new(s);
+    for line in r.lines() {
+        let line = line?;
+        if line.len() > 4096 {
+            break;
+        }
+        let mut out = handle(proxy, &line).to_string();
+        out.push('\n');
+        w.write_all(out.as_bytes())?;
+    }
+    Ok(())
+}
+
+/// Sends one command to a control socket and returns the JSON reply.
+pub fn request(path: &Path, cmd: &str) -> io::Result<Value> {
+    let mut s = UnixStream::connect(path)?;
+    let mut line = json!({ "cmd": cmd }).to_string();
+    line.push('\n');
+    s.write_all(line.as_bytes())?;
+    let mut r = BufReader::new(s);
+    let mut reply = String::new();
+    r.read_line(&mut reply)?;
+    serde_json::from_str(&reply).map_err(io::Error::other)
+}
