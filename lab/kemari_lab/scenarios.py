@@ -1,0 +1,87 @@
+"""Lab scenarios: each takes a started :class:`Lab` and returns measurements.
+
+A scenario raises :class:`LabError` (naming the host and the step) on failure.
+To add one, write a function here taking ``(lab, vmm)`` and add it to
+``SCENARIOS`` with the number of virtual hosts it needs (see docs/lab.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kemari_lab.errors import LabError
+from kemari_lab.guests import BOOTED_RE, DISK_RE, NET_RE, Guest, GuestSpec
+from kemari_lab.lab import Lab
+
+
+@dataclass
+class Scenario:
+    """A named scenario and how many virtual hosts it needs."""
+
+    name: str
+    hosts: int
+    run: Callable[[Lab, str], dict[str, float]]
+    doc: str
+
+
+def _boot_checked_guest(lab: Lab, host_index: int, vmm: str) -> tuple[Guest, dict[str, float]]:
+    """Starts a 2-vCPU 512 MiB guest and checks CPUs, memory, disk and network."""
+    host = lab.hosts[host_index]
+    guest = Guest(host, GuestSpec(name=f"{vmm}{host_index}", vmm=vmm, host_index=host_index))
+    guest.start()
+    console = guest.wait_ready()
+    booted = BOOTED_RE.search(console)
+    if booted is None or int(booted.group(1)) != guest.spec.vcpus:
+        raise LabError(f"{host.name}: guest did not report {guest.spec.vcpus} CPUs:\n{console[-2000:]}")
+    mem_mb = int(booted.group(2)) // 1024
+    if not guest.spec.memory_mb * 0.8 < mem_mb <= guest.spec.memory_mb:
+        raise LabError(f"{host.name}: guest reports {mem_mb} MiB, expected about {guest.spec.memory_mb}")
+    for regex, what in ((DISK_RE, "disk"), (NET_RE, "network")):
+        m = regex.search(console)
+        if m is None or m.group(1) != "OK":
+            raise LabError(f"{host.name}: guest {what} check failed: {m.group(0) if m else 'no report'}")
+    return guest, {"guest_ready_s": guest.ready_seconds or 0.0}
+
+
+def _power_off(lab: Lab, guest: Guest) -> dict[str, float]:
+    """Asks the guest to power off (over HTTP from the client) and checks the VMM exits 0."""
+    t0 = time.monotonic()
+    lab.client_http_get(guest.spec.ip, "/cgi-bin/poweroff")
+    status = guest.wait_exit()
+    if status != 0:
+        raise LabError(f"{guest.host.name}: {guest.spec.vmm} exited with status {status} after guest poweroff")
+    return {"poweroff_s": time.monotonic() - t0}
+
+
+def single_guest(lab: Lab, vmm: str) -> dict[str, float]:
+    """One guest on vh0: disk, TCP from the client namespace, clean poweroff."""
+    guest, times = _boot_checked_guest(lab, 0, vmm)
+    body = lab.wait_client_reach(guest.spec.ip)
+    if "kemari lab guest" not in body:
+        raise LabError(f"client: unexpected page from the guest: {body!r}")
+    times.update(_power_off(lab, guest))
+    return times
+
+
+def two_hosts(lab: Lab, vmm: str) -> dict[str, float]:
+    """A guest on vh0 reachable from the client; vh1 reaches vh0 and the guest."""
+    guest, times = _boot_checked_guest(lab, 0, vmm)
+    lab.wait_client_reach(guest.spec.ip)
+    a, b = lab.hosts[0], lab.hosts[1]
+    b.run(f"ping -c 1 -W 5 {a.ip}", timeout=30)
+    out = b.run(f"wget -q -T 10 -O - http://{guest.spec.ip}/", timeout=30).output
+    if "kemari lab guest" not in out:
+        raise LabError(f"{b.name}: unexpected page from the guest on {a.name}: {out!r}")
+    times.update(_power_off(lab, guest))
+    return times
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("single-guest", 1, single_guest, single_guest.__doc__ or ""),
+        Scenario("two-hosts", 2, two_hosts, two_hosts.__doc__ or ""),
+    )
+}
