@@ -2,8 +2,13 @@
 //! the availability layers (snapshot, warm restart, migration, fault tolerance)
 //! build on.
 
+pub mod boot;
+pub mod config;
 pub mod devices;
 pub mod dirty;
 pub mod layout;
+pub mod machine;
 pub mod memory;
 pub mod output;
+pub mod virtio_devices;
+pub mod vstate;

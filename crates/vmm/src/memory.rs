@@ -150,7 +150,11 @@ impl GuestMemoryFile {
             .into_iter()
             .map(|(gpa, len, off)| {
                 let f = self.file.try_clone().map_err(MemoryError::Resize)?;
-                Ok((GuestAddress(gpa), len as usize, Some(FileOffset::new(f, off))))
+                Ok((
+                    GuestAddress(gpa),
+                    len as usize,
+                    Some(FileOffset::new(f, off)),
+                ))
             })
             .collect::<Result<_, MemoryError>>()?;
         GuestMemoryMmap::from_ranges_with_files(ranges).map_err(MemoryError::Map)
@@ -179,7 +183,7 @@ fn validate_size(size: u64) -> Result<(), MemoryError> {
         "below the 16 MiB minimum"
     } else if size > layout::MAX_MEMORY {
         "above the 1 TiB maximum"
-    } else if size % (2 << 20) != 0 {
+    } else if !size.is_multiple_of(2 << 20) {
         "not a multiple of 2 MiB"
     } else {
         return Ok(());
@@ -255,7 +259,10 @@ mod tests {
         mem.write_obj(0xdead_beefu32, GuestAddress(0x1000)).unwrap();
         // A second mapping of the same file sees the write (MAP_SHARED).
         let again = m.map().unwrap();
-        assert_eq!(again.read_obj::<u32>(GuestAddress(0x1000)).unwrap(), 0xdead_beef);
+        assert_eq!(
+            again.read_obj::<u32>(GuestAddress(0x1000)).unwrap(),
+            0xdead_beef
+        );
     }
 
     #[test]
@@ -289,7 +296,10 @@ mod tests {
             m.map().unwrap().write_obj(7u8, GuestAddress(100)).unwrap();
         }
         let m = GuestMemoryFile::create(32 << 20, &backing).unwrap();
-        assert_eq!(m.map().unwrap().read_obj::<u8>(GuestAddress(100)).unwrap(), 7);
+        assert_eq!(
+            m.map().unwrap().read_obj::<u8>(GuestAddress(100)).unwrap(),
+            7
+        );
         assert!(matches!(
             GuestMemoryFile::create(64 << 20, &backing),
             Err(MemoryError::FileSize { .. })

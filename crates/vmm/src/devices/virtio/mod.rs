@@ -6,11 +6,6 @@
 //! calls [`VirtioDevice::queue_notified`] / [`VirtioDevice::backend_ready`]. Every
 //! device lives behind a `Mutex`, so one thread at a time touches it.
 
-pub mod block;
-pub mod mmio;
-pub mod net;
-pub mod tap;
-
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
@@ -30,7 +25,9 @@ pub const FEATURE_VERSION_1: u64 = 1 << 32;
 #[derive(Debug, thiserror::Error)]
 pub enum VirtioError {
     /// A queue configured by the driver is not usable.
-    #[error("queue {index} is not valid (size {size}, addresses outside guest memory or misaligned)")]
+    #[error(
+        "queue {index} is not valid (size {size}, addresses outside guest memory or misaligned)"
+    )]
     InvalidQueue {
         /// Queue index.
         index: usize,

@@ -1,0 +1,146 @@
+//! The API's routes: an HTTP method, path and body become one [`ApiRequest`].
+//! Pure and bounded, so it can be fuzzed (`fuzz/` target `api_request`).
+//!
+//! | method | path            | action                         |
+//! |--------|-----------------|--------------------------------|
+//! | GET    | /vm             | VM info and state              |
+//! | GET    | /vm/config      | the machine configuration      |
+//! | GET    | /vm/devices     | devices and their counters     |
+//! | GET    | /vm/metrics     | exits, pages, device counters  |
+//! | PUT    | /vm/pause       | pause vCPUs and devices        |
+//! | PUT    | /vm/resume      | resume                         |
+//! | PUT    | /vm/shutdown    | stop the VM, end the process   |
+
+use serde::{Deserialize, Serialize};
+
+/// Largest request body accepted.
+pub const MAX_BODY: usize = 64 << 10;
+
+/// One API action.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ApiRequest {
+    /// VM info.
+    Info,
+    /// Machine configuration.
+    Config,
+    /// Device list.
+    Devices,
+    /// Metrics.
+    Metrics,
+    /// Pause.
+    Pause,
+    /// Resume.
+    Resume,
+    /// Shut down.
+    Shutdown,
+}
+
+/// Why a request was refused before reaching the VM.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RouteError {
+    /// No such path.
+    #[error("no such API path: {0}")]
+    NotFound(String),
+    /// Path exists, method does not.
+    #[error("method {method} not allowed on {path} (allowed: {allowed})")]
+    MethodNotAllowed {
+        /// The method used.
+        method: String,
+        /// The path.
+        path: String,
+        /// What is allowed.
+        allowed: &'static str,
+    },
+    /// Body too large or not valid for the action.
+    #[error("bad request body: {0}")]
+    BadBody(String),
+}
+
+impl RouteError {
+    /// HTTP status code for the error.
+    pub fn status(&self) -> u16 {
+        match self {
+            RouteError::NotFound(_) => 404,
+            RouteError::MethodNotAllowed { .. } => 405,
+            RouteError::BadBody(_) => 400,
+        }
+    }
+}
+
+/// Maps a request to an action.
+pub fn route(method: &str, path: &str, body: &[u8]) -> Result<ApiRequest, RouteError> {
+    if body.len() > MAX_BODY {
+        return Err(RouteError::BadBody(format!(
+            "{} bytes, limit {MAX_BODY}",
+            body.len()
+        )));
+    }
+    let path = path.split('?').next().unwrap_or("");
+    let path = path
+        .strip_suffix('/')
+        .filter(|p| !p.is_empty())
+        .unwrap_or(path);
+    let (req, allowed) = match path {
+        "/vm" => (ApiRequest::Info, "GET"),
+        "/vm/config" => (ApiRequest::Config, "GET"),
+        "/vm/devices" => (ApiRequest::Devices, "GET"),
+        "/vm/metrics" => (ApiRequest::Metrics, "GET"),
+        "/vm/pause" => (ApiRequest::Pause, "PUT"),
+        "/vm/resume" => (ApiRequest::Resume, "PUT"),
+        "/vm/shutdown" => (ApiRequest::Shutdown, "PUT"),
+        _ => return Err(RouteError::NotFound(truncate(path))),
+    };
+    if !method.eq_ignore_ascii_case(allowed) {
+        return Err(RouteError::MethodNotAllowed {
+            method: truncate(method),
+            path: path.to_owned(),
+            allowed,
+        });
+    }
+    // Actions without parameters accept an empty body or a JSON object.
+    if !body.iter().all(u8::is_ascii_whitespace) {
+        serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(body)
+            .map_err(|e| RouteError::BadBody(e.to_string()))?;
+    }
+    Ok(req)
+}
+
+fn truncate(s: &str) -> String {
+    s.chars().take(128).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes() {
+        assert_eq!(route("GET", "/vm", b"").unwrap(), ApiRequest::Info);
+        assert_eq!(
+            route("get", "/vm/metrics/", b"").unwrap(),
+            ApiRequest::Metrics
+        );
+        assert_eq!(route("PUT", "/vm/pause", b"{}").unwrap(), ApiRequest::Pause);
+        assert_eq!(
+            route("PUT", "/vm/shutdown?x=1", b" \n").unwrap(),
+            ApiRequest::Shutdown
+        );
+    }
+
+    #[test]
+    fn errors() {
+        assert_eq!(route("GET", "/nope", b"").unwrap_err().status(), 404);
+        assert_eq!(route("POST", "/vm/pause", b"").unwrap_err().status(), 405);
+        assert_eq!(
+            route("PUT", "/vm/pause", b"{not json")
+                .unwrap_err()
+                .status(),
+            400
+        );
+        assert_eq!(route("PUT", "/vm/pause", b"[1]").unwrap_err().status(), 400);
+        let big = vec![b' '; MAX_BODY + 1];
+        assert_eq!(route("PUT", "/vm/pause", &big).unwrap_err().status(), 400);
+        let long = "/".repeat(10_000);
+        assert!(route("GET", &long, b"").unwrap_err().to_string().len() < 300);
+    }
+}

@@ -1,0 +1,349 @@
+//! `kemari`'s command line and config file, turned into a [`MachineConfig`].
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use vmm::config::{parse_size, ConfigError, DiskConfig, MachineConfig, NetConfig, SerialConfig};
+use vmm::memory::MemoryBacking;
+
+/// Run one virtual machine.
+#[derive(Debug, Parser)]
+#[command(
+    name = "kemari",
+    version,
+    about = "kemari: a KVM VMM built for availability"
+)]
+pub struct Args {
+    /// Configuration file (TOML or JSON, the fields of MachineConfig, see README).
+    /// Flags given as well override its values.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Kernel image (PVH ELF).
+    #[arg(long)]
+    pub kernel: Option<PathBuf>,
+    /// Initramfs image.
+    #[arg(long)]
+    pub initramfs: Option<PathBuf>,
+    /// Kernel command line.
+    #[arg(long)]
+    pub cmdline: Option<String>,
+    /// Guest memory size (e.g. 256M, 4G).
+    #[arg(long)]
+    pub memory: Option<String>,
+    /// Number of vCPUs (1-8).
+    #[arg(long)]
+    pub vcpus: Option<u8>,
+    /// Back guest memory with this file (under /dev/shm or a hugetlbfs mount)
+    /// instead of an anonymous memfd.
+    #[arg(long, conflicts_with = "hugepages")]
+    pub memory_file: Option<PathBuf>,
+    /// Back guest memory with 2 MiB huge pages (needs vm.nr_hugepages).
+    #[arg(long)]
+    pub hugepages: bool,
+    /// Serial console: stdout, null, file:PATH or socket:PATH.
+    #[arg(long)]
+    pub serial: Option<String>,
+    /// A virtio-blk disk: PATH or path=PATH[,ro]. Repeat for more disks.
+    #[arg(long = "disk")]
+    pub disks: Vec<String>,
+    /// A virtio-net device: tap=NAME[,mac=MAC]. Repeat for more.
+    #[arg(long = "net")]
+    pub nets: Vec<String>,
+    /// Serve the control API on this Unix socket.
+    #[arg(long)]
+    pub api_socket: Option<PathBuf>,
+    /// Build the VM but do not start its vCPUs until resumed through the API.
+    #[arg(long)]
+    pub start_paused: bool,
+    /// Log filter (error, warn, info, debug, trace, or tracing directives).
+    #[arg(long, default_value = "warn")]
+    pub log_level: String,
+    /// Logs as JSON lines.
+    #[arg(long)]
+    pub log_json: bool,
+}
+
+/// Errors assembling the configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// The config file cannot be read.
+    #[error("cannot read config file {path}: {source}")]
+    ReadConfig {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// The config file does not parse.
+    #[error("config file {path}: {message}")]
+    ParseConfig {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message.
+        message: String,
+    },
+    /// A required setting is absent.
+    #[error("missing {0} (give it as a flag or in --config)")]
+    Missing(&'static str),
+    /// A value is invalid.
+    #[error(transparent)]
+    Invalid(#[from] ConfigError),
+    /// The serial option does not parse.
+    #[error("invalid --serial {0:?}: use stdout, null, file:PATH or socket:PATH")]
+    Serial(String),
+}
+
+/// A partial configuration as read from a file: everything optional, flags fill
+/// the rest.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    vcpus: Option<u8>,
+    memory: Option<String>,
+    memory_file: Option<PathBuf>,
+    hugepages: Option<bool>,
+    kernel: Option<PathBuf>,
+    initramfs: Option<PathBuf>,
+    cmdline: Option<String>,
+    serial: Option<String>,
+    #[serde(default)]
+    disks: Vec<DiskConfig>,
+    #[serde(default)]
+    nets: Vec<NetConfig>,
+    api_socket: Option<PathBuf>,
+}
+
+impl Args {
+    /// The machine configuration and the API socket (if any).
+    pub fn machine_config(&self) -> Result<(MachineConfig, Option<PathBuf>), CliError> {
+        let file = match &self.config {
+            Some(path) => read_config_file(path)?,
+            None => FileConfig::default(),
+        };
+        let kernel = self
+            .kernel
+            .clone()
+            .or(file.kernel)
+            .ok_or(CliError::Missing("--kernel"))?;
+        let memory = self
+            .memory
+            .clone()
+            .or(file.memory)
+            .ok_or(CliError::Missing("--memory"))?;
+        let memory_bytes = parse_size(&memory)?;
+        let memory_backing = if let Some(p) = self.memory_file.clone().or(file.memory_file) {
+            MemoryBacking::File { path: p }
+        } else if self.hugepages || file.hugepages.unwrap_or(false) {
+            MemoryBacking::MemfdHugetlb
+        } else {
+            MemoryBacking::Memfd
+        };
+        let serial = match self.serial.clone().or(file.serial) {
+            Some(s) => parse_serial(&s)?,
+            None => SerialConfig::Stdout,
+        };
+        let mut disks = file.disks;
+        for d in &self.disks {
+            disks.push(parse_disk(d)?);
+        }
+        let mut nets = file.nets;
+        for n in &self.nets {
+            nets.push(parse_net(n)?);
+        }
+        let config = MachineConfig {
+            vcpus: self.vcpus.or(file.vcpus).unwrap_or(1),
+            memory_bytes,
+            memory_backing,
+            kernel,
+            initramfs: self.initramfs.clone().or(file.initramfs),
+            cmdline: self.cmdline.clone().or(file.cmdline).unwrap_or_default(),
+            serial,
+            disks,
+            nets,
+        };
+        config.validate()?;
+        Ok((config, self.api_socket.clone().or(file.api_socket)))
+    }
+}
+
+fn read_config_file(path: &PathBuf) -> Result<FileConfig, CliError> {
+    let text = std::fs::read_to_string(path).map_err(|source| CliError::ReadConfig {
+        path: path.clone(),
+        source,
+    })?;
+    let parsed = if path.extension().is_some_and(|e| e == "json") {
+        serde_json::from_str(&text).map_err(|e| e.to_string())
+    } else {
+        toml::from_str(&text).map_err(|e| e.to_string())
+    };
+    parsed.map_err(|message| CliError::ParseConfig {
+        path: path.clone(),
+        message,
+    })
+}
+
+fn parse_serial(s: &str) -> Result<SerialConfig, CliError> {
+    Ok(match s {
+        "stdout" => SerialConfig::Stdout,
+        "null" | "none" => SerialConfig::Null,
+        _ => match s.split_once(':') {
+            Some(("file", p)) if !p.is_empty() => SerialConfig::File(p.into()),
+            Some(("socket", p)) if !p.is_empty() => SerialConfig::Socket(p.into()),
+            _ => return Err(CliError::Serial(s.to_owned())),
+        },
+    })
+}
+
+fn option_error(kind: &'static str, value: &str, reason: &str) -> CliError {
+    CliError::Invalid(ConfigError::DeviceOption {
+        kind,
+        value: value.to_owned(),
+        reason: reason.to_owned(),
+    })
+}
+
+/// Parses `PATH`, `path=PATH`, `path=PATH,ro` or `PATH,ro`.
+pub fn parse_disk(s: &str) -> Result<DiskConfig, CliError> {
+    let mut path = None;
+    let mut read_only = false;
+    for (i, part) in s.split(',').enumerate() {
+        match part.split_once('=') {
+            Some(("path", p)) => path = Some(p),
+            Some(("ro" | "readonly", v)) => {
+                read_only = match v {
+                    "on" | "true" | "1" => true,
+                    "off" | "false" | "0" => false,
+                    _ => return Err(option_error("disk", s, "ro takes on/off")),
+                }
+            }
+            None if part == "ro" || part == "readonly" => read_only = true,
+            None if i == 0 => path = Some(part),
+            _ => return Err(option_error("disk", s, &format!("unknown option {part:?}"))),
+        }
+    }
+    let path = path
+        .filter(|p| !p.is_empty())
+        .ok_or_else(|| option_error("disk", s, "no path"))?;
+    Ok(DiskConfig {
+        path: path.into(),
+        read_only,
+    })
+}
+
+/// Parses `tap=NAME[,mac=MAC]` (or `NAME[,mac=MAC]`).
+pub fn parse_net(s: &str) -> Result<NetConfig, CliError> {
+    let mut tap = None;
+    let mut mac = None;
+    for (i, part) in s.split(',').enumerate() {
+        match part.split_once('=') {
+            Some(("tap", t)) => tap = Some(t),
+            Some(("mac", m)) => {
+                vmm::config::parse_mac(m)?;
+                mac = Some(m.to_owned());
+            }
+            None if i == 0 => tap = Some(part),
+            _ => return Err(option_error("net", s, &format!("unknown option {part:?}"))),
+        }
+    }
+    let tap = tap
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| option_error("net", s, "no tap name"))?;
+    if tap.len() > 15 {
+        return Err(option_error("net", s, "TAP names are at most 15 bytes"));
+    }
+    Ok(NetConfig {
+        tap: tap.to_owned(),
+        mac,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn disks_and_nets() {
+        assert_eq!(
+            parse_disk("/a.img").unwrap(),
+            DiskConfig {
+                path: "/a.img".into(),
+                read_only: false
+            }
+        );
+        assert!(parse_disk("path=/a.img,ro").unwrap().read_only);
+        assert!(parse_disk("/a.img,ro=on").unwrap().read_only);
+        assert!(parse_disk("").is_err());
+        assert!(parse_disk("/a,bogus=1").is_err());
+        assert_eq!(
+            parse_net("tap=t0,mac=52:54:00:00:00:01")
+                .unwrap()
+                .mac
+                .as_deref(),
+            Some("52:54:00:00:00:01")
+        );
+        assert_eq!(parse_net("t0").unwrap().tap, "t0");
+        assert!(parse_net("tap=t0,mac=zz").is_err());
+        assert!(parse_net("tap=waytoolongtapname0").is_err());
+        assert!(parse_net("mac=52:54:00:00:00:01").is_err());
+    }
+
+    #[test]
+    fn serial() {
+        assert_eq!(
+            parse_serial("file:/x").unwrap(),
+            SerialConfig::File("/x".into())
+        );
+        assert_eq!(
+            parse_serial("socket:/s").unwrap(),
+            SerialConfig::Socket("/s".into())
+        );
+        assert!(parse_serial("file:").is_err());
+        assert!(parse_serial("tty").is_err());
+    }
+
+    #[test]
+    fn flags_override_file() {
+        let dir = std::env::temp_dir().join(format!("kemari-cli-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = dir.join("vm.toml");
+        std::fs::write(
+            &cfg,
+            "kernel = \"/k\"\nmemory = \"128M\"\nvcpus = 2\n[[disks]]\npath = \"/d.img\"\n",
+        )
+        .unwrap();
+        let args = Args::parse_from([
+            "kemari",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--memory",
+            "256M",
+        ]);
+        let (c, api) = args.machine_config().unwrap();
+        assert_eq!(c.memory_bytes, 256 << 20);
+        assert_eq!(c.vcpus, 2);
+        assert_eq!(c.disks.len(), 1);
+        assert!(api.is_none());
+        std::fs::write(&cfg, "kernel = \"/k\"\nmemroy = \"128M\"\n").unwrap();
+        let args = Args::parse_from(["kemari", "--config", cfg.to_str().unwrap()]);
+        assert!(matches!(
+            args.machine_config(),
+            Err(CliError::ParseConfig { .. })
+        ));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn missing_and_invalid() {
+        let a = Args::parse_from(["kemari", "--memory", "256M"]);
+        assert!(matches!(
+            a.machine_config(),
+            Err(CliError::Missing("--kernel"))
+        ));
+        let a = Args::parse_from(["kemari", "--kernel", "/k", "--memory", "1M"]);
+        assert!(matches!(a.machine_config(), Err(CliError::Invalid(_))));
+        let a = Args::parse_from([
+            "kemari", "--kernel", "/k", "--memory", "256M", "--vcpus", "9",
+        ]);
+        assert!(a.machine_config().is_err());
+    }
+}

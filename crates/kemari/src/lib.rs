@@ -1,0 +1,5 @@
+//! The `kemari` VMM process (one VM per process) and its control API.
+
+pub mod api;
+pub mod cli;
+pub mod vmm_process;

@@ -1,0 +1,46 @@
+//! Loading a kernel and writing what it needs to boot: the PVH start info or
+//! (lab) the Linux zero page, the memory map, command line and initramfs.
+
+pub mod memmap;
+pub mod pvh;
+
+use std::path::PathBuf;
+
+/// Errors while loading the kernel and boot structures.
+#[derive(Debug, thiserror::Error)]
+pub enum BootError {
+    /// The kernel file cannot be opened or read.
+    #[error("cannot read kernel {path}")]
+    KernelFile {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The kernel is not a loadable ELF (or is corrupt).
+    #[error("kernel {path} is not a loadable ELF image: {reason}")]
+    KernelFormat {
+        /// The file.
+        path: PathBuf,
+        /// The loader's complaint.
+        reason: String,
+    },
+    /// The ELF has no PVH entry note.
+    #[error("kernel {0} has no PVH entry point (XEN_ELFNOTE_PHYS32_ENTRY); kemari boots PVH ELF kernels")]
+    NoPvhEntry(PathBuf),
+    /// The initramfs cannot be read or does not fit.
+    #[error("initramfs {path}: {reason}")]
+    Initramfs {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The command line is too long or has a NUL byte.
+    #[error("kernel command line is invalid: {0}")]
+    Cmdline(String),
+    /// A boot structure could not be written to guest memory.
+    #[error("cannot write {0} to guest memory")]
+    Write(&'static str),
+}

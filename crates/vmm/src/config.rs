@@ -1,0 +1,275 @@
+//! What a machine is made of: plain, serde-friendly configuration, from a config
+//! file or from the command line. Validation happens here, before any resource
+//! is created, so a bad configuration is a clear error and nothing else.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::layout;
+use crate::memory::MemoryBacking;
+
+/// Errors in a machine configuration.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    /// vCPU count out of range.
+    #[error("vcpus must be between 1 and {max}, got {got}")]
+    Vcpus {
+        /// Requested count.
+        got: u32,
+        /// Largest allowed.
+        max: u32,
+    },
+    /// Memory size unparsable or out of range.
+    #[error("invalid memory size {0:?}: use e.g. 256M, 4G (16M..1T, a multiple of 2M)")]
+    Memory(String),
+    /// Too many virtio devices.
+    #[error("at most {max} disks and network devices in all, got {got}")]
+    TooManyDevices {
+        /// Requested.
+        got: usize,
+        /// Largest allowed.
+        max: usize,
+    },
+    /// A MAC address that does not parse.
+    #[error("invalid MAC address {0:?} (expected six hex bytes like 52:54:00:12:34:56)")]
+    Mac(String),
+    /// A device option that does not parse.
+    #[error("invalid {kind} option {value:?}: {reason}")]
+    DeviceOption {
+        /// "disk" or "net".
+        kind: &'static str,
+        /// The option text.
+        value: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// Most vCPUs a machine may have.
+pub const MAX_VCPUS: u8 = 8;
+
+/// Where the serial console goes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum SerialConfig {
+    /// Discard.
+    Null,
+    /// Standard output.
+    #[default]
+    Stdout,
+    /// Append to a file.
+    File(PathBuf),
+    /// Serve on a Unix socket.
+    Socket(PathBuf),
+}
+
+/// A virtio-blk disk.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskConfig {
+    /// Raw image file.
+    pub path: PathBuf,
+    /// Refuse guest writes (they complete with an I/O error).
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+/// A virtio-net device on a TAP interface.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetConfig {
+    /// TAP interface name (opened if it exists, created otherwise).
+    pub tap: String,
+    /// Guest MAC address; derived from the TAP name if absent.
+    #[serde(default)]
+    pub mac: Option<String>,
+}
+
+/// Everything needed to build a machine.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MachineConfig {
+    /// Number of vCPUs.
+    #[serde(default = "default_vcpus")]
+    pub vcpus: u8,
+    /// Guest memory in bytes.
+    pub memory_bytes: u64,
+    /// Where guest memory lives.
+    #[serde(default)]
+    pub memory_backing: MemoryBacking,
+    /// Kernel image (PVH ELF).
+    pub kernel: PathBuf,
+    /// Optional initramfs.
+    #[serde(default)]
+    pub initramfs: Option<PathBuf>,
+    /// Kernel command line (device parameters are appended).
+    #[serde(default)]
+    pub cmdline: String,
+    /// Serial console.
+    #[serde(default)]
+    pub serial: SerialConfig,
+    /// Disks, in order (the guest sees them in this order).
+    #[serde(default)]
+    pub disks: Vec<DiskConfig>,
+    /// Network devices, in order.
+    #[serde(default)]
+    pub nets: Vec<NetConfig>,
+}
+
+fn default_vcpus() -> u8 {
+    1
+}
+
+impl MachineConfig {
+    /// Checks ranges and formats.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.vcpus == 0 || self.vcpus > MAX_VCPUS {
+            return Err(ConfigError::Vcpus {
+                got: u32::from(self.vcpus),
+                max: u32::from(MAX_VCPUS),
+            });
+        }
+        if self.memory_bytes < layout::MIN_MEMORY
+            || self.memory_bytes > layout::MAX_MEMORY
+            || !self.memory_bytes.is_multiple_of(2 << 20)
+        {
+            return Err(ConfigError::Memory(self.memory_bytes.to_string()));
+        }
+        let devices = self.disks.len() + self.nets.len();
+        if devices > layout::VIRTIO_MAX_DEVICES {
+            return Err(ConfigError::TooManyDevices {
+                got: devices,
+                max: layout::VIRTIO_MAX_DEVICES,
+            });
+        }
+        for n in &self.nets {
+            if let Some(mac) = &n.mac {
+                parse_mac(mac)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Parses a size like `256M`, `4G`, `512MiB` or a byte count.
+pub fn parse_size(s: &str) -> Result<u64, ConfigError> {
+    let t = s.trim();
+    let bad = || ConfigError::Memory(s.to_owned());
+    let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(digits);
+    let n: u64 = num.parse().map_err(|_| bad())?;
+    let shift = match unit.to_ascii_uppercase().as_str() {
+        "" | "B" => 0,
+        "K" | "KB" | "KIB" => 10,
+        "M" | "MB" | "MIB" => 20,
+        "G" | "GB" | "GIB" => 30,
+        "T" | "TB" | "TIB" => 40,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(1u64 << shift).ok_or_else(bad)
+}
+
+/// Parses `aa:bb:cc:dd:ee:ff`.
+pub fn parse_mac(s: &str) -> Result<[u8; 6], ConfigError> {
+    let parts: Vec<_> = s.split(':').collect();
+    if parts.len() != 6 {
+        return Err(ConfigError::Mac(s.to_owned()));
+    }
+    let mut mac = [0u8; 6];
+    for (b, p) in mac.iter_mut().zip(parts) {
+        if p.len() != 2 {
+            return Err(ConfigError::Mac(s.to_owned()));
+        }
+        *b = u8::from_str_radix(p, 16).map_err(|_| ConfigError::Mac(s.to_owned()))?;
+    }
+    Ok(mac)
+}
+
+/// A stable, locally administered MAC derived from a TAP name.
+pub fn default_mac(tap: &str) -> [u8; 6] {
+    // FNV-1a over the name: stable across runs and processes.
+    let mut h: u32 = 0x811c_9dc5;
+    for b in tap.bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    let b = h.to_be_bytes();
+    [0x52, 0x54, b[0], b[1], b[2], b[3]]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> MachineConfig {
+        MachineConfig {
+            vcpus: 1,
+            memory_bytes: 256 << 20,
+            memory_backing: MemoryBacking::Memfd,
+            kernel: "k".into(),
+            initramfs: None,
+            cmdline: String::new(),
+            serial: SerialConfig::Stdout,
+            disks: vec![],
+            nets: vec![],
+        }
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("256M").unwrap(), 256 << 20);
+        assert_eq!(parse_size("4GiB").unwrap(), 4 << 30);
+        assert_eq!(parse_size("1048576").unwrap(), 1 << 20);
+        for bad in ["", "M", "12Q", "-1G", "99999999999999999999G", "1.5G"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn macs() {
+        assert_eq!(
+            parse_mac("52:54:00:ab:cd:EF").unwrap(),
+            [0x52, 0x54, 0, 0xab, 0xcd, 0xef]
+        );
+        for bad in [
+            "52:54:00:ab:cd",
+            "52:54:00:ab:cd:ef:01",
+            "5:54:00:ab:cd:ef",
+            "zz:54:00:ab:cd:ef",
+        ] {
+            assert!(parse_mac(bad).is_err(), "{bad}");
+        }
+        assert_eq!(default_mac("tap0"), default_mac("tap0"));
+        assert_ne!(default_mac("tap0"), default_mac("tap1"));
+        assert_eq!(default_mac("tap0")[0] & 1, 0, "unicast");
+    }
+
+    #[test]
+    fn validation() {
+        assert!(base().validate().is_ok());
+        let mut c = base();
+        c.vcpus = 0;
+        assert!(matches!(c.validate(), Err(ConfigError::Vcpus { .. })));
+        c.vcpus = 9;
+        assert!(c.validate().is_err());
+        let mut c = base();
+        c.memory_bytes = 8 << 20;
+        assert!(matches!(c.validate(), Err(ConfigError::Memory(_))));
+        let mut c = base();
+        c.nets = vec![NetConfig {
+            tap: "t".into(),
+            mac: Some("nope".into()),
+        }];
+        assert!(matches!(c.validate(), Err(ConfigError::Mac(_))));
+    }
+
+    #[test]
+    fn json_round_trip_and_unknown_fields() {
+        let c = base();
+        let s = serde_json::to_string(&c).unwrap();
+        assert_eq!(serde_json::from_str::<MachineConfig>(&s).unwrap(), c);
+        assert!(serde_json::from_str::<MachineConfig>(
+            r#"{"memory_bytes":1,"kernel":"k","bogus":1}"#
+        )
+        .is_err());
+    }
+}

@@ -1,0 +1,294 @@
+//! Legacy port-I/O devices: the 16550 UART (COM1), the i8042 controller (only
+//! its CPU-reset command), and the exit port 0xf4 (compatible with QEMU's
+//! isa-debug-exit) through which a guest powers the VM off with a status code.
+
+use std::io::{self, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use vm_superio::serial::NoEvents;
+use vm_superio::{I8042Device, Serial, Trigger};
+use vmm_sys_util::eventfd::EventFd;
+
+use super::bus::BusDevice;
+use crate::vstate::{VmEvent, VmEventSink};
+
+/// COM1 base port.
+pub const SERIAL_PORT: u64 = 0x3f8;
+/// COM1 interrupt line.
+pub const SERIAL_GSI: u32 = 4;
+/// i8042 data port (the device spans 0x60..=0x64).
+pub const I8042_PORT: u64 = 0x60;
+/// The exit port.
+pub const EXIT_PORT: u64 = 0xf4;
+
+/// Raises an interrupt by writing an irqfd.
+pub struct IrqTrigger(pub EventFd);
+
+impl Trigger for IrqTrigger {
+    type E = io::Error;
+    fn trigger(&self) -> io::Result<()> {
+        self.0.write(1)
+    }
+}
+
+/// Reports a [`VmEvent`] to the machine.
+pub struct EventTrigger {
+    events: VmEventSink,
+    event: VmEvent,
+}
+
+impl Trigger for EventTrigger {
+    type E = ();
+    fn trigger(&self) -> Result<(), ()> {
+        self.events.send(self.event.clone());
+        Ok(())
+    }
+}
+
+/// Where the serial console's output goes.
+pub enum SerialOutput {
+    /// Discarded.
+    Null,
+    /// The process's standard output.
+    Stdout,
+    /// A file (appended).
+    File(std::fs::File),
+    /// The clients of a Unix socket (see [`SerialSocket`]).
+    Socket(SerialSocket),
+}
+
+impl Write for SerialOutput {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            SerialOutput::Null => Ok(buf.len()),
+            SerialOutput::Stdout => {
+                let mut out = io::stdout().lock();
+                out.write_all(buf)?;
+                if buf.contains(&b'\n') {
+                    out.flush()?;
+                }
+                Ok(buf.len())
+            }
+            SerialOutput::File(f) => f.write(buf),
+            SerialOutput::Socket(s) => {
+                s.send(buf);
+                Ok(buf.len())
+            }
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        match self {
+            SerialOutput::Stdout => io::stdout().flush(),
+            SerialOutput::File(f) => f.flush(),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A listening Unix socket for the console: output goes to the connected client
+/// (the last 64 KiB are kept for a client that connects later).
+#[derive(Clone)]
+pub struct SerialSocket {
+    inner: Arc<Mutex<SocketState>>,
+}
+
+#[derive(Default)]
+struct SocketState {
+    client: Option<UnixStream>,
+    backlog: Vec<u8>,
+}
+
+const SOCKET_BACKLOG: usize = 64 << 10;
+
+impl SerialSocket {
+    /// Binds `path` (replacing a stale socket) and accepts clients in the background.
+    pub fn bind(path: &Path) -> io::Result<Self> {
+        let _ = std::fs::remove_file(path);
+        let listener = UnixListener::bind(path)?;
+        let sock = SerialSocket {
+            inner: Arc::new(Mutex::new(SocketState::default())),
+        };
+        let inner = sock.inner.clone();
+        std::thread::Builder::new()
+            .name("serial-accept".into())
+            .spawn(move || {
+                for mut stream in listener.incoming().flatten() {
+                    let mut st = inner.lock().unwrap_or_else(|p| p.into_inner());
+                    let backlog = std::mem::take(&mut st.backlog);
+                    if stream.write_all(&backlog).is_ok() {
+                        st.client = Some(stream);
+                    }
+                }
+            })?;
+        Ok(sock)
+    }
+
+    fn send(&self, buf: &[u8]) {
+        let mut st = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = &mut st.client {
+            if c.write_all(buf).is_ok() {
+                return;
+            }
+            st.client = None;
+        }
+        st.backlog.extend_from_slice(buf);
+        if st.backlog.len() > SOCKET_BACKLOG {
+            let cut = st.backlog.len() - SOCKET_BACKLOG;
+            st.backlog.drain(..cut);
+        }
+    }
+}
+
+/// COM1.
+pub struct SerialDevice {
+    serial: Serial<IrqTrigger, NoEvents, SerialOutput>,
+    bytes_out: u64,
+}
+
+impl SerialDevice {
+    /// A UART raising `irq` and writing to `out`.
+    pub fn new(irq: EventFd, out: SerialOutput) -> Self {
+        SerialDevice {
+            serial: Serial::new(IrqTrigger(irq), out),
+            bytes_out: 0,
+        }
+    }
+
+    /// Bytes the guest has written.
+    pub fn bytes_out(&self) -> u64 {
+        self.bytes_out
+    }
+
+    /// UART register state (for snapshots).
+    pub fn state(&self) -> vm_superio::serial::SerialState {
+        self.serial.state()
+    }
+}
+
+impl BusDevice for SerialDevice {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if let (Ok(off), Some(b)) = (u8::try_from(offset), data.first_mut()) {
+            *b = self.serial.read(off);
+        }
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        let (Ok(off), Some(&b)) = (u8::try_from(offset), data.first()) else {
+            return;
+        };
+        if off == 0 {
+            self.bytes_out += 1;
+        }
+        if let Err(e) = self.serial.write(off, b) {
+            tracing::debug!(error = ?e, "serial write failed");
+        }
+    }
+}
+
+/// The i8042 controller; its CPU-reset command resets the VM.
+pub struct I8042 {
+    dev: I8042Device<EventTrigger>,
+}
+
+impl I8042 {
+    /// An i8042 that reports [`VmEvent::Reset`] on `events`.
+    pub fn new(events: VmEventSink) -> Self {
+        I8042 {
+            dev: I8042Device::new(EventTrigger {
+                events,
+                event: VmEvent::Reset,
+            }),
+        }
+    }
+}
+
+impl BusDevice for I8042 {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        if let (Ok(off), Some(b)) = (u8::try_from(offset), data.first_mut()) {
+            *b = self.dev.read(off);
+        }
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        if let (Ok(off), Some(&b)) = (u8::try_from(offset), data.first()) {
+            let _ = self.dev.write(off, b);
+        }
+    }
+}
+
+/// Port 0xf4: a write of value `v` powers the VM off with guest status `v`.
+pub struct ExitPort {
+    events: VmEventSink,
+}
+
+impl ExitPort {
+    /// An exit port reporting on `events`.
+    pub fn new(events: VmEventSink) -> Self {
+        ExitPort { events }
+    }
+}
+
+impl BusDevice for ExitPort {
+    fn read(&mut self, _offset: u64, _data: &mut [u8]) {}
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        if offset != 0 || data.is_empty() || data.len() > 4 {
+            return;
+        }
+        let mut v = [0u8; 4];
+        v[..data.len()].copy_from_slice(data);
+        self.events.send(VmEvent::Poweroff {
+            code: u32::from_le_bytes(v),
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc::channel;
+
+    #[test]
+    fn exit_port_reports_code() {
+        let (tx, rx) = channel();
+        let mut p = ExitPort::new(VmEventSink::channel(tx));
+        p.write(0, &[3, 0, 0, 0]);
+        p.write(1, &[9]);
+        p.write(0, &[0]);
+        assert_eq!(rx.try_recv().unwrap(), VmEvent::Poweroff { code: 3 });
+        assert_eq!(rx.try_recv().unwrap(), VmEvent::Poweroff { code: 0 });
+        assert!(rx.try_recv().is_err());
+    }
+
+    #[test]
+    fn i8042_reset_command() {
+        let (tx, rx) = channel();
+        let mut d = I8042::new(VmEventSink::channel(tx));
+        d.write(0, &[0xfe]);
+        assert!(rx.try_recv().is_err());
+        d.write(4, &[0xfe]);
+        assert_eq!(rx.try_recv().unwrap(), VmEvent::Reset);
+    }
+
+    #[test]
+    fn serial_writes_to_socket_backlog_then_client() {
+        let path = std::env::temp_dir().join(format!("kemari-serial-{}", std::process::id()));
+        let sock = SerialSocket::bind(&path).unwrap();
+        let mut dev = SerialDevice::new(
+            EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+            SerialOutput::Socket(sock),
+        );
+        for b in b"hi\n" {
+            dev.write(0, &[*b]);
+        }
+        let mut client = UnixStream::connect(&path).unwrap();
+        let mut buf = [0u8; 3];
+        io::Read::read_exact(&mut client, &mut buf).unwrap();
+        assert_eq!(&buf, b"hi\n");
+        assert_eq!(dev.bytes_out(), 3);
+        std::fs::remove_file(path).unwrap();
+    }
+}

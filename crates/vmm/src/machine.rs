@@ -1,0 +1,412 @@
+//! The machine: builds guest memory, the KVM VM, devices and vCPUs from a
+//! [`MachineConfig`], boots the kernel, and offers pause/resume/metrics to
+//! whoever runs it (the `kemari` process and its API).
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use vmm_sys_util::eventfd::EventFd;
+
+use crate::boot::{self, BootError};
+use crate::config::{ConfigError, MachineConfig, SerialConfig};
+use crate::devices::bus::{Bus, BusError};
+use crate::devices::event_loop::{DeviceEventLoop, EventLoopError};
+use crate::devices::legacy::{
+    ExitPort, SerialDevice, SerialOutput, SerialSocket, EXIT_PORT, I8042, I8042_PORT, SERIAL_GSI,
+    SERIAL_PORT,
+};
+use crate::devices::virtio::DeviceCounters;
+use crate::memory::{GuestMemoryFile, GuestMemoryMmap, MemoryError};
+use crate::output::{OutputGate, PassThroughGate};
+use crate::virtio_devices::{self, AttachError, AttachedDevice};
+use crate::vstate::cpuid;
+use crate::vstate::vcpu::{BootEntry, Vcpu, VcpuError, VcpuHandle};
+use crate::vstate::vm::{Vm, VmError};
+use crate::vstate::VmEventSink;
+
+/// Errors while building or controlling a machine.
+#[derive(Debug, thiserror::Error)]
+pub enum MachineError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// Guest memory.
+    #[error(transparent)]
+    Memory(#[from] MemoryError),
+    /// KVM VM.
+    #[error(transparent)]
+    Vm(#[from] VmError),
+    /// vCPU.
+    #[error(transparent)]
+    Vcpu(#[from] VcpuError),
+    /// Kernel loading.
+    #[error(transparent)]
+    Boot(#[from] BootError),
+    /// Device wiring.
+    #[error("device set-up: {0}")]
+    Bus(#[from] BusError),
+    /// virtio device creation.
+    #[error(transparent)]
+    Attach(#[from] AttachError),
+    /// Device event loop.
+    #[error(transparent)]
+    EventLoop(#[from] EventLoopError),
+    /// The serial console's output could not be opened.
+    #[error("serial console output {path}")]
+    Serial {
+        /// The file or socket.
+        path: std::path::PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// An eventfd could not be created.
+    #[error("cannot create an eventfd")]
+    EventFd(#[source] std::io::Error),
+    /// The operation does not apply in the current state.
+    #[error("the VM is {0}")]
+    State(RunState),
+}
+
+/// Whether the guest is running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunState {
+    /// vCPUs running.
+    Running,
+    /// vCPUs and devices stopped.
+    Paused,
+}
+
+impl std::fmt::Display for RunState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RunState::Running => "running",
+            RunState::Paused => "paused",
+        })
+    }
+}
+
+/// A device as the API lists it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Name ("block0", "net0", "serial0").
+    pub name: String,
+    /// Kind ("virtio-blk", "virtio-net", "serial").
+    pub kind: String,
+    /// MMIO window or port base.
+    pub address: u64,
+    /// Interrupt line.
+    pub gsi: u32,
+    /// Backend (image path, TAP name, console target).
+    pub backend: String,
+    /// Request counters.
+    pub counters: DeviceCounters,
+}
+
+/// Counters of the whole machine.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct MachineMetrics {
+    /// Time since the machine was built, in milliseconds.
+    pub uptime_ms: u64,
+    /// Guest memory size in bytes.
+    pub memory_bytes: u64,
+    /// Guest memory in 4 KiB pages.
+    pub memory_pages: u64,
+    /// KVM exits by reason, summed over vCPUs.
+    pub exits: std::collections::BTreeMap<String, u64>,
+    /// Per-device counters.
+    pub devices: Vec<DeviceInfo>,
+    /// Number of pauses since boot.
+    pub pauses: u64,
+}
+
+/// A built, booted machine.
+pub struct Machine {
+    config: MachineConfig,
+    memory_file: GuestMemoryFile,
+    guest_memory: GuestMemoryMmap,
+    // Dropped after the vCPUs and devices (field order = drop order).
+    vcpus: Vec<VcpuHandle>,
+    event_loop: Option<DeviceEventLoop>,
+    virtio: Vec<AttachedDevice>,
+    serial: Arc<Mutex<SerialDevice>>,
+    serial_backend: String,
+    vm: Vm,
+    state: RunState,
+    built_at: Instant,
+    pauses: u64,
+}
+
+impl Machine {
+    /// Builds and boots a machine; its vCPUs run at once unless `start_paused`.
+    /// Guest events (poweroff, reset, errors) are reported to `events`.
+    pub fn build(
+        config: MachineConfig,
+        events: VmEventSink,
+        start_paused: bool,
+    ) -> Result<Self, MachineError> {
+        Self::build_with_gate(config, events, start_paused, Arc::new(PassThroughGate))
+    }
+
+    /// Like [`build`](Self::build), with the output gate of the caller's choice.
+    pub fn build_with_gate(
+        config: MachineConfig,
+        events: VmEventSink,
+        start_paused: bool,
+        gate: Arc<dyn OutputGate>,
+    ) -> Result<Self, MachineError> {
+        let built_at = Instant::now();
+        config.validate()?;
+        let memory_file = GuestMemoryFile::create(config.memory_bytes, &config.memory_backing)?;
+        let guest_memory = memory_file.map()?;
+        let mut vm = Vm::new()?;
+        vm.register_memory(&guest_memory)?;
+
+        // Legacy devices.
+        let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(MachineError::EventFd)?;
+        vm.register_irqfd(&serial_irq, SERIAL_GSI)?;
+        let (serial_out, serial_backend) = open_serial(&config.serial)?;
+        let serial = Arc::new(Mutex::new(SerialDevice::new(serial_irq, serial_out)));
+        let mut io_bus = Bus::new();
+        io_bus.insert(serial.clone(), SERIAL_PORT, 8)?;
+        io_bus.insert(
+            Arc::new(Mutex::new(I8042::new(events.clone()))),
+            I8042_PORT,
+            5,
+        )?;
+        io_bus.insert(
+            Arc::new(Mutex::new(ExitPort::new(events.clone()))),
+            EXIT_PORT,
+            4,
+        )?;
+
+        // virtio devices.
+        let mut mmio_bus = Bus::new();
+        let virtio = virtio_devices::attach_all(&config, &vm, &guest_memory, &mut mmio_bus, gate)?;
+        let mut cmdline = config.cmdline.clone();
+        for d in &virtio {
+            cmdline.push_str(&format!(
+                " virtio_mmio.device=4K@{:#x}:{}",
+                d.info.address, d.info.gsi
+            ));
+        }
+        let event_loop = DeviceEventLoop::start(
+            virtio
+                .iter()
+                .map(|d| d.loop_device())
+                .collect::<Result<_, _>>()?,
+        )?;
+
+        // Kernel.
+        let pvh = boot::pvh::load(
+            &guest_memory,
+            config.memory_bytes,
+            &boot::pvh::PvhBootSpec {
+                kernel: &config.kernel,
+                initramfs: config.initramfs.as_deref(),
+                cmdline: cmdline.trim(),
+                rsdp: None,
+            },
+        )?;
+
+        // vCPUs.
+        let kvm = vm.kvm();
+        let mut base_cpuid = kvm
+            .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+            .map_err(|source| VmError::Kvm {
+                what: "KVM_GET_SUPPORTED_CPUID",
+                source,
+            })?;
+        let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
+        let io_bus = Arc::new(io_bus);
+        let mmio_bus = Arc::new(mmio_bus);
+        let mut created = Vec::new();
+        for i in 0..config.vcpus {
+            let vcpu = Vcpu::new(vm.fd(), i)?;
+            if i == 0 {
+                cpuid::add_timing_leaf(&mut base_cpuid, vcpu.tsc_khz());
+            }
+            vcpu.configure(&base_cpuid, config.vcpus)?;
+            if i == 0 {
+                vcpu.set_boot_state(BootEntry::Pvh {
+                    entry: pvh.entry,
+                    start_info: pvh.start_info,
+                })?;
+            }
+            created.push(vcpu);
+        }
+        for vcpu in created {
+            vcpus.push(vcpu.start(
+                io_bus.clone(),
+                mmio_bus.clone(),
+                events.clone(),
+                start_paused,
+            )?);
+        }
+        let state = if start_paused {
+            event_loop.pause()?;
+            RunState::Paused
+        } else {
+            RunState::Running
+        };
+        tracing::info!(
+            vcpus = config.vcpus,
+            memory_mib = config.memory_bytes >> 20,
+            kernel = %config.kernel.display(),
+            devices = virtio.len(),
+            setup_us = built_at.elapsed().as_micros() as u64,
+            "machine booted"
+        );
+        Ok(Machine {
+            config,
+            memory_file,
+            guest_memory,
+            vcpus,
+            event_loop: Some(event_loop),
+            virtio,
+            serial,
+            serial_backend,
+            vm,
+            state,
+            built_at,
+            pauses: 0,
+        })
+    }
+
+    /// The configuration the machine was built from.
+    pub fn config(&self) -> &MachineConfig {
+        &self.config
+    }
+
+    /// Running or paused.
+    pub fn state(&self) -> RunState {
+        self.state
+    }
+
+    /// Guest memory.
+    pub fn guest_memory(&self) -> &GuestMemoryMmap {
+        &self.guest_memory
+    }
+
+    /// The file behind guest memory.
+    pub fn memory_file(&self) -> &GuestMemoryFile {
+        &self.memory_file
+    }
+
+    /// The KVM VM.
+    pub fn vm(&self) -> &Vm {
+        &self.vm
+    }
+
+    /// Stops every vCPU, then the device event loop.
+    pub fn pause(&mut self) -> Result<(), MachineError> {
+        if self.state == RunState::Paused {
+            return Err(MachineError::State(self.state));
+        }
+        for v in &self.vcpus {
+            v.pause()?;
+        }
+        if let Some(l) = &self.event_loop {
+            l.pause()?;
+        }
+        self.state = RunState::Paused;
+        self.pauses += 1;
+        tracing::info!("VM paused");
+        Ok(())
+    }
+
+    /// Restarts the device event loop, then the vCPUs.
+    pub fn resume(&mut self) -> Result<(), MachineError> {
+        if self.state == RunState::Running {
+            return Err(MachineError::State(self.state));
+        }
+        if let Some(l) = &self.event_loop {
+            l.resume()?;
+        }
+        for v in &self.vcpus {
+            v.resume()?;
+        }
+        self.state = RunState::Running;
+        tracing::info!("VM resumed");
+        Ok(())
+    }
+
+    /// Devices with their counters.
+    pub fn devices(&self) -> Vec<DeviceInfo> {
+        let serial = self.serial.lock().unwrap_or_else(|p| p.into_inner());
+        let mut list = vec![DeviceInfo {
+            name: "serial0".into(),
+            kind: "serial".into(),
+            address: SERIAL_PORT,
+            gsi: SERIAL_GSI,
+            backend: self.serial_backend.clone(),
+            counters: DeviceCounters {
+                bytes_out: serial.bytes_out(),
+                ..Default::default()
+            },
+        }];
+        drop(serial);
+        list.extend(self.virtio.iter().map(|d| d.info_with_counters()));
+        list
+    }
+
+    /// Machine-wide counters.
+    pub fn metrics(&self) -> MachineMetrics {
+        let mut exits = std::collections::BTreeMap::new();
+        for v in &self.vcpus {
+            for (reason, n) in v.counters().snapshot() {
+                *exits.entry(reason.to_string()).or_insert(0) += n;
+            }
+        }
+        MachineMetrics {
+            uptime_ms: self.built_at.elapsed().as_millis() as u64,
+            memory_bytes: self.config.memory_bytes,
+            memory_pages: self.config.memory_bytes / 4096,
+            exits,
+            devices: self.devices(),
+            pauses: self.pauses,
+        }
+    }
+
+    /// Time since the machine was built.
+    pub fn uptime(&self) -> Duration {
+        self.built_at.elapsed()
+    }
+
+    /// Stops vCPUs and devices for good.
+    pub fn shutdown(mut self) {
+        for v in &mut self.vcpus {
+            v.exit();
+        }
+        self.event_loop = None;
+        tracing::info!("machine shut down");
+    }
+}
+
+fn open_serial(cfg: &SerialConfig) -> Result<(SerialOutput, String), MachineError> {
+    let err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| MachineError::Serial { path, source }
+    };
+    Ok(match cfg {
+        SerialConfig::Null => (SerialOutput::Null, "null".into()),
+        SerialConfig::Stdout => (SerialOutput::Stdout, "stdout".into()),
+        SerialConfig::File(p) => (
+            SerialOutput::File(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(p)
+                    .map_err(err(p))?,
+            ),
+            format!("file:{}", p.display()),
+        ),
+        SerialConfig::Socket(p) => (
+            SerialOutput::Socket(SerialSocket::bind(p).map_err(err(p))?),
+            format!("socket:{}", p.display()),
+        ),
+    })
+}

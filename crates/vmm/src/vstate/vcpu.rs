@@ -1,0 +1,587 @@
+//! vCPUs: one thread each, running KVM_RUN and dispatching exits to the port and
+//! MMIO buses. Other threads control a vCPU through [`VcpuHandle`]: pause,
+//! resume, run a closure on the vCPU's fd (to save or restore its state), exit.
+//!
+//! A request is queued on the vCPU's channel and the thread is kicked out of
+//! KVM_RUN with a signal; since a signal that lands just before KVM_RUN is missed,
+//! the kick repeats until the vCPU answers.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Once};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use kvm_bindings::{kvm_fpu, kvm_msr_entry, kvm_regs, kvm_segment, CpuId, Msrs};
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+
+use crate::devices::bus::Bus;
+use crate::vstate::{VmEvent, VmEventSink};
+
+/// Signal used to kick vCPUs out of KVM_RUN.
+fn kick_signal() -> i32 {
+    SIGRTMIN()
+}
+
+/// Errors of vCPU set-up and control.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuError {
+    /// A KVM vCPU ioctl failed.
+    #[error("vCPU {index}: KVM {what} failed")]
+    Kvm {
+        /// vCPU index.
+        index: u8,
+        /// The operation.
+        what: &'static str,
+        /// The cause.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    /// The vCPU thread could not be started.
+    #[error("cannot start vCPU thread {index}")]
+    Spawn {
+        /// vCPU index.
+        index: u8,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The kick signal handler could not be installed.
+    #[error("cannot install the vCPU kick signal handler")]
+    Signal(#[source] vmm_sys_util::errno::Error),
+    /// The vCPU thread is gone.
+    #[error("vCPU {0} thread is not running")]
+    Gone(u8),
+}
+
+/// Exit counters of one vCPU (metrics).
+#[derive(Debug, Default)]
+pub struct VcpuExitCounters {
+    /// Port reads.
+    pub io_in: AtomicU64,
+    /// Port writes.
+    pub io_out: AtomicU64,
+    /// MMIO reads.
+    pub mmio_read: AtomicU64,
+    /// MMIO writes.
+    pub mmio_write: AtomicU64,
+    /// KVM_RUN interrupted by a signal (kicks).
+    pub interrupted: AtomicU64,
+    /// Every other exit.
+    pub other: AtomicU64,
+}
+
+impl VcpuExitCounters {
+    /// A snapshot of the counters as (reason, count) pairs.
+    pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
+        vec![
+            ("io_in", self.io_in.load(Ordering::Relaxed)),
+            ("io_out", self.io_out.load(Ordering::Relaxed)),
+            ("mmio_read", self.mmio_read.load(Ordering::Relaxed)),
+            ("mmio_write", self.mmio_write.load(Ordering::Relaxed)),
+            ("interrupted", self.interrupted.load(Ordering::Relaxed)),
+            ("other", self.other.load(Ordering::Relaxed)),
+        ]
+    }
+}
+
+type VcpuJob = Box<dyn FnOnce(&mut VcpuFd) + Send>;
+
+enum VcpuRequest {
+    Pause(Sender<()>),
+    Resume,
+    Run(VcpuJob),
+    Exit,
+}
+
+/// Initial register state of the boot vCPU.
+#[derive(Debug, Clone, Copy)]
+pub enum BootEntry {
+    /// PVH: 32-bit protected mode, paging off, `ebx` = start info.
+    Pvh {
+        /// Entry point.
+        entry: u64,
+        /// Guest-physical address of `hvm_start_info`.
+        start_info: u64,
+    },
+    /// Linux 64-bit boot protocol: long mode with identity page tables already
+    /// written by the loader, `rsi` = zero page.
+    Linux64 {
+        /// Entry point.
+        entry: u64,
+        /// Guest-physical address of boot_params.
+        boot_params: u64,
+        /// PML4 address.
+        page_tables: u64,
+        /// GDT address (flat 64-bit code/data descriptors at 0x08/0x10).
+        gdt: u64,
+    },
+}
+
+/// A vCPU before its thread starts.
+pub struct Vcpu {
+    index: u8,
+    fd: VcpuFd,
+}
+
+impl Vcpu {
+    /// Creates vCPU `index`.
+    pub fn new(vm: &kvm_ioctls::VmFd, index: u8) -> Result<Self, VcpuError> {
+        let fd = vm
+            .create_vcpu(u64::from(index))
+            .map_err(|source| VcpuError::Kvm {
+                index,
+                what: "KVM_CREATE_VCPU",
+                source,
+            })?;
+        Ok(Vcpu { index, fd })
+    }
+
+    /// The TSC frequency KVM gives this vCPU, if it knows it.
+    pub fn tsc_khz(&self) -> Option<u32> {
+        self.fd.get_tsc_khz().ok().filter(|&k| k > 0)
+    }
+
+    /// Sets CPUID (adjusted for this vCPU's APIC ID), the LAPIC's LINT pins and
+    /// the MSRs firmware would set, for a machine of `vcpus` vCPUs.
+    pub fn configure(&self, cpuid: &CpuId, vcpus: u8) -> Result<(), VcpuError> {
+        let index = self.index;
+        let err = |what| {
+            move |source| VcpuError::Kvm {
+                index,
+                what,
+                source,
+            }
+        };
+        let mut cpuid = cpuid.clone();
+        super::cpuid::patch_for_vcpu(&mut cpuid, index, vcpus);
+        self.fd.set_cpuid2(&cpuid).map_err(err("KVM_SET_CPUID2"))?;
+        // LINT0 = ExtINT (the PIC), LINT1 = NMI, as firmware would set them.
+        let mut lapic = self.fd.get_lapic().map_err(err("KVM_GET_LAPIC"))?;
+        let lint0 = get_lapic_reg(&lapic.regs, 0x350);
+        set_lapic_reg(&mut lapic.regs, 0x350, (lint0 & !0x700) | 0x700);
+        let lint1 = get_lapic_reg(&lapic.regs, 0x360);
+        set_lapic_reg(&mut lapic.regs, 0x360, (lint1 & !0x700) | 0x400);
+        self.fd.set_lapic(&lapic).map_err(err("KVM_SET_LAPIC"))?;
+        let msrs = Msrs::from_entries(&[kvm_msr_entry {
+            index: 0x1a0, // IA32_MISC_ENABLE: fast strings
+            data: 1,
+            ..Default::default()
+        }])
+        .map_err(|_| VcpuError::Gone(index))?;
+        // Best effort: not every KVM lets userspace set it.
+        let _ = self.fd.set_msrs(&msrs);
+        Ok(())
+    }
+
+    /// vCPU index (= APIC ID).
+    pub fn index(&self) -> u8 {
+        self.index
+    }
+
+    /// The KVM vCPU fd (for state save/restore before the thread starts).
+    pub fn fd(&mut self) -> &mut VcpuFd {
+        &mut self.fd
+    }
+
+    /// Sets the boot vCPU's registers for `entry`.
+    pub fn set_boot_state(&self, entry: BootEntry) -> Result<(), VcpuError> {
+        let index = self.index;
+        let err = |what| {
+            move |source| VcpuError::Kvm {
+                index,
+                what,
+                source,
+            }
+        };
+        let mut sregs = self.fd.get_sregs().map_err(err("KVM_GET_SREGS"))?;
+        let mut regs = kvm_regs {
+            rflags: 0x2,
+            ..Default::default()
+        };
+        match entry {
+            BootEntry::Pvh { entry, start_info } => {
+                let code = flat_segment(0x10, 0xb, false);
+                let data = flat_segment(0x18, 0x3, false);
+                sregs.cs = code;
+                sregs.ds = data;
+                sregs.es = data;
+                sregs.fs = data;
+                sregs.gs = data;
+                sregs.ss = data;
+                sregs.tr = kvm_segment {
+                    base: 0,
+                    limit: 0x67,
+                    selector: 0x20,
+                    type_: 0xb,
+                    present: 1,
+                    s: 0,
+                    ..Default::default()
+                };
+                sregs.cr0 = 0x11; // PE | ET
+                sregs.cr4 = 0;
+                sregs.efer = 0;
+                regs.rip = entry;
+                regs.rbx = start_info;
+            }
+            BootEntry::Linux64 {
+                entry,
+                boot_params,
+                page_tables,
+                gdt,
+            } => {
+                let code = flat_segment(0x08, 0xb, true);
+                let data = flat_segment(0x10, 0x3, false);
+                sregs.gdt.base = gdt;
+                sregs.gdt.limit = 0x1f;
+                sregs.cs = code;
+                sregs.ds = data;
+                sregs.es = data;
+                sregs.fs = data;
+                sregs.gs = data;
+                sregs.ss = data;
+                sregs.tr = kvm_segment {
+                    base: 0,
+                    limit: 0x67,
+                    selector: 0x18,
+                    type_: 0xb,
+                    present: 1,
+                    s: 0,
+                    ..Default::default()
+                };
+                sregs.cr3 = page_tables;
+                sregs.cr4 = 0x20; // PAE
+                sregs.cr0 = 0x8000_0011; // PG | ET | PE
+                sregs.efer = 0x500; // LME | LMA
+                regs.rip = entry;
+                regs.rsi = boot_params;
+                regs.rsp = 0x8ff0;
+                regs.rbp = 0x8ff0;
+            }
+        }
+        self.fd.set_sregs(&sregs).map_err(err("KVM_SET_SREGS"))?;
+        self.fd.set_regs(&regs).map_err(err("KVM_SET_REGS"))?;
+        let fpu = kvm_fpu {
+            fcw: 0x37f,
+            mxcsr: 0x1f80,
+            ..Default::default()
+        };
+        self.fd.set_fpu(&fpu).map_err(err("KVM_SET_FPU"))?;
+        Ok(())
+    }
+
+    /// Starts the vCPU thread. It begins paused if `start_paused`.
+    pub fn start(
+        self,
+        io_bus: Arc<Bus>,
+        mmio_bus: Arc<Bus>,
+        events: VmEventSink,
+        start_paused: bool,
+    ) -> Result<VcpuHandle, VcpuError> {
+        install_kick_handler()?;
+        let index = self.index;
+        let (tx, rx) = channel();
+        let counters = Arc::new(VcpuExitCounters::default());
+        let pending = Arc::new(AtomicBool::new(false));
+        let mut runner = VcpuRunner {
+            index,
+            fd: self.fd,
+            requests: rx,
+            pending: pending.clone(),
+            io_bus,
+            mmio_bus,
+            events,
+            counters: counters.clone(),
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("vcpu{index}"))
+            .spawn(move || runner.run(start_paused))
+            .map_err(|source| VcpuError::Spawn { index, source })?;
+        Ok(VcpuHandle {
+            index,
+            requests: tx,
+            pending,
+            thread: Some(thread),
+            counters,
+        })
+    }
+}
+
+/// Control of a running vCPU thread.
+pub struct VcpuHandle {
+    index: u8,
+    requests: Sender<VcpuRequest>,
+    pending: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    counters: Arc<VcpuExitCounters>,
+}
+
+impl VcpuHandle {
+    /// vCPU index.
+    pub fn index(&self) -> u8 {
+        self.index
+    }
+
+    /// Exit counters.
+    pub fn counters(&self) -> &VcpuExitCounters {
+        &self.counters
+    }
+
+    fn send(&self, req: VcpuRequest) -> Result<(), VcpuError> {
+        self.requests
+            .send(req)
+            .map_err(|_| VcpuError::Gone(self.index))?;
+        self.pending.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn kick(&self) {
+        if let Some(t) = &self.thread {
+            let _ = t.kill(kick_signal());
+        }
+    }
+
+    /// Stops the vCPU outside KVM_RUN; returns once it is stopped.
+    pub fn pause(&self) -> Result<(), VcpuError> {
+        let (ack_tx, ack_rx) = channel();
+        self.send(VcpuRequest::Pause(ack_tx))?;
+        self.wait_kicking(&ack_rx)
+    }
+
+    /// Lets a paused vCPU run again.
+    pub fn resume(&self) -> Result<(), VcpuError> {
+        self.send(VcpuRequest::Resume)
+    }
+
+    /// Runs `job` on the vCPU thread (with its fd) and returns its result. The
+    /// vCPU should be paused: a running one is kicked out of KVM_RUN first.
+    pub fn with_fd<R: Send + 'static>(
+        &self,
+        job: impl FnOnce(&mut VcpuFd) -> R + Send + 'static,
+    ) -> Result<R, VcpuError> {
+        let (tx, rx) = channel();
+        self.send(VcpuRequest::Run(Box::new(move |fd| {
+            let _ = tx.send(job(fd));
+        })))?;
+        self.wait_kicking(&rx)
+    }
+
+    fn wait_kicking<T>(&self, rx: &Receiver<T>) -> Result<T, VcpuError> {
+        loop {
+            self.kick();
+            match rx.recv_timeout(Duration::from_millis(1)) {
+                Ok(v) => return Ok(v),
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => return Err(VcpuError::Gone(self.index)),
+            }
+        }
+    }
+
+    /// Ends the vCPU thread and waits for it.
+    pub fn exit(&mut self) {
+        if self.send(VcpuRequest::Exit).is_ok() {
+            self.kick();
+        }
+        if let Some(t) = self.thread.take() {
+            // Keep kicking until the thread leaves KVM_RUN.
+            while !t.is_finished() {
+                let _ = t.kill(kick_signal());
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for VcpuHandle {
+    fn drop(&mut self) {
+        self.exit();
+    }
+}
+
+struct VcpuRunner {
+    index: u8,
+    fd: VcpuFd,
+    requests: Receiver<VcpuRequest>,
+    pending: Arc<AtomicBool>,
+    io_bus: Arc<Bus>,
+    mmio_bus: Arc<Bus>,
+    events: VmEventSink,
+    counters: Arc<VcpuExitCounters>,
+}
+
+enum Flow {
+    Continue,
+    Stop,
+}
+
+impl VcpuRunner {
+    fn run(&mut self, start_paused: bool) {
+        let mut paused = start_paused;
+        loop {
+            if paused || self.pending.swap(false, Ordering::SeqCst) {
+                match self.handle_requests(&mut paused) {
+                    Flow::Continue => {}
+                    Flow::Stop => return,
+                }
+                if paused {
+                    continue;
+                }
+            }
+            match self.run_once() {
+                Flow::Continue => {}
+                Flow::Stop => {
+                    // Park until told to exit, so the machine decides what happens.
+                    paused = true;
+                }
+            }
+        }
+    }
+
+    /// Serves queued requests. While paused, blocks for the next one.
+    fn handle_requests(&mut self, paused: &mut bool) -> Flow {
+        loop {
+            let req = if *paused {
+                match self.requests.recv() {
+                    Ok(r) => r,
+                    Err(_) => return Flow::Stop,
+                }
+            } else {
+                match self.requests.try_recv() {
+                    Ok(r) => r,
+                    Err(std::sync::mpsc::TryRecvError::Empty) => return Flow::Continue,
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => return Flow::Stop,
+                }
+            };
+            match req {
+                VcpuRequest::Pause(ack) => {
+                    *paused = true;
+                    let _ = ack.send(());
+                }
+                VcpuRequest::Resume => *paused = false,
+                VcpuRequest::Run(job) => job(&mut self.fd),
+                VcpuRequest::Exit => return Flow::Stop,
+            }
+        }
+    }
+
+    fn run_once(&mut self) -> Flow {
+        let c = &self.counters;
+        match self.fd.run() {
+            Ok(VcpuExit::IoOut(port, data)) => {
+                c.io_out.fetch_add(1, Ordering::Relaxed);
+                self.io_bus.write(u64::from(port), data);
+            }
+            Ok(VcpuExit::IoIn(port, data)) => {
+                c.io_in.fetch_add(1, Ordering::Relaxed);
+                self.io_bus.read(u64::from(port), data);
+            }
+            Ok(VcpuExit::MmioRead(addr, data)) => {
+                c.mmio_read.fetch_add(1, Ordering::Relaxed);
+                self.mmio_bus.read(addr, data);
+            }
+            Ok(VcpuExit::MmioWrite(addr, data)) => {
+                c.mmio_write.fetch_add(1, Ordering::Relaxed);
+                self.mmio_bus.write(addr, data);
+            }
+            Ok(VcpuExit::Hlt) => {
+                c.other.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(VcpuExit::Shutdown) => {
+                c.other.fetch_add(1, Ordering::Relaxed);
+                let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or(0);
+                tracing::warn!(
+                    vcpu = self.index,
+                    rip = format_args!("{rip:#x}"),
+                    "guest triple fault: VM reset"
+                );
+                self.events.send(VmEvent::Reset);
+                return Flow::Stop;
+            }
+            Ok(VcpuExit::SystemEvent(kind, _)) => {
+                c.other.fetch_add(1, Ordering::Relaxed);
+                let event = match kind {
+                    kvm_bindings::KVM_SYSTEM_EVENT_SHUTDOWN => VmEvent::Poweroff { code: 0 },
+                    kvm_bindings::KVM_SYSTEM_EVENT_RESET => VmEvent::Reset,
+                    other => VmEvent::Error(format!("vCPU {}: system event {other}", self.index)),
+                };
+                self.events.send(event);
+                return Flow::Stop;
+            }
+            Ok(VcpuExit::FailEntry(reason, cpu)) => {
+                self.events.send(VmEvent::Error(format!(
+                    "vCPU {}: KVM entry failed (reason {reason:#x}, cpu {cpu})",
+                    self.index
+                )));
+                return Flow::Stop;
+            }
+            Ok(VcpuExit::InternalError) => {
+                let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or(0);
+                self.events.send(VmEvent::Error(format!(
+                    "vCPU {}: KVM internal error (emulation failure?) at rip {rip:#x}",
+                    self.index
+                )));
+                return Flow::Stop;
+            }
+            Ok(VcpuExit::Intr) => {
+                c.interrupted.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(other) => {
+                c.other.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(vcpu = self.index, exit = ?other, "unhandled vCPU exit");
+            }
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                c.interrupted.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                self.events.send(VmEvent::Error(format!(
+                    "vCPU {}: KVM_RUN failed: {e}",
+                    self.index
+                )));
+                return Flow::Stop;
+            }
+        }
+        Flow::Continue
+    }
+}
+
+fn flat_segment(selector: u16, type_: u8, long: bool) -> kvm_segment {
+    kvm_segment {
+        base: 0,
+        limit: 0xffff_ffff,
+        selector,
+        type_,
+        present: 1,
+        dpl: 0,
+        db: u8::from(!long),
+        s: 1,
+        l: u8::from(long),
+        g: 1,
+        avl: 0,
+        unusable: 0,
+        padding: 0,
+    }
+}
+
+fn get_lapic_reg(regs: &[std::os::raw::c_char; 1024], offset: usize) -> u32 {
+    let b: [u8; 4] = std::array::from_fn(|i| regs[offset + i] as u8);
+    u32::from_le_bytes(b)
+}
+
+fn set_lapic_reg(regs: &mut [std::os::raw::c_char; 1024], offset: usize, value: u32) {
+    for (i, b) in value.to_le_bytes().into_iter().enumerate() {
+        regs[offset + i] = b as std::os::raw::c_char;
+    }
+}
+
+extern "C" fn kick_handler(_: i32, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+
+fn install_kick_handler() -> Result<(), VcpuError> {
+    static ONCE: Once = Once::new();
+    let mut result = Ok(());
+    ONCE.call_once(|| {
+        result = register_signal_handler(kick_signal(), kick_handler).map_err(VcpuError::Signal);
+    });
+    result
+}
