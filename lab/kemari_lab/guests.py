@@ -51,7 +51,7 @@ class GuestSpec:
 
     @property
     def cmdline(self) -> str:
-        return f"console=ttyS0 panic=-1 klab.ip={self.ip}/{PREFIX_LEN} {self.extra_cmdline}".strip()
+        return f"console=ttyS0 quiet panic=-1 klab.ip={self.ip}/{PREFIX_LEN} {self.extra_cmdline}".strip()
 
     def vmm_command(self) -> str:
         """The VMM's shell command line inside the virtual host."""
