@@ -67,7 +67,7 @@ class GuestSpec:
             )
         return (
             f"kemari --kernel {GUEST_DIR}/vmlinuz --initramfs {GUEST_DIR}/initrd.cpio"
-            f" --cmdline '{self.cmdline}' --memory {self.memory_mb} --vcpus {self.vcpus}"
+            f" --cmdline '{self.cmdline}' --memory {self.memory_mb}M --vcpus {self.vcpus}"
             f" --disk {disk} --net tap={self.tap},mac={self.mac} --serial stdout"
         )
 
