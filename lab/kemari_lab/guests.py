@@ -38,6 +38,8 @@ class GuestSpec:
     host_index: int = 0
     index: int = 0
     extra_cmdline: str = ""
+    disk: bool = True
+    net: bool = True
     ip: str = field(init=False)
     mac: str = field(init=False)
     tap: str = field(init=False)
@@ -53,23 +55,35 @@ class GuestSpec:
     def cmdline(self) -> str:
         return f"console=ttyS0 quiet panic=-1 klab.ip={self.ip}/{PREFIX_LEN} {self.extra_cmdline}".strip()
 
+    @property
+    def disk_path(self) -> str:
+        return f"/tmp/{self.name}.disk"
+
     def vmm_command(self) -> str:
         """The VMM's shell command line inside the virtual host."""
-        disk = f"/tmp/{self.name}.disk"
         if self.vmm == "qemu":
-            return (
+            cmd = (
                 "qemu-system-x86_64 -enable-kvm -cpu host -M pc -nodefaults -display none -no-reboot"
                 f" -smp {self.vcpus} -m {self.memory_mb} -serial stdio -monitor none"
                 f" -kernel {GUEST_DIR}/vmlinuz -initrd {GUEST_DIR}/initrd.cpio -append '{self.cmdline}'"
-                f" -drive file={disk},format=raw,if=none,id=d0 -device virtio-blk-pci,drive=d0"
-                f" -netdev tap,id=n0,ifname={self.tap},script=no,downscript=no"
-                f" -device virtio-net-pci,netdev=n0,mac={self.mac},romfile="
             )
-        return (
+            if self.disk:
+                cmd += f" -drive file={self.disk_path},format=raw,if=none,id=d0 -device virtio-blk-pci,drive=d0"
+            if self.net:
+                cmd += (
+                    f" -netdev tap,id=n0,ifname={self.tap},script=no,downscript=no"
+                    f" -device virtio-net-pci,netdev=n0,mac={self.mac},romfile="
+                )
+            return cmd
+        cmd = (
             f"kemari --kernel {GUEST_DIR}/vmlinuz --initramfs {GUEST_DIR}/initrd.cpio"
-            f" --cmdline '{self.cmdline}' --memory {self.memory_mb}M --vcpus {self.vcpus}"
-            f" --disk {disk} --net tap={self.tap},mac={self.mac} --serial stdout"
+            f" --cmdline '{self.cmdline}' --memory {self.memory_mb}M --vcpus {self.vcpus} --serial stdout"
         )
+        if self.disk:
+            cmd += f" --disk {self.disk_path}"
+        if self.net:
+            cmd += f" --net tap={self.tap},mac={self.mac}"
+        return cmd
 
 
 class Guest:
@@ -87,8 +101,10 @@ class Guest:
         h = self.host
         if s.vmm == "kemari" and not h.run("command -v kemari", check=False).ok:
             raise LabError(f"{h.name}: kemari is not in the virtual host image (run the set-up with --kemari)")
-        h.run(f"cp {GUEST_DIR}/disk.ext4 /tmp/{s.name}.disk")
-        h.run(f"/sbin/ip tuntap add {s.tap} mode tap && /sbin/ip link set {s.tap} master br0 up")
+        if s.disk:
+            h.run(f"cp {GUEST_DIR}/disk.ext4 {s.disk_path}")
+        if s.net:
+            h.run(f"/sbin/ip tuntap add {s.tap} mode tap && /sbin/ip link set {s.tap} master br0 up")
         self.started_at = time.monotonic()
         h.run(
             f"( {s.vmm_command()} > {self.console} 2>&1; echo KLAB-VMM-EXIT=$? >> {self.console} ) >/dev/null 2>&1 &"

@@ -79,10 +79,34 @@ def two_hosts(lab: Lab, vmm: str) -> dict[str, float]:
     return times
 
 
+def boot_poweroff(lab: Lab, vmm: str) -> dict[str, float]:
+    """A device-less guest on vh0 (2 vCPUs, 512 MiB) boots to its init and
+    powers itself off; the VMM must exit 0. The smallest test of a VMM's Linux
+    boot (bzImage, ACPI, SMP, poweroff)."""
+    host = lab.hosts[0]
+    guest = Guest(
+        host,
+        GuestSpec(name=f"{vmm}-boot", vmm=vmm, disk=False, net=False, extra_cmdline="klab.poweroff=1"),
+    )
+    guest.start()
+    status = guest.wait_exit(timeout=180)
+    console = guest.console_text()
+    booted = BOOTED_RE.search(console)
+    if booted is None:
+        raise LabError(f"{host.name}: the guest never reached its init under {vmm}:\n{console[-3000:]}")
+    if int(booted.group(1)) != guest.spec.vcpus:
+        raise LabError(f"{host.name}: guest saw {booted.group(1)} CPUs, expected {guest.spec.vcpus}")
+    if "KLAB-GUEST-POWEROFF" not in console or status != 0:
+        raise LabError(f"{host.name}: {vmm} exited with status {status} (guest powered off: "
+                       f"{'KLAB-GUEST-POWEROFF' in console}):\n{console[-3000:]}")
+    return {"boot_to_exit_s": time.monotonic() - guest.started_at}
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
         Scenario("single-guest", 1, single_guest, single_guest.__doc__ or ""),
         Scenario("two-hosts", 2, two_hosts, two_hosts.__doc__ or ""),
+        Scenario("boot-poweroff", 1, boot_poweroff, (boot_poweroff.__doc__ or "").split(".")[0]),
     )
 }

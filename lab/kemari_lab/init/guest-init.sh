@@ -5,7 +5,8 @@
 #   KLAB-DISK-OK / KLAB-DISK-FAIL  /dev/vda mounted, written, read back
 #   KLAB-NET-OK / KLAB-NET-FAIL    eth0 configured
 #   KLAB-GUEST-READY ip=...      httpd (port 80) and nc echo (port 7) running
-# GET /cgi-bin/poweroff makes the guest unmount its disk and power off.
+# GET /cgi-bin/poweroff makes the guest unmount its disk and power off;
+# klab.poweroff=1 on the command line makes it power off right after READY.
 mount -t proc proc /proc
 mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
@@ -16,9 +17,11 @@ for m in $(cat /etc/klab-modules); do
     insmod /lib/modules/$m 2>/dev/null
 done
 ip=
+poweroff_when_ready=
 for arg in $(cat /proc/cmdline); do
     case "$arg" in
         klab.ip=*) ip=${arg#klab.ip=} ;;
+        klab.poweroff=1) poweroff_when_ready=1 ;;
     esac
 done
 for i in $(seq 50); do
@@ -55,4 +58,9 @@ chmod +x /www/cgi-bin/poweroff
 httpd -p 80 -h /www
 nc -lk -p 7 -e cat >/dev/null 2>&1 &
 echo "KLAB-GUEST-READY ip=$ip"
+if [ -n "$poweroff_when_ready" ]; then
+    umount /mnt 2>/dev/null
+    echo KLAB-GUEST-POWEROFF
+    poweroff -f
+fi
 while true; do sleep 3600; done
