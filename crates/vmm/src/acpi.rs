@@ -44,8 +44,10 @@ use acpi_tables::xsdt::XSDT;
 use acpi_tables::Aml;
 use vm_memory::{Bytes, GuestAddress};
 
+use crate::devices::bus::BusDevice;
 use crate::layout;
 use crate::memory::GuestMemoryMmap;
+use crate::vstate::{VmEvent, VmEventSink};
 
 /// Port of the FADT sleep control register (see the module doc).
 pub const SLEEP_CONTROL_PORT: u16 = 0x600;
@@ -132,6 +134,41 @@ pub enum AcpiError {
 /// True if `value`, written to [`SLEEP_CONTROL_PORT`], asks for poweroff (S5).
 pub fn is_poweroff(value: u8) -> bool {
     value & SLEEP_ENABLE != 0 && (value >> 2) & 0x7 == S5_SLEEP_TYPE
+}
+
+/// The three ACPI power-management ports ([`SLEEP_CONTROL_PORT`],
+/// [`SLEEP_STATUS_PORT`], [`RESET_PORT`]) as one I/O-bus device: insert it at
+/// [`SLEEP_CONTROL_PORT`] with length [`POWER_PORTS_LEN`]. A poweroff request
+/// reports `VmEvent::Poweroff { code: 0 }`, a reset request `VmEvent::Reset`.
+pub struct PowerPorts {
+    events: VmEventSink,
+}
+
+/// Number of consecutive ports [`PowerPorts`] decodes.
+pub const POWER_PORTS_LEN: u64 = (RESET_PORT - SLEEP_CONTROL_PORT + 1) as u64;
+
+impl PowerPorts {
+    /// Power ports reporting on `events`.
+    pub fn new(events: VmEventSink) -> Self {
+        PowerPorts { events }
+    }
+}
+
+impl BusDevice for PowerPorts {
+    fn read(&mut self, _offset: u64, data: &mut [u8]) {
+        // Sleep status (WAK_STS clear) and everything else read as 0.
+        data.fill(0);
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        let Some(&value) = data.first() else { return };
+        let port = SLEEP_CONTROL_PORT as u64 + offset;
+        if port == SLEEP_CONTROL_PORT as u64 && is_poweroff(value) {
+            self.events.send(VmEvent::Poweroff { code: 0 });
+        } else if port == RESET_PORT as u64 && value == RESET_VALUE {
+            self.events.send(VmEvent::Reset);
+        }
+    }
 }
 
 /// Builds RSDP, XSDT, FADT, MADT and DSDT at [`layout::ACPI_START`] and
@@ -488,6 +525,22 @@ mod tests {
             create_acpi_tables(&m, 1, &gsi),
             Err(AcpiError::Gsi { index: 0, gsi: 24 })
         ));
+    }
+
+    #[test]
+    fn power_ports_report_poweroff_and_reset() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut p = PowerPorts::new(VmEventSink::channel(tx));
+        p.write(1, &[0x80]); // clearing WAK_STS: nothing happens
+        p.write(0, &[3 << 2 | SLEEP_ENABLE]); // S3: not supported, ignored
+        p.write(0, &[(S5_SLEEP_TYPE << 2) | SLEEP_ENABLE]);
+        p.write(2, &[RESET_VALUE]);
+        let mut status = [0xff];
+        p.read(1, &mut status);
+        assert_eq!(status, [0]);
+        assert_eq!(rx.try_recv().unwrap(), VmEvent::Poweroff { code: 0 });
+        assert_eq!(rx.try_recv().unwrap(), VmEvent::Reset);
+        assert!(rx.try_recv().is_err());
     }
 
     #[test]
