@@ -111,7 +111,10 @@ class Guest:
         )
 
     def console_text(self) -> str:
-        return self.host.run(f"cat {self.console}").output
+        """The guest's console so far (also saved beside the virtual host's log)."""
+        text = self.host.run(f"cat {self.console}").output
+        (self.host.run_dir / f"{self.host.name}-{self.spec.name}.console").write_text(text)
+        return text
 
     def wait_ready(self, timeout: float = 120) -> str:
         """Waits for KLAB-GUEST-READY; fails early if the VMM exits. Returns the console."""

@@ -26,6 +26,12 @@ class Scenario:
     doc: str
 
 
+def _check_memory(host: str, want_mb: int, mem_kb: int) -> None:
+    """MemTotal is a little below the VM's RAM (kernel, reserved areas)."""
+    if not want_mb * 0.8 < mem_kb / 1024 <= want_mb:
+        raise LabError(f"{host}: guest reports {mem_kb // 1024} MiB of memory, expected about {want_mb}")
+
+
 def _boot_checked_guest(lab: Lab, host_index: int, vmm: str) -> tuple[Guest, dict[str, float]]:
     """Starts a 2-vCPU 512 MiB guest and checks CPUs, memory, disk and network."""
     host = lab.hosts[host_index]
@@ -35,9 +41,7 @@ def _boot_checked_guest(lab: Lab, host_index: int, vmm: str) -> tuple[Guest, dic
     booted = BOOTED_RE.search(console)
     if booted is None or int(booted.group(1)) != guest.spec.vcpus:
         raise LabError(f"{host.name}: guest did not report {guest.spec.vcpus} CPUs:\n{console[-2000:]}")
-    mem_mb = int(booted.group(2)) // 1024
-    if not guest.spec.memory_mb * 0.8 < mem_mb <= guest.spec.memory_mb:
-        raise LabError(f"{host.name}: guest reports {mem_mb} MiB, expected about {guest.spec.memory_mb}")
+    _check_memory(host.name, guest.spec.memory_mb, int(booted.group(2)))
     for regex, what in ((DISK_RE, "disk"), (NET_RE, "network")):
         m = regex.search(console)
         if m is None or m.group(1) != "OK":
@@ -96,6 +100,7 @@ def boot_poweroff(lab: Lab, vmm: str) -> dict[str, float]:
         raise LabError(f"{host.name}: the guest never reached its init under {vmm}:\n{console[-3000:]}")
     if int(booted.group(1)) != guest.spec.vcpus:
         raise LabError(f"{host.name}: guest saw {booted.group(1)} CPUs, expected {guest.spec.vcpus}")
+    _check_memory(host.name, guest.spec.memory_mb, int(booted.group(2)))
     if "KLAB-GUEST-POWEROFF" not in console or status != 0:
         raise LabError(f"{host.name}: {vmm} exited with status {status} (guest powered off: "
                        f"{'KLAB-GUEST-POWEROFF' in console}):\n{console[-3000:]}")

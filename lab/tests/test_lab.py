@@ -53,3 +53,14 @@ def test_single_guest_with_kemari(lab_images: images.Images) -> None:
     if not lab_images.has_kemari:
         pytest.skip("kemari is not in the virtual host image: run lab/setup.sh --kemari")
     run_scenario("single-guest", "kemari")
+
+
+def test_boot_poweroff_with_kemari(lab_images: images.Images) -> None:
+    """kemari boots the stock Debian bzImage (ACPI, 2 vCPUs, 512 MiB, no
+    devices) to the guest's init, which powers off; kemari exits 0."""
+    reason = kemari_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    if not lab_images.has_kemari:
+        pytest.skip("kemari is not in the virtual host image: run lab/setup.sh --kemari")
+    run_scenario("boot-poweroff", "kemari")

@@ -13,6 +13,8 @@ mount -t devtmpfs dev /dev
 mount -t tmpfs tmp /tmp
 echo "KLAB-GUEST-BOOTED cpus=$(grep -c ^processor /proc/cpuinfo) mem_kb=$(awk '/MemTotal/{print $2}' /proc/meminfo)"
 dmesg -n 1
+# What the firmware tables described (ACPI device IDs), for debugging VMMs.
+echo "KLAB-GUEST-ACPI $(ls /sys/bus/acpi/devices 2>/dev/null | tr '\n' ' ')"
 for m in $(cat /etc/klab-modules); do
     insmod /lib/modules/$m 2>/dev/null
 done
