@@ -5,21 +5,61 @@ use std::sync::{Arc, Mutex};
 
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::config::MachineConfig;
-use crate::devices::bus::Bus;
+use crate::config::{default_mac, parse_mac, MachineConfig};
+use crate::devices::block_backend::{BlockBackendError, RawFileBackend};
+use crate::devices::bus::{Bus, BusDevice, BusError};
 use crate::devices::event_loop::{EventLoopError, LoopDevice};
+use crate::devices::virtio::block::Block;
+use crate::devices::virtio::mmio::MmioTransport;
+use crate::devices::virtio::net::Net;
+use crate::devices::virtio::tap::{Tap, TapError};
 use crate::devices::virtio::VirtioDevice;
+use crate::layout;
 use crate::machine::DeviceInfo;
 use crate::memory::GuestMemoryMmap;
 use crate::output::OutputGate;
-use crate::vstate::vm::Vm;
+use crate::vstate::vm::{Vm, VmError};
 
 /// Errors while creating virtio devices.
 #[derive(Debug, thiserror::Error)]
 pub enum AttachError {
-    /// Not built yet.
-    #[error("{0} devices are not supported yet")]
-    Unsupported(&'static str),
+    /// A disk image cannot be used.
+    #[error("disk {index} ({path})")]
+    Disk {
+        /// Position among the disks.
+        index: usize,
+        /// Image path.
+        path: String,
+        /// The cause.
+        #[source]
+        source: BlockBackendError,
+    },
+    /// A TAP device cannot be opened or created.
+    #[error("network device {index} (TAP {tap})")]
+    Tap {
+        /// Position among the network devices.
+        index: usize,
+        /// TAP name.
+        tap: String,
+        /// The cause.
+        #[source]
+        source: TapError,
+    },
+    /// KVM refused an irqfd or ioeventfd.
+    #[error("wiring {device}")]
+    Kvm {
+        /// Device name.
+        device: String,
+        /// The cause.
+        #[source]
+        source: VmError,
+    },
+    /// An eventfd could not be created.
+    #[error("cannot create eventfds for {0}")]
+    EventFd(String, #[source] std::io::Error),
+    /// The MMIO window is taken.
+    #[error("placing {0} on the MMIO bus")]
+    Bus(String, #[source] BusError),
 }
 
 /// A virtio device wired into the machine.
@@ -30,6 +70,8 @@ pub struct AttachedDevice {
     pub device: Arc<Mutex<dyn VirtioDevice>>,
     /// Queue notification ioeventfds.
     pub queue_events: Vec<EventFd>,
+    /// The irqfd (kept open for the VM's lifetime).
+    _irq: EventFd,
 }
 
 impl AttachedDevice {
@@ -58,19 +100,157 @@ impl AttachedDevice {
     }
 }
 
-/// Creates every disk and network device of `config`.
+impl BusDevice for MmioTransport {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        MmioTransport::read(self, offset, data)
+    }
+
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        MmioTransport::write(self, offset, data)
+    }
+}
+
+/// Creates every disk and network device of `config`, disks first, each in its
+/// own virtio-mmio window with its own GSI.
 pub fn attach_all(
     config: &MachineConfig,
-    _vm: &Vm,
-    _mem: &GuestMemoryMmap,
-    _mmio_bus: &mut Bus,
-    _gate: Arc<dyn OutputGate>,
+    vm: &Vm,
+    mem: &GuestMemoryMmap,
+    mmio_bus: &mut Bus,
+    gate: Arc<dyn OutputGate>,
 ) -> Result<Vec<AttachedDevice>, AttachError> {
-    if !config.disks.is_empty() {
-        return Err(AttachError::Unsupported("disk"));
+    let mut attached = Vec::new();
+    for (i, disk) in config.disks.iter().enumerate() {
+        let backend = RawFileBackend::open(&disk.path, disk.read_only).map_err(|source| {
+            AttachError::Disk {
+                index: i,
+                path: disk.path.display().to_string(),
+                source,
+            }
+        })?;
+        let name = format!("block{i}");
+        let device: Arc<Mutex<dyn VirtioDevice>> = Arc::new(Mutex::new(Block::new(
+            name.clone(),
+            i,
+            Box::new(backend),
+            gate.clone(),
+        )));
+        let backend = format!(
+            "{}{}",
+            disk.path.display(),
+            if disk.read_only { " (read-only)" } else { "" }
+        );
+        let index = attached.len();
+        attached.push(wire(
+            vm,
+            mem,
+            mmio_bus,
+            index,
+            name,
+            "virtio-blk",
+            backend,
+            device,
+        )?);
     }
-    if !config.nets.is_empty() {
-        return Err(AttachError::Unsupported("network"));
+    for (i, net) in config.nets.iter().enumerate() {
+        let tap = Tap::open(&net.tap, true).map_err(|source| AttachError::Tap {
+            index: i,
+            tap: net.tap.clone(),
+            source,
+        })?;
+        let mac = match &net.mac {
+            // Validated with the configuration.
+            Some(m) => parse_mac(m).unwrap_or_else(|_| default_mac(&net.tap)),
+            None => default_mac(&net.tap),
+        };
+        let name = format!("net{i}");
+        let device: Arc<Mutex<dyn VirtioDevice>> = Arc::new(Mutex::new(Net::new(
+            name.clone(),
+            i,
+            tap,
+            mac,
+            gate.clone(),
+        )));
+        let backend = format!(
+            "tap:{} mac:{}",
+            net.tap,
+            mac.iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<Vec<_>>()
+                .join(":")
+        );
+        let index = attached.len();
+        attached.push(wire(
+            vm,
+            mem,
+            mmio_bus,
+            index,
+            name,
+            "virtio-net",
+            backend,
+            device,
+        )?);
     }
-    Ok(Vec::new())
+    Ok(attached)
+}
+
+/// Gives `device` its MMIO window, interrupt line and notification eventfds.
+#[allow(clippy::too_many_arguments)]
+fn wire(
+    vm: &Vm,
+    mem: &GuestMemoryMmap,
+    mmio_bus: &mut Bus,
+    index: usize,
+    name: String,
+    kind: &str,
+    backend: String,
+    device: Arc<Mutex<dyn VirtioDevice>>,
+) -> Result<AttachedDevice, AttachError> {
+    let base = layout::virtio_mmio_base(index);
+    let gsi = layout::VIRTIO_IRQ_BASE + index as u32;
+    let evt_err = |e| AttachError::EventFd(name.clone(), e);
+    let kvm_err = |source| AttachError::Kvm {
+        device: name.clone(),
+        source,
+    };
+    let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(evt_err)?;
+    vm.register_irqfd(&irq, gsi).map_err(kvm_err)?;
+    let transport = MmioTransport::new(
+        device.clone(),
+        mem.clone(),
+        irq.try_clone().map_err(evt_err)?,
+    );
+    let queues = transport.num_queues();
+    let mut queue_events = Vec::with_capacity(queues);
+    for q in 0..queues {
+        let evt = EventFd::new(libc::EFD_NONBLOCK).map_err(evt_err)?;
+        vm.register_mmio_ioevent(
+            &evt,
+            base + MmioTransport::queue_notify_address_offset(),
+            q as u32,
+        )
+        .map_err(kvm_err)?;
+        queue_events.push(evt);
+    }
+    mmio_bus
+        .insert(
+            Arc::new(Mutex::new(transport)),
+            base,
+            layout::VIRTIO_MMIO_SIZE,
+        )
+        .map_err(|e| AttachError::Bus(name.clone(), e))?;
+    tracing::debug!(device = %name, base = format_args!("{base:#x}"), gsi, "virtio device attached");
+    Ok(AttachedDevice {
+        info: DeviceInfo {
+            name,
+            kind: kind.into(),
+            address: base,
+            gsi,
+            backend,
+            counters: Default::default(),
+        },
+        device,
+        queue_events,
+        _irq: irq,
+    })
 }

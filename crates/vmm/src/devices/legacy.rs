@@ -169,21 +169,24 @@ impl SerialDevice {
 }
 
 impl BusDevice for SerialDevice {
+    // A string instruction (`rep insb`/`rep outsb`) arrives as one access of
+    // several bytes: each byte is one register access.
     fn read(&mut self, offset: u64, data: &mut [u8]) {
-        if let (Ok(off), Some(b)) = (u8::try_from(offset), data.first_mut()) {
+        let Ok(off) = u8::try_from(offset) else { return };
+        for b in data.iter_mut() {
             *b = self.serial.read(off);
         }
     }
 
     fn write(&mut self, offset: u64, data: &[u8]) {
-        let (Ok(off), Some(&b)) = (u8::try_from(offset), data.first()) else {
-            return;
-        };
-        if off == 0 {
-            self.bytes_out += 1;
-        }
-        if let Err(e) = self.serial.write(off, b) {
-            tracing::debug!(error = ?e, "serial write failed");
+        let Ok(off) = u8::try_from(offset) else { return };
+        for &b in data {
+            if off == 0 {
+                self.bytes_out += 1;
+            }
+            if let Err(e) = self.serial.write(off, b) {
+                tracing::debug!(error = ?e, "serial write failed");
+            }
         }
     }
 }
@@ -281,9 +284,8 @@ mod tests {
             EventFd::new(libc::EFD_NONBLOCK).unwrap(),
             SerialOutput::Socket(sock),
         );
-        for b in b"hi\n" {
-            dev.write(0, &[*b]);
-        }
+        dev.write(0, b"h");
+        dev.write(0, b"i\n"); // a string instruction
         let mut client = UnixStream::connect(&path).unwrap();
         let mut buf = [0u8; 3];
         io::Read::read_exact(&mut client, &mut buf).unwrap();

@@ -1,6 +1,7 @@
-//! Device models: the address buses, legacy ports (serial, i8042, exit port) and
-//! virtio devices.
+//! Device models: the address buses, legacy ports (serial, i8042, exit port),
+//! disk backends and virtio devices.
 
+pub mod block_backend;
 pub mod bus;
 pub mod event_loop;
 pub mod legacy;

@@ -6,6 +6,11 @@
 //! calls [`VirtioDevice::queue_notified`] / [`VirtioDevice::backend_ready`]. Every
 //! device lives behind a `Mutex`, so one thread at a time touches it.
 
+pub mod block;
+pub mod mmio;
+pub mod net;
+pub mod tap;
+
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
@@ -75,6 +80,16 @@ pub struct DeviceCounters {
     pub bad_descriptors: u64,
 }
 
+/// How far a device has got in one queue: saved with the transport's state so
+/// that a restored device resumes where it stopped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct QueueProgress {
+    /// Next available-ring entry the device will read.
+    pub next_avail: u16,
+    /// Next used-ring entry the device will write.
+    pub next_used: u16,
+}
+
 /// What a device gets when the driver sets DRIVER_OK.
 pub struct Activation {
     /// Guest memory.
@@ -117,4 +132,9 @@ pub trait VirtioDevice: Send {
     fn reset(&mut self);
     /// Request counters for the metrics API.
     fn counters(&self) -> DeviceCounters;
+    /// Progress in each queue while activated (one entry per queue); empty when
+    /// not activated or not tracked.
+    fn queue_progress(&self) -> Vec<QueueProgress> {
+        Vec::new()
+    }
 }

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs everything kemari's build, tests, demo and benchmarks need on a fresh
+# Debian 12 machine (run as root). Idempotent: only what is missing is installed.
+set -euo pipefail
+
+packages=(
+  build-essential binutils pkg-config  # as/ld for the PVH stub kernel used by tests
+  qemu-system-x86 qemu-utils           # peer VMM for benchmarks; lab virtual hosts
+  busybox-static cpio e2fsprogs        # lab images, ext4 disk images
+  nbdkit libnbd-bin fio                # NBD peers and clients
+  iproute2 iputils-ping socat          # TAP devices, namespaces
+  hyperfine python3
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null; then
+  echo "setup: cargo not found; install Rust with rustup first" >&2
+  exit 1
+fi
+rustup target list --installed | grep -qx x86_64-unknown-none \
+  || rustup target add x86_64-unknown-none
+rustup component list --installed | grep -q '^clippy' || rustup component add clippy rustfmt
+echo "setup: done"
+python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q pytest
