@@ -131,4 +131,5 @@ class Guest:
     def wait_exit(self, timeout: float = 60) -> int:
         """Waits for the VMM to exit and returns its exit status."""
         m = self.host.wait_file_match(self.console, EXIT_RE, timeout, f"{self.spec.vmm} of {self.spec.name} to exit")
+        self.console_text()  # keep the whole console in the run dir
         return int(m.group(1))
