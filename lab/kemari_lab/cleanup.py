@@ -16,51 +16,48 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 
-_lock = threading.RLock()
-_actions: dict[int, tuple[str, Callable[[], None]]] = {}
-_next_id = 0
-_installed = False
 
+class CleanupRegistry:
+    """Undo actions, run newest first, each at most once."""
 
-def register(what: str, action: Callable[[], None]) -> int:
-    """Registers an undo action; returns a handle for :func:`run_one`."""
-    global _next_id
-    _install()
-    with _lock:
-        _next_id += 1
-        _actions[_next_id] = (what, action)
-        return _next_id
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._actions: dict[int, tuple[str, Callable[[], None]]] = {}
+        self._next_id = 0
 
+    def register(self, what: str, action: Callable[[], None]) -> int:
+        """Registers an undo action; returns a handle for :meth:`run_one`/:meth:`forget`."""
+        with self._lock:
+            self._next_id += 1
+            self._actions[self._next_id] = (what, action)
+            return self._next_id
 
-def run_one(handle: int) -> None:
-    """Runs (and forgets) one action now."""
-    with _lock:
-        entry = _actions.pop(handle, None)
-    if entry is not None:
-        _safe(*entry)
+    def run_one(self, handle: int) -> None:
+        """Runs (and forgets) one action now."""
+        with self._lock:
+            entry = self._actions.pop(handle, None)
+        if entry is not None:
+            _safe(*entry)
 
+    def forget(self, handle: int) -> None:
+        """Drops an action without running it (its resource was released normally)."""
+        with self._lock:
+            self._actions.pop(handle, None)
 
-def forget(handle: int) -> None:
-    """Drops an action without running it (its resource was released normally)."""
-    with _lock:
-        _actions.pop(handle, None)
+    def run_all(self) -> None:
+        """Runs every pending action, newest first."""
+        while True:
+            with self._lock:
+                if not self._actions:
+                    return
+                handle = max(self._actions)
+                entry = self._actions.pop(handle)
+            _safe(*entry)
 
-
-def run_all() -> None:
-    """Runs every pending action, newest first."""
-    while True:
-        with _lock:
-            if not _actions:
-                return
-            handle = max(_actions)
-            entry = _actions.pop(handle)
-        _safe(*entry)
-
-
-def pending() -> list[str]:
-    """Descriptions of the actions not run yet (for tests)."""
-    with _lock:
-        return [what for what, _ in _actions.values()]
+    def pending(self) -> list[str]:
+        """Descriptions of the actions not run yet."""
+        with self._lock:
+            return [what for what, _ in self._actions.values()]
 
 
 def _safe(what: str, action: Callable[[], None]) -> None:
@@ -70,9 +67,39 @@ def _safe(what: str, action: Callable[[], None]) -> None:
         print(f"[lab] cleanup of {what} failed: {e}", file=sys.stderr)
 
 
+# The process-wide registry the lab uses, run at exit and on signals.
+_registry = CleanupRegistry()
+_installed = False
+
+
+def register(what: str, action: Callable[[], None]) -> int:
+    """Registers an undo action in the process-wide registry."""
+    _install()
+    return _registry.register(what, action)
+
+
+def run_one(handle: int) -> None:
+    """Runs (and forgets) one action of the process-wide registry now."""
+    _registry.run_one(handle)
+
+
+def forget(handle: int) -> None:
+    """Drops an action of the process-wide registry without running it."""
+    _registry.forget(handle)
+
+
+def run_all() -> None:
+    """Runs every pending action of the process-wide registry."""
+    _registry.run_all()
+
+
+def pending() -> list[str]:
+    """Descriptions of the process-wide registry's pending actions."""
+    return _registry.pending()
+
+
 def _on_signal(signum: int, _frame: FrameType | None) -> None:
     run_all()
-    # Default behaviour afterwards: exit with the conventional status.
     signal.signal(signum, signal.SIG_DFL)
     raise SystemExit(128 + signum)
 

@@ -37,14 +37,18 @@ def test_cleanup_runs_newest_first_once_and_survives_failures() -> None:
         order.append("failing")
         raise OSError("boom")
 
-    a = cleanup.register("a", lambda: order.append("a"))
-    cleanup.register("failing", failing)
-    cleanup.register("c", lambda: order.append("c"))
-    cleanup.run_one(a)
-    cleanup.run_all()
-    cleanup.run_all()
+    reg = cleanup.CleanupRegistry()
+    a = reg.register("a", lambda: order.append("a"))
+    reg.register("failing", failing)
+    reg.register("c", lambda: order.append("c"))
+    forgotten = reg.register("forgotten", lambda: order.append("forgotten"))
+    reg.forget(forgotten)
+    reg.run_one(a)
+    assert reg.pending() == ["failing", "c"]
+    reg.run_all()
+    reg.run_all()
     assert order == ["a", "c", "failing"]
-    assert cleanup.pending() == []
+    assert reg.pending() == []
 
 
 def test_addresses_and_guest_specs() -> None:
