@@ -19,7 +19,6 @@ from kemari_lab.errors import LabError
 from kemari_lab.netns import LabNetwork, remove_stale
 from kemari_lab.vhost import VirtualHost
 
-
 _HTTP_GET = """
 import sys, urllib.request
 with urllib.request.urlopen(sys.argv[1], timeout=float(sys.argv[2])) as r:

@@ -153,7 +153,7 @@ class VirtualHost:
         assert self._proc is not None and self._proc.stdout is not None
         with self.console_log.open("ab") as log:
             while True:
-                chunk = self._proc.stdout.read1(65536)  # type: ignore[union-attr]
+                chunk = self._proc.stdout.read1(65536)  # type: ignore[attr-defined]
                 if not chunk:
                     break
                 log.write(chunk)
@@ -208,7 +208,7 @@ class VirtualHost:
                 self._proc.stdin.flush()
             except OSError as e:
                 raise LabError(f"{self.name}: cannot send `{command}` to the console: {e}") from e
-            pattern = re.compile(rf"__KLAB_BEGIN_{n}\n(.*?)__KLAB_END_{n}_(\d+)\n", re.S)
+            pattern = re.compile(rf"__KLAB_BEGIN_{n}\n(.*?)__KLAB_END_{n}_(\d+)\n", re.DOTALL)
             try:
                 m = self.wait_for(pattern, timeout, what=f"command `{command}`", start=start)
             except LabError as e:

@@ -65,12 +65,11 @@ def test_client_reaches_virtual_host(lab: Lab) -> None:
 
 def test_teardown_after_an_exception_leaves_nothing(lab_images: object) -> None:
     seen: dict[str, object] = {}
-    with pytest.raises(RuntimeError, match="scenario failed"):
-        with Lab(hosts=1, tag=f"{os.getpid()}-fail") as lab:
-            vh = lab.hosts[0]
-            seen.update(pid=vh.pid, ns=lab.network.ns, client=lab.network.client_ns)
-            vh.run("/sbin/ip tuntap add g0 mode tap")
-            raise RuntimeError("scenario failed")
+    with pytest.raises(RuntimeError, match="scenario failed"), Lab(hosts=1, tag=f"{os.getpid()}-fail") as lab:
+        vh = lab.hosts[0]
+        seen.update(pid=vh.pid, ns=lab.network.ns, client=lab.network.client_ns)
+        vh.run("/sbin/ip tuntap add g0 mode tap")
+        raise RuntimeError("scenario failed")
     assert isinstance(seen["pid"], int) and not alive(seen["pid"])
     spaces = netns.list_namespaces()
     assert seen["ns"] not in spaces and seen["client"] not in spaces

@@ -9,8 +9,8 @@ import pytest
 
 from kemari_lab import cleanup
 from kemari_lab.cpio import CpioWriter, read_names
-from kemari_lab.guests import GuestSpec
 from kemari_lab.errors import LabError
+from kemari_lab.guests import GuestSpec
 from kemari_lab.netns import guest_ip, host_ip
 
 
