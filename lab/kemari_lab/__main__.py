@@ -9,6 +9,7 @@ import time
 
 from kemari_lab import images, netns
 from kemari_lab.errors import LabError
+from kemari_lab.guests import VMMS
 from kemari_lab.lab import Lab
 from kemari_lab.scenarios import SCENARIOS
 
@@ -20,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--kemari", action="store_true", help="also cargo build --release the kemari binary")
     r = sub.add_parser("run", help="run one scenario")
     r.add_argument("scenario", choices=sorted(SCENARIOS))
-    r.add_argument("--vmm", choices=["qemu", "kemari"], default="qemu")
+    r.add_argument("--vmm", choices=list(VMMS), default="qemu")
     sh = sub.add_parser("shell", help="boot N virtual hosts and type commands to vh0 (or 'vhN: cmd')")
     sh.add_argument("--hosts", type=int, default=1)
     sub.add_parser("clean", help="delete namespaces left by dead lab runs")

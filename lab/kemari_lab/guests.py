@@ -18,7 +18,9 @@ from kemari_lab.netns import PREFIX_LEN, guest_ip
 from kemari_lab.vhost import VirtualHost
 
 GUEST_DIR = "/lab/guest"
-VMMS = ("qemu", "kemari")
+# qemu: QEMU -M pc, virtio-pci devices; qemu-microvm: QEMU -M microvm with
+# virtio-mmio devices described in ACPI, the same drivers kemari's guest uses.
+VMMS = ("qemu", "qemu-microvm", "kemari")
 
 READY_RE = re.compile(r"KLAB-GUEST-READY ip=(\S+)\n")
 DISK_RE = re.compile(r"KLAB-DISK-(OK|FAIL)[^\n]*")
@@ -61,18 +63,22 @@ class GuestSpec:
 
     def vmm_command(self) -> str:
         """The VMM's shell command line inside the virtual host."""
-        if self.vmm == "qemu":
+        if self.vmm.startswith("qemu"):
+            microvm = self.vmm == "qemu-microvm"
+            machine = "microvm,acpi=on,pit=off,pic=off,rtc=off" if microvm else "pc"
+            bus = "device" if microvm else "pci"
             cmd = (
-                "qemu-system-x86_64 -enable-kvm -cpu host -M pc -nodefaults -display none -no-reboot"
+                f"qemu-system-x86_64 -enable-kvm -cpu host -M {machine} -nodefaults -display none -no-reboot"
                 f" -smp {self.vcpus} -m {self.memory_mb} -serial stdio -monitor none"
                 f" -kernel {GUEST_DIR}/vmlinuz -initrd {GUEST_DIR}/initrd.cpio -append '{self.cmdline}'"
             )
             if self.disk:
-                cmd += f" -drive file={self.disk_path},format=raw,if=none,id=d0 -device virtio-blk-pci,drive=d0"
+                cmd += f" -drive file={self.disk_path},format=raw,if=none,id=d0 -device virtio-blk-{bus},drive=d0"
             if self.net:
+                rom = "" if microvm else ",romfile="
                 cmd += (
                     f" -netdev tap,id=n0,ifname={self.tap},script=no,downscript=no"
-                    f" -device virtio-net-pci,netdev=n0,mac={self.mac},romfile="
+                    f" -device virtio-net-{bus},netdev=n0,mac={self.mac}{rom}"
                 )
             return cmd
         cmd = (
