@@ -24,6 +24,12 @@
 //! the FADT reset register first, then the i8042 (port 0x64, value 0xfe),
 //! which the core already handles.
 //!
+//! On a hardware-reduced platform with no `reboot=` parameter, Linux reboots
+//! through EFI (absent here) and then jumps, in real mode, to the BIOS reset
+//! vector F000:FFF0. [`create_acpi_tables`] therefore also writes a tiny stub
+//! at that vector that writes [`RESET_VALUE`] to [`RESET_PORT`], so a guest
+//! reboot reaches the VMM whichever way the kernel tries it.
+//!
 //! Interrupts: each virtio-mmio device's GSI is an IOAPIC pin, described as
 //! edge-triggered, active-high (the VMM signals it with an irqfd). ISA IRQs
 //! are identity-mapped (no interrupt source overrides: there is no PIT in a
@@ -62,8 +68,11 @@ pub const S5_SLEEP_TYPE: u8 = 5;
 /// SLP_EN in the sleep control register.
 const SLEEP_ENABLE: u8 = 1 << 5;
 
-/// End of the area the tables may use (they must stay below 1 MiB).
-const ACPI_END: u64 = layout::HIGH_MEMORY_START;
+/// End of the area the tables may use (the last 64 KiB below 1 MiB are the
+/// "BIOS", holding the reset vector).
+const ACPI_END: u64 = 0xf_0000;
+/// The real-mode reset vector (F000:FFF0).
+pub const RESET_VECTOR: u64 = 0xf_fff0;
 /// COM1, as the core's serial device.
 const COM1_PORT: u16 = 0x3f8;
 const COM1_IRQ: u32 = 4;
@@ -217,6 +226,8 @@ pub fn create_acpi_tables(
     xsdt.add_entry(madt_addr);
     let xsdt_addr = writer.write("XSDT", &aml_bytes(&xsdt))?;
 
+    write_reset_vector(mem)?;
+
     let rsdp = Rsdp::new(OEM_ID, xsdt_addr);
     mem.write_slice(&aml_bytes(&rsdp), GuestAddress(rsdp_addr))
         .map_err(|source| AcpiError::Write {
@@ -225,6 +236,32 @@ pub fn create_acpi_tables(
             source,
         })?;
     Ok(GuestAddress(rsdp_addr))
+}
+
+/// Real-mode code at the reset vector: `mov al, RESET_VALUE; mov dx,
+/// RESET_PORT; out dx, al; hlt; jmp $-3`.
+fn reset_vector_stub() -> [u8; 9] {
+    let port = RESET_PORT.to_le_bytes();
+    [
+        0xb0,
+        RESET_VALUE,
+        0xba,
+        port[0],
+        port[1],
+        0xee,
+        0xf4,
+        0xeb,
+        0xfd,
+    ]
+}
+
+fn write_reset_vector(mem: &GuestMemoryMmap) -> Result<(), AcpiError> {
+    mem.write_slice(&reset_vector_stub(), GuestAddress(RESET_VECTOR))
+        .map_err(|source| AcpiError::Write {
+            table: "reset vector",
+            addr: RESET_VECTOR,
+            source,
+        })
 }
 
 fn aml_bytes(table: &dyn Aml) -> Vec<u8> {
@@ -488,6 +525,14 @@ mod tests {
             irq.extend_from_slice(&d.gsi.to_le_bytes());
             assert!(has(&irq), "interrupt of {d:?}");
         }
+    }
+
+    #[test]
+    fn reset_vector_writes_the_reset_port() {
+        let m = mem();
+        create_acpi_tables(&m, 1, &[]).unwrap();
+        let stub = read(&m, RESET_VECTOR, 9);
+        assert_eq!(stub, [0xb0, 1, 0xba, 0x02, 0x06, 0xee, 0xf4, 0xeb, 0xfd]);
     }
 
     #[test]
