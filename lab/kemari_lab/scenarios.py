@@ -83,14 +83,16 @@ def two_hosts(lab: Lab, vmm: str) -> dict[str, float]:
     return times
 
 
-def boot_poweroff(lab: Lab, vmm: str) -> dict[str, float]:
+def boot_poweroff(lab: Lab, vmm: str, action: str = "poweroff") -> dict[str, float]:
     """A device-less guest on vh0 (2 vCPUs, 512 MiB) boots to its init and
     powers itself off; the VMM must exit 0. The smallest test of a VMM's Linux
     boot (bzImage, ACPI, SMP, poweroff)."""
     host = lab.hosts[0]
+    arg = "1" if action == "poweroff" else action
+    marker = "KLAB-GUEST-POWEROFF" if action == "poweroff" else "KLAB-GUEST-REBOOT"
     guest = Guest(
         host,
-        GuestSpec(name=f"{vmm}-boot", vmm=vmm, disk=False, net=False, extra_cmdline="klab.poweroff=1"),
+        GuestSpec(name=f"{vmm}-{action}", vmm=vmm, disk=False, net=False, extra_cmdline=f"klab.poweroff={arg}"),
     )
     guest.start()
     status = guest.wait_exit(timeout=180)
@@ -101,10 +103,18 @@ def boot_poweroff(lab: Lab, vmm: str) -> dict[str, float]:
     if int(booted.group(1)) != guest.spec.vcpus:
         raise LabError(f"{host.name}: guest saw {booted.group(1)} CPUs, expected {guest.spec.vcpus}")
     _check_memory(host.name, guest.spec.memory_mb, int(booted.group(2)))
-    if "KLAB-GUEST-POWEROFF" not in console or status != 0:
-        raise LabError(f"{host.name}: {vmm} exited with status {status} (guest powered off: "
-                       f"{'KLAB-GUEST-POWEROFF' in console}):\n{console[-3000:]}")
+    if marker not in console or status != 0:
+        raise LabError(
+            f"{host.name}: {vmm} exited with status {status} after the guest's {action} "
+            f"(requested: {marker in console}):\n{console[-3000:]}"
+        )
     return {"boot_to_exit_s": time.monotonic() - guest.started_at}
+
+
+def boot_reboot(lab: Lab, vmm: str) -> dict[str, float]:
+    """Like boot-poweroff, but the guest reboots (ACPI reset register, then
+    i8042): kemari ends the VM on a reset and exits 0, QEMU too (-no-reboot)."""
+    return boot_poweroff(lab, vmm, action="reboot")
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -113,5 +123,6 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("single-guest", 1, single_guest, single_guest.__doc__ or ""),
         Scenario("two-hosts", 2, two_hosts, two_hosts.__doc__ or ""),
         Scenario("boot-poweroff", 1, boot_poweroff, (boot_poweroff.__doc__ or "").split(".")[0]),
+        Scenario("boot-reboot", 1, boot_reboot, (boot_reboot.__doc__ or "").split(":")[0]),
     )
 }

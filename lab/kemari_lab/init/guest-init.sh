@@ -6,7 +6,8 @@
 #   KLAB-NET-OK / KLAB-NET-FAIL    eth0 configured
 #   KLAB-GUEST-READY ip=...      httpd (port 80) and nc echo (port 7) running
 # GET /cgi-bin/poweroff makes the guest unmount its disk and power off;
-# klab.poweroff=1 on the command line makes it power off right after READY.
+# klab.poweroff=1 on the command line makes it power off right after READY,
+# klab.poweroff=reboot makes it reboot instead.
 mount -t proc proc /proc
 mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
@@ -23,7 +24,8 @@ poweroff_when_ready=
 for arg in $(cat /proc/cmdline); do
     case "$arg" in
         klab.ip=*) ip=${arg#klab.ip=} ;;
-        klab.poweroff=1) poweroff_when_ready=1 ;;
+        klab.poweroff=1) poweroff_when_ready=poweroff ;;
+        klab.poweroff=reboot) poweroff_when_ready=reboot ;;
     esac
 done
 for i in $(seq 50); do
@@ -60,9 +62,13 @@ chmod +x /www/cgi-bin/poweroff
 httpd -p 80 -h /www
 nc -lk -p 7 -e cat >/dev/null 2>&1 &
 echo "KLAB-GUEST-READY ip=$ip"
-if [ -n "$poweroff_when_ready" ]; then
+if [ "$poweroff_when_ready" = poweroff ]; then
     umount /mnt 2>/dev/null
     echo KLAB-GUEST-POWEROFF
     poweroff -f
+elif [ "$poweroff_when_ready" = reboot ]; then
+    umount /mnt 2>/dev/null
+    echo KLAB-GUEST-REBOOT
+    reboot -f
 fi
 while true; do sleep 3600; done
