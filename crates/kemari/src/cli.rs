@@ -52,6 +52,17 @@ pub struct Args {
     /// Serve the control API on this Unix socket.
     #[arg(long)]
     pub api_socket: Option<PathBuf>,
+    /// Restore the VM saved in this snapshot directory (`kemarictl snapshot`
+    /// or `kemarictl warm-restart`) instead of booting a kernel. --serial,
+    /// --api-socket and --memory-file/--hugepages (for a full snapshot's copy
+    /// of memory) may be given; the rest comes from the snapshot.
+    #[arg(long, conflicts_with_all = ["config", "kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "nets"])]
+    pub restore: Option<PathBuf>,
+    /// Wait on this Unix socket for a VM migrated from another kemari on this
+    /// host (`kemarictl migrate-local SOCKET`) and run it: zero-copy, guest
+    /// memory and TAPs are handed over. --serial and --api-socket may be given.
+    #[arg(long, conflicts_with_all = ["config", "kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "nets", "restore"])]
+    pub incoming_local: Option<PathBuf>,
     /// Build the VM but do not start its vCPUs until resumed through the API.
     #[arg(long)]
     pub start_paused: bool,
@@ -163,6 +174,38 @@ impl Args {
         };
         config.validate()?;
         Ok((config, self.api_socket.clone().or(file.api_socket)))
+    }
+}
+
+impl Args {
+    /// The API socket, from the flag or the config file.
+    pub fn api_socket_path(&self) -> Result<Option<PathBuf>, CliError> {
+        if self.api_socket.is_some() {
+            return Ok(self.api_socket.clone());
+        }
+        match &self.config {
+            Some(path) => Ok(read_config_file(path)?.api_socket),
+            None => Ok(None),
+        }
+    }
+
+    /// Memory backing chosen by flags (memfd if none).
+    pub fn memory_backing(&self) -> MemoryBacking {
+        if let Some(p) = &self.memory_file {
+            MemoryBacking::File { path: p.clone() }
+        } else if self.hugepages {
+            MemoryBacking::MemfdHugetlb
+        } else {
+            MemoryBacking::Memfd
+        }
+    }
+
+    /// Applies the flags a restore may change to the saved configuration.
+    pub fn apply_restore_overrides(&self, config: &mut MachineConfig) -> Result<(), CliError> {
+        if let Some(s) = &self.serial {
+            config.serial = parse_serial(s)?;
+        }
+        Ok(())
     }
 }
 

@@ -2,4 +2,5 @@
 
 pub mod api;
 pub mod cli;
+pub mod migration;
 pub mod vmm_process;

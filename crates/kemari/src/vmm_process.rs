@@ -10,12 +10,16 @@ use std::sync::mpsc::{channel, Sender};
 use std::sync::Mutex;
 
 use serde_json::json;
-use vmm::machine::{Machine, MachineError};
+use std::time::Instant;
+
+use vmm::machine::{Machine, MachineError, RunState};
+use vmm::persist::snapshot::{self, SnapshotError};
 use vmm::vstate::{VmEvent, VmEventSink};
 
 use crate::api::routes::ApiRequest;
 use crate::api::server::{ApiResponse, ApiServer, PendingRequest, ServerError};
 use crate::cli::{Args, CliError};
+use crate::migration::local;
 
 /// Exit status when the guest reported a failure.
 pub const EXIT_GUEST_FAILURE: u8 = 3;
@@ -29,6 +33,12 @@ pub enum ProcessError {
     /// The machine could not be built or failed.
     #[error(transparent)]
     Machine(#[from] MachineError),
+    /// An incoming migration failed.
+    #[error(transparent)]
+    Migration(#[from] local::LocalMigrationError),
+    /// A snapshot could not be read.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
     /// The API server could not start.
     #[error(transparent)]
     Api(#[from] ServerError),
@@ -56,9 +66,44 @@ fn forwarder<T: Send + 'static>(
     }
 }
 
+/// Builds the machine `args` describe: a fresh boot, or a restore from a
+/// snapshot directory.
+fn make_machine(args: &Args, sink: VmEventSink) -> Result<Machine, ProcessError> {
+    let gate = std::sync::Arc::new(vmm::output::PassThroughGate);
+    if let Some(dir) = &args.restore {
+        let mut state = snapshot::read_state(dir)?;
+        args.apply_restore_overrides(&mut state.config)?;
+        let memory = snapshot::load_memory(dir, &state, &args.memory_backing())?;
+        state.config.memory_backing = memory.backing().clone();
+        tracing::info!(dir = %dir.display(), "restoring VM");
+        return Ok(Machine::restore(
+            &state,
+            memory,
+            sink,
+            args.start_paused,
+            gate,
+        )?);
+    }
+    if let Some(socket) = &args.incoming_local {
+        let mut overrides = Ok(());
+        let machine = local::migrate_in(socket, sink, |config| {
+            overrides = args.apply_restore_overrides(config);
+        })?;
+        overrides?;
+        return Ok(machine);
+    }
+    let (config, _) = args.machine_config()?;
+    Ok(Machine::build_with_gate(
+        config,
+        sink,
+        args.start_paused,
+        gate,
+    )?)
+}
+
 /// Runs the VM described by `args` until it ends.
 pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
-    let (config, api_socket) = args.machine_config()?;
+    let api_socket = args.api_socket_path()?;
     let (tx, rx) = channel();
     let sink = VmEventSink::new(forwarder(&tx, Control::Vm));
     // The API socket first: a socket in use is refused before any VM exists.
@@ -66,7 +111,7 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         Some(path) => Some(ApiServer::start(path, forwarder(&tx, Control::Api))?),
         None => None,
     };
-    let mut machine = Machine::build(config, sink, args.start_paused)?;
+    let mut machine = make_machine(args, sink)?;
     let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT])
         .map_err(ProcessError::Signals)?;
     let sig_tx = forwarder(&tx, Control::Signal);
@@ -109,10 +154,9 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
                 return Ok(ExitCode::SUCCESS);
             }
             Control::Api(PendingRequest { request, reply }) => {
-                let shutdown = request == ApiRequest::Shutdown;
-                let resp = handle_api(&mut machine, request);
+                let (resp, next) = handle_api(&mut machine, request);
                 let _ = reply.send(resp);
-                if shutdown {
+                if let After::Exit = next {
                     machine.shutdown();
                     return Ok(ExitCode::SUCCESS);
                 }
@@ -128,7 +172,123 @@ fn to_json<T: serde::Serialize>(v: &T) -> ApiResponse {
     }
 }
 
-fn handle_api(machine: &mut Machine, request: ApiRequest) -> ApiResponse {
+/// What the main loop does after answering a request.
+enum After {
+    Continue,
+    Exit,
+}
+
+fn handle_api(machine: &mut Machine, request: ApiRequest) -> (ApiResponse, After) {
+    match request {
+        ApiRequest::Shutdown => (
+            ApiResponse::ok(json!({ "state": "shutting_down" })),
+            After::Exit,
+        ),
+        ApiRequest::Snapshot { dir, exit } => snapshot_full(machine, &dir, exit),
+        ApiRequest::WarmRestart { dir } => warm_restart(machine, &dir),
+        ApiRequest::MigrateLocal { socket } => match local::migrate_out(machine, &socket) {
+            Ok(report) => {
+                tracing::info!(?report, "local migration done: exiting");
+                (ApiResponse::ok(json!(report)), After::Exit)
+            }
+            Err(e) => (ApiResponse::error(409, e), After::Continue),
+        },
+        other => (handle_query(machine, other), After::Continue),
+    }
+}
+
+/// Pauses the machine if it runs; returns whether it did.
+fn pause_for_save(machine: &mut Machine) -> Result<bool, MachineError> {
+    if machine.state() == RunState::Running {
+        machine.pause()?;
+        Ok(true)
+    } else {
+        Ok(false)
+    }
+}
+
+fn resume_after_failure(machine: &mut Machine, was_running: bool) {
+    if was_running {
+        if let Err(e) = machine.resume() {
+            tracing::error!(error = %e, "cannot resume the VM after a failed save");
+        }
+    }
+}
+
+fn snapshot_full(machine: &mut Machine, dir: &std::path::Path, exit: bool) -> (ApiResponse, After) {
+    let started = Instant::now();
+    let was_running = match pause_for_save(machine) {
+        Ok(r) => r,
+        Err(e) => return (ApiResponse::error(500, e), After::Continue),
+    };
+    let saved = machine
+        .save_state()
+        .map_err(|e| e.to_string())
+        .and_then(|state| {
+            snapshot::save_full(dir, &state, machine.memory_file()).map_err(|e| e.to_string())
+        });
+    match saved {
+        Err(e) => {
+            resume_after_failure(machine, was_running);
+            (ApiResponse::error(500, e), After::Continue)
+        }
+        Ok(stats) => {
+            let paused_ms = started.elapsed().as_millis() as u64;
+            tracing::info!(dir = %dir.display(), paused_ms, "snapshot written");
+            let body = json!({
+                "dir": dir,
+                "state_bytes": stats.state_bytes,
+                "memory_bytes_written": stats.memory.bytes_written,
+                "memory_bytes_scanned": stats.memory.bytes_scanned,
+                "paused_ms": paused_ms,
+                "exit": exit,
+            });
+            if exit {
+                return (ApiResponse::ok(body), After::Exit);
+            }
+            if was_running {
+                if let Err(e) = machine.resume() {
+                    return (ApiResponse::error(500, e), After::Continue);
+                }
+            }
+            (ApiResponse::ok(body), After::Continue)
+        }
+    }
+}
+
+fn warm_restart(machine: &mut Machine, dir: &std::path::Path) -> (ApiResponse, After) {
+    let started = Instant::now();
+    let was_running = match pause_for_save(machine) {
+        Ok(r) => r,
+        Err(e) => return (ApiResponse::error(500, e), After::Continue),
+    };
+    let saved = machine
+        .save_state()
+        .map_err(|e| e.to_string())
+        .and_then(|state| {
+            snapshot::save_warm(dir, &state, machine.memory_file()).map_err(|e| e.to_string())
+        });
+    match saved {
+        Err(e) => {
+            resume_after_failure(machine, was_running);
+            (ApiResponse::error(409, e), After::Continue)
+        }
+        Ok(stats) => {
+            let paused_ms = started.elapsed().as_millis() as u64;
+            tracing::info!(dir = %dir.display(), paused_ms, "warm restart: state saved, exiting");
+            (
+                ApiResponse::ok(json!({
+                    "dir": dir,
+                    "state_bytes": stats.state_bytes,
+                    "paused_ms": paused_ms,
+                })),
+                After::Exit,
+            )
+        }
+    }
+}
+
+fn handle_query(machine: &mut Machine, request: ApiRequest) -> ApiResponse {
     match request {
         ApiRequest::Info => {
             let c = machine.config();
@@ -161,6 +321,9 @@ fn handle_api(machine: &mut Machine, request: ApiRequest) -> ApiResponse {
             }
             Err(e) => ApiResponse::error(500, e),
         },
-        ApiRequest::Shutdown => ApiResponse::ok(json!({ "state": "shutting_down" })),
+        ApiRequest::Shutdown
+        | ApiRequest::Snapshot { .. }
+        | ApiRequest::WarmRestart { .. }
+        | ApiRequest::MigrateLocal { .. } => ApiResponse::error(500, "not a query"),
     }
 }

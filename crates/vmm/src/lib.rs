@@ -11,5 +11,6 @@ pub mod layout;
 pub mod machine;
 pub mod memory;
 pub mod output;
+pub mod persist;
 pub mod virtio_devices;
 pub mod vstate;

@@ -20,6 +20,7 @@ use crate::devices::legacy::{
 use crate::devices::virtio::DeviceCounters;
 use crate::memory::{GuestMemoryFile, GuestMemoryMmap, MemoryError};
 use crate::output::{OutputGate, PassThroughGate};
+use crate::persist::{self, VmState};
 use crate::virtio_devices::{self, AttachError, AttachedDevice};
 use crate::vstate::cpuid;
 use crate::vstate::vcpu::{BootEntry, Vcpu, VcpuError, VcpuHandle};
@@ -65,6 +66,15 @@ pub enum MachineError {
     /// An eventfd could not be created.
     #[error("cannot create an eventfd")]
     EventFd(#[source] std::io::Error),
+    /// A vCPU's state could not be saved or restored.
+    #[error(transparent)]
+    VcpuState(#[from] persist::vcpu::VcpuStateError),
+    /// The VM-wide KVM state could not be saved or restored.
+    #[error(transparent)]
+    VmState(persist::VmStateError),
+    /// Saved state that cannot be restored here.
+    #[error("cannot restore the saved state: {0}")]
+    InvalidState(String),
     /// The operation does not apply in the current state.
     #[error("the VM is {0}")]
     State(RunState),
@@ -123,6 +133,26 @@ pub struct MachineMetrics {
     pub pauses: u64,
 }
 
+/// A KVM VM with guest memory mapped and registered, built ahead of a restore
+/// so that the guest's pause does not include KVM's O(memory) slot set-up
+/// (zero-copy migration prepares while the source still runs).
+pub struct PreparedVm {
+    memory_file: GuestMemoryFile,
+    guest_memory: GuestMemoryMmap,
+    vm: Vm,
+}
+
+/// What is built besides memory slots, before the vCPUs start.
+struct Setup {
+    serial: Arc<Mutex<SerialDevice>>,
+    serial_backend: String,
+    virtio: Vec<AttachedDevice>,
+    event_loop: DeviceEventLoop,
+    vcpus: Vec<Vcpu>,
+    io_bus: Arc<Bus>,
+    mmio_bus: Arc<Bus>,
+}
+
 /// A built, booted machine.
 pub struct Machine {
     config: MachineConfig,
@@ -158,18 +188,268 @@ impl Machine {
         start_paused: bool,
         gate: Arc<dyn OutputGate>,
     ) -> Result<Self, MachineError> {
-        let built_at = Instant::now();
         config.validate()?;
         let memory_file = GuestMemoryFile::create(config.memory_bytes, &config.memory_backing)?;
-        let guest_memory = memory_file.map()?;
-        let mut vm = Vm::new()?;
-        vm.register_memory(&guest_memory)?;
+        Self::assemble(
+            config,
+            memory_file,
+            events,
+            start_paused,
+            gate,
+            None,
+            Vec::new(),
+        )
+    }
 
+    /// Rebuilds a machine from saved `state` around `memory_file` (the same
+    /// memory, kept or passed over, or a copy loaded from an image). Nothing of
+    /// the guest is reloaded: vCPUs, devices and the in-kernel irqchip, PIT and
+    /// clock continue from the state.
+    pub fn restore(
+        state: &VmState,
+        memory_file: GuestMemoryFile,
+        events: VmEventSink,
+        start_paused: bool,
+        gate: Arc<dyn OutputGate>,
+    ) -> Result<Self, MachineError> {
+        Self::restore_with_taps(state, memory_file, events, start_paused, gate, Vec::new())
+    }
+
+    /// Like [`restore`](Self::restore), with the network devices' TAP fds handed
+    /// over by the previous VMM (in network-device order) instead of opened by
+    /// name: a TAP can be attached to one fd at a time.
+    pub fn restore_with_taps(
+        state: &VmState,
+        memory_file: GuestMemoryFile,
+        events: VmEventSink,
+        start_paused: bool,
+        gate: Arc<dyn OutputGate>,
+        taps: Vec<std::fs::File>,
+    ) -> Result<Self, MachineError> {
+        state.validate().map_err(MachineError::InvalidState)?;
+        if memory_file.size() != state.memory.size {
+            return Err(MachineError::InvalidState(format!(
+                "guest memory is {} bytes, the state needs {}",
+                memory_file.size(),
+                state.memory.size
+            )));
+        }
+        Self::assemble(
+            state.config.clone(),
+            memory_file,
+            events,
+            start_paused,
+            gate,
+            Some(state),
+            taps,
+        )
+    }
+
+    /// Creates the VM and registers `memory_file` as its memory, for a later
+    /// [`restore_prepared`](Self::restore_prepared).
+    pub fn prepare(memory_file: GuestMemoryFile) -> Result<PreparedVm, MachineError> {
+        let guest_memory = memory_file.map()?;
+        let vm = Vm::new()?;
+        vm.register_memory(&guest_memory)?;
+        Ok(PreparedVm {
+            memory_file,
+            guest_memory,
+            vm,
+        })
+    }
+
+    /// [`restore_with_taps`](Self::restore_with_taps) into a prepared VM.
+    pub fn restore_prepared(
+        state: &VmState,
+        prepared: PreparedVm,
+        events: VmEventSink,
+        start_paused: bool,
+        gate: Arc<dyn OutputGate>,
+        taps: Vec<std::fs::File>,
+    ) -> Result<Self, MachineError> {
+        state.validate().map_err(MachineError::InvalidState)?;
+        if prepared.memory_file.size() != state.memory.size {
+            return Err(MachineError::InvalidState(format!(
+                "guest memory is {} bytes, the state needs {}",
+                prepared.memory_file.size(),
+                state.memory.size
+            )));
+        }
+        Self::assemble_in(
+            state.config.clone(),
+            prepared,
+            true,
+            events,
+            start_paused,
+            gate,
+            Some(state),
+            taps,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        config: MachineConfig,
+        memory_file: GuestMemoryFile,
+        events: VmEventSink,
+        start_paused: bool,
+        gate: Arc<dyn OutputGate>,
+        saved: Option<&VmState>,
+        taps: Vec<std::fs::File>,
+    ) -> Result<Self, MachineError> {
+        let guest_memory = memory_file.map()?;
+        let vm = Vm::new()?;
+        let prepared = PreparedVm {
+            memory_file,
+            guest_memory,
+            vm,
+        };
+        Self::assemble_in(
+            config,
+            prepared,
+            false,
+            events,
+            start_paused,
+            gate,
+            saved,
+            taps,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble_in(
+        config: MachineConfig,
+        prepared: PreparedVm,
+        slots_registered: bool,
+        events: VmEventSink,
+        start_paused: bool,
+        gate: Arc<dyn OutputGate>,
+        saved: Option<&VmState>,
+        taps: Vec<std::fs::File>,
+    ) -> Result<Self, MachineError> {
+        let built_at = Instant::now();
+        let PreparedVm {
+            memory_file,
+            guest_memory,
+            vm,
+        } = prepared;
+        let t_memory = built_at.elapsed();
+        let t_vm = built_at.elapsed();
+        // Memory slots cost O(memory) in KVM: register them while the devices,
+        // the kernel and the vCPUs are set up, and join before any vCPU runs.
+        let (setup, slots) = std::thread::scope(|scope| {
+            let slots = scope.spawn(|| {
+                let r = if slots_registered {
+                    Ok(())
+                } else {
+                    vm.register_memory(&guest_memory)
+                };
+                (r, built_at.elapsed())
+            });
+            let setup = Self::setup_devices_kernel_vcpus(
+                &config,
+                &vm,
+                &guest_memory,
+                &events,
+                gate,
+                saved,
+                taps,
+            );
+            (setup, slots.join())
+        });
+        let (slots_result, t_slots) = slots.unwrap_or_else(|p| std::panic::resume_unwind(p));
+        slots_result?;
+        let Setup {
+            serial,
+            serial_backend,
+            virtio,
+            event_loop,
+            vcpus: created,
+            io_bus,
+            mmio_bus,
+        } = setup?;
+        if let Some(state) = saved {
+            // Last, so that the clock resumes as close as possible to the start.
+            state.kvm.restore(vm.fd()).map_err(MachineError::VmState)?;
+            // Requests the guest queued after the last notification served
+            // before the save: look at every queue once.
+            for d in &virtio {
+                for evt in &d.queue_events {
+                    let _ = evt.write(1);
+                }
+            }
+        }
+        let t_setup = built_at.elapsed();
+        let mut vcpus = Vec::with_capacity(created.len());
+        for vcpu in created {
+            vcpus.push(vcpu.start(
+                io_bus.clone(),
+                mmio_bus.clone(),
+                events.clone(),
+                start_paused,
+            )?);
+        }
+        tracing::debug!(
+            memory_us = t_memory.as_micros() as u64,
+            vm_us = (t_vm - t_memory).as_micros() as u64,
+            memslots_done_us = t_slots.as_micros() as u64,
+            setup_done_us = t_setup.as_micros() as u64,
+            started_us = built_at.elapsed().as_micros() as u64,
+            "machine set-up timing"
+        );
+        let state = if start_paused {
+            event_loop.pause()?;
+            RunState::Paused
+        } else {
+            RunState::Running
+        };
+        tracing::info!(
+            vcpus = config.vcpus,
+            memory_mib = config.memory_bytes >> 20,
+            kernel = %config.kernel.display(),
+            devices = virtio.len(),
+            restored = saved.is_some(),
+            setup_us = built_at.elapsed().as_micros() as u64,
+            "machine {}",
+            if saved.is_some() { "restored" } else { "booted" }
+        );
+        Ok(Machine {
+            config,
+            memory_file,
+            guest_memory,
+            vcpus,
+            event_loop: Some(event_loop),
+            virtio,
+            serial,
+            serial_backend,
+            vm,
+            state,
+            built_at,
+            pauses: 0,
+        })
+    }
+
+    /// Everything but the memory slots: legacy and virtio devices, the kernel
+    /// and its boot structures, the vCPUs (created, not started).
+    fn setup_devices_kernel_vcpus(
+        config: &MachineConfig,
+        vm: &Vm,
+        guest_memory: &GuestMemoryMmap,
+        events: &VmEventSink,
+        gate: Arc<dyn OutputGate>,
+        saved: Option<&VmState>,
+        taps: Vec<std::fs::File>,
+    ) -> Result<Setup, MachineError> {
         // Legacy devices.
         let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(MachineError::EventFd)?;
         vm.register_irqfd(&serial_irq, SERIAL_GSI)?;
         let (serial_out, serial_backend) = open_serial(&config.serial)?;
-        let serial = Arc::new(Mutex::new(SerialDevice::new(serial_irq, serial_out)));
+        let serial = match saved {
+            None => SerialDevice::new(serial_irq, serial_out),
+            Some(s) => SerialDevice::from_state(serial_irq, serial_out, &(&s.serial).into())
+                .map_err(MachineError::InvalidState)?,
+        };
+        let serial = Arc::new(Mutex::new(serial));
         let mut io_bus = Bus::new();
         io_bus.insert(serial.clone(), SERIAL_PORT, 8)?;
         io_bus.insert(
@@ -185,7 +465,15 @@ impl Machine {
 
         // virtio devices.
         let mut mmio_bus = Bus::new();
-        let virtio = virtio_devices::attach_all(&config, &vm, &guest_memory, &mut mmio_bus, gate)?;
+        let virtio = virtio_devices::attach_all(
+            config,
+            vm,
+            guest_memory,
+            &mut mmio_bus,
+            gate,
+            saved.map(|s| s.virtio.as_slice()),
+            taps,
+        )?;
         let mut cmdline = config.cmdline.clone();
         for d in &virtio {
             cmdline.push_str(&format!(
@@ -200,19 +488,46 @@ impl Machine {
                 .collect::<Result<_, _>>()?,
         )?;
 
-        // Kernel.
+        let vcpus = match saved {
+            None => Self::boot_fresh(config, vm, guest_memory, cmdline.trim())?,
+            Some(state) => {
+                let mut vcpus = Vec::with_capacity(state.vcpus.len());
+                for vs in &state.vcpus {
+                    let mut vcpu = Vcpu::new(vm.fd(), vs.index)?;
+                    persist::vcpu::restore(vcpu.fd(), vs).map_err(MachineError::VcpuState)?;
+                    vcpus.push(vcpu);
+                }
+                vcpus
+            }
+        };
+        Ok(Setup {
+            serial,
+            serial_backend,
+            virtio,
+            event_loop,
+            vcpus,
+            io_bus: Arc::new(io_bus),
+            mmio_bus: Arc::new(mmio_bus),
+        })
+    }
+
+    /// Loads the kernel and creates the vCPUs in their boot state.
+    fn boot_fresh(
+        config: &MachineConfig,
+        vm: &Vm,
+        guest_memory: &GuestMemoryMmap,
+        cmdline: &str,
+    ) -> Result<Vec<Vcpu>, MachineError> {
         let pvh = boot::pvh::load(
-            &guest_memory,
+            guest_memory,
             config.memory_bytes,
             &boot::pvh::PvhBootSpec {
                 kernel: &config.kernel,
                 initramfs: config.initramfs.as_deref(),
-                cmdline: cmdline.trim(),
+                cmdline,
                 rsdp: None,
             },
         )?;
-
-        // vCPUs.
         let kvm = vm.kvm();
         let mut base_cpuid = kvm
             .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
@@ -221,9 +536,6 @@ impl Machine {
                 source,
             })?;
         let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
-        let io_bus = Arc::new(io_bus);
-        let mmio_bus = Arc::new(mmio_bus);
-        let mut created = Vec::new();
         for i in 0..config.vcpus {
             let vcpu = Vcpu::new(vm.fd(), i)?;
             if i == 0 {
@@ -236,43 +548,54 @@ impl Machine {
                     start_info: pvh.start_info,
                 })?;
             }
-            created.push(vcpu);
+            vcpus.push(vcpu);
         }
-        for vcpu in created {
-            vcpus.push(vcpu.start(
-                io_bus.clone(),
-                mmio_bus.clone(),
-                events.clone(),
-                start_paused,
-            )?);
+        Ok(vcpus)
+    }
+
+    /// Saves the whole VM state. The machine must be paused (vCPUs and devices
+    /// at rest), so the state and guest memory form one consistent image.
+    pub fn save_state(&self) -> Result<VmState, MachineError> {
+        if self.state != RunState::Paused {
+            return Err(MachineError::State(self.state));
         }
-        let state = if start_paused {
-            event_loop.pause()?;
-            RunState::Paused
-        } else {
-            RunState::Running
-        };
-        tracing::info!(
-            vcpus = config.vcpus,
-            memory_mib = config.memory_bytes >> 20,
-            kernel = %config.kernel.display(),
-            devices = virtio.len(),
-            setup_us = built_at.elapsed().as_micros() as u64,
-            "machine booted"
-        );
-        Ok(Machine {
-            config,
-            memory_file,
-            guest_memory,
+        let msr_indices: Vec<u32> = self
+            .vm
+            .kvm()
+            .get_msr_index_list()
+            .map_err(|source| VmError::Kvm {
+                what: "KVM_GET_MSR_INDEX_LIST",
+                source,
+            })?
+            .as_slice()
+            .to_vec();
+        let mut vcpus = Vec::with_capacity(self.vcpus.len());
+        for v in &self.vcpus {
+            let index = v.index();
+            let msrs = msr_indices.clone();
+            let state = v.with_fd(move |fd| persist::vcpu::save(fd, index, &msrs))?;
+            vcpus.push(state.map_err(MachineError::VcpuState)?);
+        }
+        let kvm = persist::KvmVmState::save(self.vm.fd()).map_err(MachineError::VmState)?;
+        let serial = self
+            .serial
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .state()
+            .into();
+        let virtio = self.virtio.iter().map(|d| d.save()).collect();
+        Ok(VmState {
+            kemari_version: env!("CARGO_PKG_VERSION").to_owned(),
+            saved_at_ms: persist::now_ms(),
+            config: self.config.clone(),
+            memory: persist::MemoryState {
+                size: self.memory_file.size(),
+                backing: self.memory_file.backing().clone(),
+            },
+            kvm,
             vcpus,
-            event_loop: Some(event_loop),
-            virtio,
             serial,
-            serial_backend,
-            vm,
-            state,
-            built_at,
-            pauses: 0,
+            virtio,
         })
     }
 
@@ -332,6 +655,21 @@ impl Machine {
         self.state = RunState::Running;
         tracing::info!("VM resumed");
         Ok(())
+    }
+
+    /// The TAP fds of the network devices, in network-device order (to hand
+    /// them to another VMM).
+    pub fn tap_fds(&self) -> Vec<std::os::fd::RawFd> {
+        self.virtio
+            .iter()
+            .filter(|d| d.info.kind == "virtio-net")
+            .filter_map(|d| {
+                d.device
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .backend_fd()
+            })
+            .collect()
     }
 
     /// Devices with their counters.

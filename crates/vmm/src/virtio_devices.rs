@@ -10,7 +10,7 @@ use crate::devices::block_backend::{BlockBackendError, RawFileBackend};
 use crate::devices::bus::{Bus, BusDevice, BusError};
 use crate::devices::event_loop::{EventLoopError, LoopDevice};
 use crate::devices::virtio::block::Block;
-use crate::devices::virtio::mmio::MmioTransport;
+use crate::devices::virtio::mmio::{MmioTransport, MmioTransportState};
 use crate::devices::virtio::net::Net;
 use crate::devices::virtio::tap::{Tap, TapError};
 use crate::devices::virtio::VirtioDevice;
@@ -18,6 +18,7 @@ use crate::layout;
 use crate::machine::DeviceInfo;
 use crate::memory::GuestMemoryMmap;
 use crate::output::OutputGate;
+use crate::persist::VirtioState;
 use crate::vstate::vm::{Vm, VmError};
 
 /// Errors while creating virtio devices.
@@ -57,6 +58,9 @@ pub enum AttachError {
     /// An eventfd could not be created.
     #[error("cannot create eventfds for {0}")]
     EventFd(String, #[source] std::io::Error),
+    /// Saved device state that does not fit the device.
+    #[error("restoring {0}: {1}")]
+    Restore(String, String),
     /// The MMIO window is taken.
     #[error("placing {0} on the MMIO bus")]
     Bus(String, #[source] BusError),
@@ -70,6 +74,8 @@ pub struct AttachedDevice {
     pub device: Arc<Mutex<dyn VirtioDevice>>,
     /// Queue notification ioeventfds.
     pub queue_events: Vec<EventFd>,
+    /// The transport (registers, queues) in front of the device.
+    pub transport: Arc<Mutex<MmioTransport>>,
     /// The irqfd (kept open for the VM's lifetime).
     _irq: EventFd,
 }
@@ -86,6 +92,19 @@ impl AttachedDevice {
                 .collect::<Result<_, _>>()
                 .map_err(EventLoopError::Setup)?,
         })
+    }
+
+    /// The device's saved state (the machine must be paused).
+    pub fn save(&self) -> VirtioState {
+        VirtioState {
+            name: self.info.name.clone(),
+            backend: self.info.backend.clone(),
+            transport: self
+                .transport
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .state(),
+        }
     }
 
     /// `info` with current counters.
@@ -118,8 +137,21 @@ pub fn attach_all(
     mem: &GuestMemoryMmap,
     mmio_bus: &mut Bus,
     gate: Arc<dyn OutputGate>,
+    saved: Option<&[VirtioState]>,
+    handover_taps: Vec<std::fs::File>,
 ) -> Result<Vec<AttachedDevice>, AttachError> {
+    let mut handover_taps = handover_taps.into_iter();
     let mut attached = Vec::new();
+    let saved_for = |name: &str| -> Result<Option<&MmioTransportState>, AttachError> {
+        match saved {
+            None => Ok(None),
+            Some(states) => states
+                .iter()
+                .find(|s| s.name == name)
+                .map(|s| Some(&s.transport))
+                .ok_or_else(|| AttachError::Restore(name.to_owned(), "no saved state".into())),
+        }
+    };
     for (i, disk) in config.disks.iter().enumerate() {
         let backend = RawFileBackend::open(&disk.path, disk.read_only).map_err(|source| {
             AttachError::Disk {
@@ -141,6 +173,7 @@ pub fn attach_all(
             if disk.read_only { " (read-only)" } else { "" }
         );
         let index = attached.len();
+        let state = saved_for(&name)?;
         attached.push(wire(
             vm,
             mem,
@@ -150,10 +183,15 @@ pub fn attach_all(
             "virtio-blk",
             backend,
             device,
+            state,
         )?);
     }
     for (i, net) in config.nets.iter().enumerate() {
-        let tap = Tap::open(&net.tap, true).map_err(|source| AttachError::Tap {
+        let tap = match handover_taps.next() {
+            Some(file) => Tap::from_file(file),
+            None => Tap::open(&net.tap, true),
+        }
+        .map_err(|source| AttachError::Tap {
             index: i,
             tap: net.tap.clone(),
             source,
@@ -180,6 +218,7 @@ pub fn attach_all(
                 .join(":")
         );
         let index = attached.len();
+        let state = saved_for(&name)?;
         attached.push(wire(
             vm,
             mem,
@@ -189,6 +228,7 @@ pub fn attach_all(
             "virtio-net",
             backend,
             device,
+            state,
         )?);
     }
     Ok(attached)
@@ -205,6 +245,7 @@ fn wire(
     kind: &str,
     backend: String,
     device: Arc<Mutex<dyn VirtioDevice>>,
+    saved: Option<&MmioTransportState>,
 ) -> Result<AttachedDevice, AttachError> {
     let base = layout::virtio_mmio_base(index);
     let gsi = layout::VIRTIO_IRQ_BASE + index as u32;
@@ -215,11 +256,12 @@ fn wire(
     };
     let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(evt_err)?;
     vm.register_irqfd(&irq, gsi).map_err(kvm_err)?;
-    let transport = MmioTransport::new(
-        device.clone(),
-        mem.clone(),
-        irq.try_clone().map_err(evt_err)?,
-    );
+    let irq_copy = irq.try_clone().map_err(evt_err)?;
+    let transport = match saved {
+        None => MmioTransport::new(device.clone(), mem.clone(), irq_copy),
+        Some(state) => MmioTransport::restore(device.clone(), mem.clone(), irq_copy, state)
+            .map_err(|e| AttachError::Restore(name.clone(), e.to_string()))?,
+    };
     let queues = transport.num_queues();
     let mut queue_events = Vec::with_capacity(queues);
     for q in 0..queues {
@@ -232,12 +274,9 @@ fn wire(
         .map_err(kvm_err)?;
         queue_events.push(evt);
     }
+    let transport = Arc::new(Mutex::new(transport));
     mmio_bus
-        .insert(
-            Arc::new(Mutex::new(transport)),
-            base,
-            layout::VIRTIO_MMIO_SIZE,
-        )
+        .insert(transport.clone(), base, layout::VIRTIO_MMIO_SIZE)
         .map_err(|e| AttachError::Bus(name.clone(), e))?;
     tracing::debug!(device = %name, base = format_args!("{base:#x}"), gsi, "virtio device attached");
     Ok(AttachedDevice {
@@ -251,6 +290,7 @@ fn wire(
         },
         device,
         queue_events,
+        transport,
         _irq: irq,
     })
 }

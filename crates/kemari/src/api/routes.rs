@@ -10,6 +10,11 @@
 //! | PUT    | /vm/pause       | pause vCPUs and devices        |
 //! | PUT    | /vm/resume      | resume                         |
 //! | PUT    | /vm/shutdown    | stop the VM, end the process   |
+//! | PUT    | /vm/snapshot    | {"dir", "exit"?}: full snapshot (state + memory image) |
+//! | PUT    | /vm/warm-restart| {"dir"}: save state only, keep memory, end the process |
+//! | PUT    | /vm/migrate-local | {"socket"}: zero-copy migration to another kemari |
+
+use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
@@ -33,6 +38,47 @@ pub enum ApiRequest {
     Resume,
     /// Shut down.
     Shutdown,
+    /// Full snapshot into a directory; the process ends afterwards if `exit`.
+    Snapshot {
+        /// Target directory.
+        dir: PathBuf,
+        /// End the VMM after saving (suspend to disk).
+        exit: bool,
+    },
+    /// Warm restart: state into `dir`, memory kept in its file, process ends.
+    WarmRestart {
+        /// Target directory.
+        dir: PathBuf,
+    },
+    /// Zero-copy migration into the kemari listening on `socket`.
+    MigrateLocal {
+        /// The destination's Unix socket (`kemari --incoming-local`).
+        socket: PathBuf,
+    },
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SnapshotBody {
+    dir: PathBuf,
+    #[serde(default)]
+    exit: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DirBody {
+    dir: PathBuf,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SocketBody {
+    socket: PathBuf,
+}
+
+fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, RouteError> {
+    serde_json::from_slice(body).map_err(|e| RouteError::BadBody(e.to_string()))
 }
 
 /// Why a request was refused before reaching the VM.
@@ -68,7 +114,8 @@ impl RouteError {
 }
 
 /// Maps a request to an action.
-pub fn route(method: &str, path: &str, body: &[u8]) -> Result<ApiRequest, RouteError> {
+pub fn route(method: &str, path: &str, body_bytes: &[u8]) -> Result<ApiRequest, RouteError> {
+    let body = body_bytes;
     if body.len() > MAX_BODY {
         return Err(RouteError::BadBody(format!(
             "{} bytes, limit {MAX_BODY}",
@@ -88,6 +135,30 @@ pub fn route(method: &str, path: &str, body: &[u8]) -> Result<ApiRequest, RouteE
         "/vm/pause" => (ApiRequest::Pause, "PUT"),
         "/vm/resume" => (ApiRequest::Resume, "PUT"),
         "/vm/shutdown" => (ApiRequest::Shutdown, "PUT"),
+        "/vm/snapshot" | "/vm/warm-restart" | "/vm/migrate-local" => {
+            if !method.eq_ignore_ascii_case("PUT") {
+                return Err(RouteError::MethodNotAllowed {
+                    method: truncate(method),
+                    path: path.to_owned(),
+                    allowed: "PUT",
+                });
+            }
+            return Ok(match path {
+                "/vm/snapshot" => {
+                    let b: SnapshotBody = parse_body(body_bytes)?;
+                    ApiRequest::Snapshot {
+                        dir: b.dir,
+                        exit: b.exit,
+                    }
+                }
+                "/vm/warm-restart" => ApiRequest::WarmRestart {
+                    dir: parse_body::<DirBody>(body_bytes)?.dir,
+                },
+                _ => ApiRequest::MigrateLocal {
+                    socket: parse_body::<SocketBody>(body_bytes)?.socket,
+                },
+            });
+        }
         _ => return Err(RouteError::NotFound(truncate(path))),
     };
     if !method.eq_ignore_ascii_case(allowed) {
@@ -138,6 +209,20 @@ mod tests {
             400
         );
         assert_eq!(route("PUT", "/vm/pause", b"[1]").unwrap_err().status(), 400);
+        assert_eq!(
+            route("PUT", "/vm/snapshot", b"{}").unwrap_err().status(),
+            400
+        );
+        assert_eq!(
+            route("PUT", "/vm/snapshot", br#"{"dir":"/s","bogus":1}"#)
+                .unwrap_err()
+                .status(),
+            400
+        );
+        assert_eq!(
+            route("GET", "/vm/warm-restart", b"").unwrap_err().status(),
+            405
+        );
         let big = vec![b' '; MAX_BODY + 1];
         assert_eq!(route("PUT", "/vm/pause", &big).unwrap_err().status(), 400);
         let long = "/".repeat(10_000);

@@ -157,6 +157,20 @@ impl SerialDevice {
         }
     }
 
+    /// A UART continuing from saved register state.
+    pub fn from_state(
+        irq: EventFd,
+        out: SerialOutput,
+        state: &vm_superio::serial::SerialState,
+    ) -> Result<Self, String> {
+        let serial = Serial::from_state(state, IrqTrigger(irq), NoEvents, out)
+            .map_err(|e| format!("serial state: {e:?}"))?;
+        Ok(SerialDevice {
+            serial,
+            bytes_out: 0,
+        })
+    }
+
     /// Bytes the guest has written.
     pub fn bytes_out(&self) -> u64 {
         self.bytes_out
@@ -172,14 +186,18 @@ impl BusDevice for SerialDevice {
     // A string instruction (`rep insb`/`rep outsb`) arrives as one access of
     // several bytes: each byte is one register access.
     fn read(&mut self, offset: u64, data: &mut [u8]) {
-        let Ok(off) = u8::try_from(offset) else { return };
+        let Ok(off) = u8::try_from(offset) else {
+            return;
+        };
         for b in data.iter_mut() {
             *b = self.serial.read(off);
         }
     }
 
     fn write(&mut self, offset: u64, data: &[u8]) {
-        let Ok(off) = u8::try_from(offset) else { return };
+        let Ok(off) = u8::try_from(offset) else {
+            return;
+        };
         for &b in data {
             if off == 0 {
                 self.bytes_out += 1;

@@ -44,7 +44,7 @@ fn kvm_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
 pub struct Vm {
     kvm: Kvm,
     fd: VmFd,
-    slots: u32,
+    slots: std::sync::atomic::AtomicU32,
 }
 
 impl Vm {
@@ -77,7 +77,11 @@ impl Vm {
             ..Default::default()
         };
         fd.create_pit2(pit).map_err(kvm_err("KVM_CREATE_PIT2"))?;
-        Ok(Vm { kvm, fd, slots: 0 })
+        Ok(Vm {
+            kvm,
+            fd,
+            slots: std::sync::atomic::AtomicU32::new(0),
+        })
     }
 
     /// The /dev/kvm handle.
@@ -90,14 +94,18 @@ impl Vm {
         &self.fd
     }
 
-    /// Registers every region of `mem` as a KVM memory slot.
-    pub fn register_memory(&mut self, mem: &GuestMemoryMmap) -> Result<(), VmError> {
+    /// Registers every region of `mem` as a KVM memory slot. KVM's cost here
+    /// grows with memory size (per-page metadata), so callers may run it in a
+    /// thread of its own while they set up the rest; it must finish before any
+    /// vCPU runs.
+    pub fn register_memory(&self, mem: &GuestMemoryMmap) -> Result<(), VmError> {
         for region in mem.iter() {
             let host = region
                 .get_host_address(vm_memory::MemoryRegionAddress(0))
                 .map_err(|_| VmError::MissingCap("host address of guest memory"))?;
+            let index = self.slots.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             let slot = kvm_userspace_memory_region {
-                slot: self.slots,
+                slot: index,
                 flags: 0,
                 guest_phys_addr: region.start_addr().raw_value(),
                 memory_size: region.len(),
@@ -107,14 +115,13 @@ impl Vm {
             // `mem` (and so the mapping) alive at least as long as the VM fd.
             unsafe { self.fd.set_user_memory_region(slot) }
                 .map_err(kvm_err("KVM_SET_USER_MEMORY_REGION"))?;
-            self.slots += 1;
         }
         Ok(())
     }
 
     /// Number of memory slots registered.
     pub fn memory_slots(&self) -> u32 {
-        self.slots
+        self.slots.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Routes writes of `evt` to interrupt line `gsi`.

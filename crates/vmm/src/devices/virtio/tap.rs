@@ -161,6 +161,49 @@ impl Tap {
         Ok(tap)
     }
 
+    /// Adopts an fd already attached to a TAP interface (received from another
+    /// kemari process during a local migration): checks with TUNGETIFF that it
+    /// is a TAP with a virtio-net header, and makes it non-blocking. The
+    /// interface stays owned by whoever created it.
+    pub fn from_file(file: File) -> Result<Tap, TapError> {
+        // SAFETY: ifreq is plain old data for which all-zero bytes are valid.
+        let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+        // SAFETY: TUNGETIFF fills the ifreq we pass, valid for the call.
+        let rc = unsafe { ioctl_with_mut_ref(&file, libc::TUNGETIFF as _, &mut req) };
+        if rc < 0 {
+            return Err(TapError::Attach {
+                name: "(passed fd)".into(),
+                hint: "the fd is not attached to a TAP interface",
+                source: io::Error::last_os_error(),
+            });
+        }
+        // SAFETY: the kernel filled ifru_flags for TUNGETIFF.
+        let flags = unsafe { req.ifr_ifru.ifru_flags } as libc::c_int;
+        let name: String = req
+            .ifr_name
+            .iter()
+            .take_while(|&&c| c != 0)
+            .map(|&c| c as u8 as char)
+            .collect();
+        if flags & libc::IFF_TAP == 0 || flags & libc::IFF_VNET_HDR == 0 {
+            return Err(TapError::Attach {
+                name,
+                hint: "the fd is not a TAP with a virtio-net header",
+                source: io::Error::from_raw_os_error(libc::EINVAL),
+            });
+        }
+        // SAFETY: fcntl on an fd we own; F_SETFL takes an int.
+        unsafe {
+            let fl = libc::fcntl(file.as_raw_fd(), libc::F_GETFL);
+            libc::fcntl(file.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
+        }
+        Ok(Tap {
+            file,
+            name,
+            created: false,
+        })
+    }
+
     fn configure_error(&self, what: &'static str) -> TapError {
         TapError::Configure {
             name: self.name.clone(),

@@ -1,0 +1,341 @@
+//! Zero-copy local migration (VMBeam): move a running VM into another kemari
+//! process on the same host by handing over its guest memory *file descriptor*
+//! instead of copying memory. No dirty tracking, no retransmission: the guest
+//! runs until the one short pause in which its small state moves.
+//!
+//! ```text
+//! source VMM                                        destination (kemari --incoming-local SOCK)
+//!   connect ──────────────────────────────────────▶ accept (one source)
+//!   Offer{config, memory size} + fds [memory, TAPs] ▶ map the same memory (no copy), check
+//!   ◀────────────────────────────────────────────── Ready
+//!   pause vCPUs + devices, save state
+//!   State{VmState container} ─────────────────────▶ restore (paused): VM, vCPUs, devices
+//!   ◀────────────────────────────────────────────── Restored
+//!   Commit ───────────────────────────────────────▶ resume the guest
+//!   (exit 0)                                          ◀ continues as the VM's VMM
+//! ```
+//!
+//! Failure rule: until the source sends `Commit` it owns the VM: any error, a
+//! `Failed{reason}` from the destination, or a closed connection makes it
+//! resume the guest and report why; the destination then discards what it
+//! built. After `Commit` the source never resumes, even if the destination
+//! vanishes — losing the VM is preferable to two copies running on one memory.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{FromRawFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use libc::iovec;
+use serde::{Deserialize, Serialize};
+use vmm::config::MachineConfig;
+use vmm::machine::{Machine, MachineError, RunState};
+use vmm::memory::{GuestMemoryFile, MemoryBacking};
+use vmm::output::PassThroughGate;
+use vmm::persist::format;
+use vmm::vstate::VmEventSink;
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+
+/// Protocol version.
+pub const VERSION: u32 = 1;
+/// Largest message accepted (a VmState container is well under this).
+const MAX_MESSAGE: usize = 64 << 20;
+/// Most fds one offer may carry (memory + TAPs).
+const MAX_FDS: usize = 32;
+/// How long either side waits for the other at each step.
+const STEP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Errors of a local migration.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalMigrationError {
+    /// Socket I/O.
+    #[error("migration socket: {0}")]
+    Io(#[from] std::io::Error),
+    /// The peer sent something out of order or malformed.
+    #[error("migration protocol: {0}")]
+    Protocol(String),
+    /// The peer reported a failure.
+    #[error("the destination refused the VM: {0}")]
+    Refused(String),
+    /// The machine failed.
+    #[error(transparent)]
+    Machine(#[from] MachineError),
+}
+
+/// Protocol messages (JSON, length-prefixed).
+#[derive(Debug, Serialize, Deserialize)]
+enum Message {
+    Offer {
+        version: u32,
+        config: MachineConfig,
+        memory_size: u64,
+        taps: usize,
+    },
+    Ready,
+    State {
+        /// The VmState container (format.rs), checksummed.
+        state: Vec<u8>,
+    },
+    Restored {
+        restore_ms: u64,
+    },
+    Commit,
+    Failed {
+        reason: String,
+    },
+}
+
+fn send(stream: &UnixStream, msg: &Message, fds: &[RawFd]) -> Result<(), LocalMigrationError> {
+    let payload =
+        serde_json::to_vec(msg).map_err(|e| LocalMigrationError::Protocol(e.to_string()))?;
+    let len = (payload.len() as u32).to_le_bytes();
+    if fds.is_empty() {
+        (&*stream).write_all(&len)?;
+    } else {
+        let n = stream
+            .send_with_fds(&[&len[..]], fds)
+            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))?;
+        if n != len.len() {
+            return Err(LocalMigrationError::Protocol(
+                "short write of a header".into(),
+            ));
+        }
+    }
+    (&*stream).write_all(&payload)?;
+    Ok(())
+}
+
+fn recv(stream: &UnixStream) -> Result<(Message, Vec<File>), LocalMigrationError> {
+    let mut len = [0u8; 4];
+    let mut fds = [-1 as RawFd; MAX_FDS];
+    let mut iov = [iovec {
+        iov_base: len.as_mut_ptr().cast(),
+        iov_len: len.len(),
+    }];
+    // SAFETY: the iovec points at `len`, which lives and stays borrowed for the
+    // call; recvmsg writes at most 4 bytes there and fd numbers into `fds`.
+    let (n, nfds) = unsafe { stream.recv_with_fds(&mut iov, &mut fds) }
+        .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))?;
+    let files: Vec<File> = fds[..nfds]
+        .iter()
+        // SAFETY: each fd was just received with SCM_RIGHTS and belongs to us.
+        .map(|&fd| unsafe { File::from_raw_fd(fd) })
+        .collect();
+    if n == 0 {
+        return Err(LocalMigrationError::Io(
+            std::io::ErrorKind::UnexpectedEof.into(),
+        ));
+    }
+    (&*stream).read_exact(&mut len[n..])?;
+    let size = u32::from_le_bytes(len) as usize;
+    if size > MAX_MESSAGE {
+        return Err(LocalMigrationError::Protocol(format!(
+            "message of {size} bytes exceeds the {MAX_MESSAGE}-byte limit"
+        )));
+    }
+    let mut payload = vec![0u8; size];
+    (&*stream).read_exact(&mut payload)?;
+    let msg = serde_json::from_slice(&payload)
+        .map_err(|e| LocalMigrationError::Protocol(format!("malformed message: {e}")))?;
+    Ok((msg, files))
+}
+
+/// Figures of one migration, as the source saw them.
+#[derive(Debug, Clone, Serialize)]
+pub struct LocalMigrationReport {
+    /// Connect to commit, in milliseconds.
+    pub total_ms: f64,
+    /// vCPUs paused to destination restored, in milliseconds (the guest's
+    /// downtime as the source measures it).
+    pub downtime_ms: f64,
+    /// Destination's restore time.
+    pub restore_ms: u64,
+    /// Bytes of VM state sent (guest memory: 0 bytes).
+    pub state_bytes: usize,
+}
+
+/// Source side: migrates `machine` into the kemari listening on `socket`. On
+/// success the caller must end without resuming the machine; on error the
+/// machine has been resumed (if it was running) and the error says why.
+pub fn migrate_out(
+    machine: &mut Machine,
+    socket: &Path,
+) -> Result<LocalMigrationReport, LocalMigrationError> {
+    let was_running = machine.state() == RunState::Running;
+    let started = Instant::now();
+    let mut paused_at = None;
+    let result = migrate_out_inner(machine, socket, &mut paused_at, started);
+    if result.is_err() && was_running && machine.state() == RunState::Paused {
+        if let Err(e) = machine.resume() {
+            tracing::error!(error = %e, "cannot resume the VM after a failed migration");
+        } else {
+            tracing::warn!("local migration failed: the VM keeps running here");
+        }
+    }
+    result
+}
+
+fn migrate_out_inner(
+    machine: &mut Machine,
+    socket: &Path,
+    paused_at: &mut Option<Instant>,
+    started: Instant,
+) -> Result<LocalMigrationReport, LocalMigrationError> {
+    let stream = UnixStream::connect(socket)?;
+    stream.set_read_timeout(Some(STEP_TIMEOUT))?;
+    let taps = machine.tap_fds();
+    let mut fds = vec![std::os::fd::AsRawFd::as_raw_fd(
+        machine.memory_file().file(),
+    )];
+    fds.extend(&taps);
+    send(
+        &stream,
+        &Message::Offer {
+            version: VERSION,
+            config: machine.config().clone(),
+            memory_size: machine.memory_file().size(),
+            taps: taps.len(),
+        },
+        &fds,
+    )?;
+    match recv(&stream)?.0 {
+        Message::Ready => {}
+        Message::Failed { reason } => return Err(LocalMigrationError::Refused(reason)),
+        other => return Err(unexpected("Ready", &other)),
+    }
+    if machine.state() == RunState::Running {
+        machine.pause()?;
+    }
+    *paused_at = Some(Instant::now());
+    let state = machine.save_state()?;
+    let bytes = format::encode(&state).map_err(|e| LocalMigrationError::Protocol(e.to_string()))?;
+    let state_bytes = bytes.len();
+    send(&stream, &Message::State { state: bytes }, &[])?;
+    let restore_ms = match recv(&stream)?.0 {
+        Message::Restored { restore_ms } => restore_ms,
+        Message::Failed { reason } => return Err(LocalMigrationError::Refused(reason)),
+        other => return Err(unexpected("Restored", &other)),
+    };
+    // Point of no return: from here on the destination owns the VM.
+    send(&stream, &Message::Commit, &[])?;
+    let downtime = paused_at.map(|p| p.elapsed()).unwrap_or_default();
+    Ok(LocalMigrationReport {
+        total_ms: started.elapsed().as_secs_f64() * 1000.0,
+        downtime_ms: downtime.as_secs_f64() * 1000.0,
+        restore_ms,
+        state_bytes,
+    })
+}
+
+fn unexpected(want: &str, got: &Message) -> LocalMigrationError {
+    let name = match got {
+        Message::Offer { .. } => "Offer",
+        Message::Ready => "Ready",
+        Message::State { .. } => "State",
+        Message::Restored { .. } => "Restored",
+        Message::Commit => "Commit",
+        Message::Failed { .. } => "Failed",
+    };
+    LocalMigrationError::Protocol(format!("expected {want}, got {name}"))
+}
+
+/// Destination side: waits on `socket` for one source, takes its VM over and
+/// returns it running. `adjust` may change the received configuration (serial
+/// output of this process). On failure nothing of the VM runs here.
+pub fn migrate_in(
+    socket: &Path,
+    events: VmEventSink,
+    adjust: impl FnOnce(&mut MachineConfig),
+) -> Result<Machine, LocalMigrationError> {
+    let _ = std::fs::remove_file(socket);
+    let listener = UnixListener::bind(socket)?;
+    tracing::info!(socket = %socket.display(), "waiting for a local migration");
+    let (stream, _) = listener.accept()?;
+    drop(listener);
+    let _ = std::fs::remove_file(socket);
+    stream.set_read_timeout(Some(STEP_TIMEOUT))?;
+    match accept_vm(&stream, events, adjust) {
+        Ok(machine) => Ok(machine),
+        Err(e) => {
+            let _ = send(
+                &stream,
+                &Message::Failed {
+                    reason: e.to_string(),
+                },
+                &[],
+            );
+            Err(e)
+        }
+    }
+}
+
+fn accept_vm(
+    stream: &UnixStream,
+    events: VmEventSink,
+    adjust: impl FnOnce(&mut MachineConfig),
+) -> Result<Machine, LocalMigrationError> {
+    let (offer, mut files) = recv(stream)?;
+    let Message::Offer {
+        version,
+        memory_size,
+        taps,
+        ..
+    } = offer
+    else {
+        return Err(unexpected("Offer", &offer));
+    };
+    if version != VERSION {
+        return Err(LocalMigrationError::Protocol(format!(
+            "source speaks version {version}, this kemari {VERSION}"
+        )));
+    }
+    if files.len() != 1 + taps {
+        return Err(LocalMigrationError::Protocol(format!(
+            "offer carries {} fds, expected {}",
+            files.len(),
+            1 + taps
+        )));
+    }
+    let memory_fd = files.remove(0);
+    let tap_files = files;
+    // Build the VM around the same memory while the guest still runs on the
+    // source: KVM's memory-slot set-up grows with memory size and must not
+    // count in the pause. The backing kind is corrected from the state below.
+    let memory = GuestMemoryFile::from_file(memory_fd, memory_size, MemoryBacking::Memfd)
+        .map_err(|e| LocalMigrationError::Protocol(e.to_string()))?;
+    let prepared = Machine::prepare(memory)?;
+    send(stream, &Message::Ready, &[])?;
+
+    let (msg, _) = recv(stream)?;
+    let Message::State { state } = msg else {
+        return Err(unexpected("State", &msg));
+    };
+    let started = Instant::now();
+    let mut state =
+        format::decode(&state).map_err(|e| LocalMigrationError::Protocol(e.to_string()))?;
+    adjust(&mut state.config);
+    let mut machine = Machine::restore_prepared(
+        &state,
+        prepared,
+        events,
+        true,
+        std::sync::Arc::new(PassThroughGate),
+        tap_files,
+    )?;
+    send(
+        stream,
+        &Message::Restored {
+            restore_ms: started.elapsed().as_millis() as u64,
+        },
+        &[],
+    )?;
+    match recv(stream)?.0 {
+        Message::Commit => {}
+        other => return Err(unexpected("Commit", &other)),
+    }
+    machine.resume()?;
+    tracing::info!("local migration: VM taken over and running");
+    Ok(machine)
+}

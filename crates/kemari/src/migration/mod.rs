@@ -1,0 +1,3 @@
+//! Moving a running VM to another VMM process.
+
+pub mod local;

@@ -1,0 +1,189 @@
+//! Saving and restoring one vCPU's KVM state. Both run on the vCPU's own thread
+//! (through `VcpuHandle::with_fd`) or before that thread starts.
+
+use kvm_bindings::{
+    kvm_cpuid_entry2, kvm_debugregs, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_regs,
+    kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave, CpuId, Msrs, KVM_MAX_CPUID_ENTRIES,
+};
+use kvm_ioctls::VcpuFd;
+use serde::{Deserialize, Serialize};
+
+/// MSRs that KVM lists but refuses some values of on restore (environment.md:
+/// MSR_KVM_POLL_CONTROL rejects 0): skipped when they hold that value.
+const MSR_KVM_POLL_CONTROL: u32 = 0x4b56_4d06;
+
+/// Errors saving or restoring a vCPU.
+#[derive(Debug, thiserror::Error)]
+pub enum VcpuStateError {
+    /// A KVM ioctl failed.
+    #[error("vCPU {index}: KVM {what} failed")]
+    Kvm {
+        /// vCPU index.
+        index: u8,
+        /// The operation.
+        what: &'static str,
+        /// The cause.
+        #[source]
+        source: kvm_ioctls::Error,
+    },
+    /// The saved state does not fit KVM's structures.
+    #[error("vCPU {index}: saved {what} is invalid")]
+    Invalid {
+        /// vCPU index.
+        index: u8,
+        /// Which part.
+        what: &'static str,
+    },
+}
+
+/// Everything KVM holds for one vCPU.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct VcpuState {
+    /// vCPU index (= APIC ID).
+    pub index: u8,
+    /// CPUID as the guest saw it.
+    pub cpuid: Vec<kvm_cpuid_entry2>,
+    /// General registers.
+    pub regs: kvm_regs,
+    /// Segment and control registers.
+    pub sregs: kvm_sregs,
+    /// FPU/SSE/AVX state.
+    pub xsave: kvm_xsave,
+    /// Extended control registers.
+    pub xcrs: kvm_xcrs,
+    /// Local APIC registers.
+    pub lapic: kvm_lapic_state,
+    /// Pending exceptions, interrupts, NMIs.
+    pub events: kvm_vcpu_events,
+    /// Debug registers.
+    pub debugregs: kvm_debugregs,
+    /// Run state (running, halted, waiting for SIPI).
+    pub mp_state: kvm_mp_state,
+    /// Model-specific registers (TSC, kvmclock, syscall MSRs...).
+    pub msrs: Vec<kvm_msr_entry>,
+    /// TSC frequency in kHz, when KVM knows it.
+    pub tsc_khz: Option<u32>,
+}
+
+fn kvm(index: u8, what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VcpuStateError {
+    move |source| VcpuStateError::Kvm {
+        index,
+        what,
+        source,
+    }
+}
+
+/// Reads every MSR in `indices`; MSRs KVM refuses to read are left out.
+fn read_msrs(
+    fd: &VcpuFd,
+    index: u8,
+    indices: &[u32],
+) -> Result<Vec<kvm_msr_entry>, VcpuStateError> {
+    let mut out = Vec::with_capacity(indices.len());
+    let mut rest = indices;
+    while !rest.is_empty() {
+        let entries: Vec<_> = rest
+            .iter()
+            .map(|&i| kvm_msr_entry {
+                index: i,
+                ..Default::default()
+            })
+            .collect();
+        let mut msrs = Msrs::from_entries(&entries).map_err(|_| VcpuStateError::Invalid {
+            index,
+            what: "MSR list",
+        })?;
+        let n = fd.get_msrs(&mut msrs).map_err(kvm(index, "KVM_GET_MSRS"))?;
+        out.extend_from_slice(&msrs.as_slice()[..n]);
+        // KVM stops at the first MSR it cannot read: skip that one.
+        rest = &rest[(n + 1).min(rest.len())..];
+    }
+    Ok(out)
+}
+
+/// Saves vCPU `index`'s state. `msr_indices` comes from KVM_GET_MSR_INDEX_LIST.
+pub fn save(fd: &VcpuFd, index: u8, msr_indices: &[u32]) -> Result<VcpuState, VcpuStateError> {
+    let cpuid = fd
+        .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
+        .map_err(kvm(index, "KVM_GET_CPUID2"))?;
+    Ok(VcpuState {
+        index,
+        cpuid: cpuid.as_slice().to_vec(),
+        mp_state: fd.get_mp_state().map_err(kvm(index, "KVM_GET_MP_STATE"))?,
+        regs: fd.get_regs().map_err(kvm(index, "KVM_GET_REGS"))?,
+        sregs: fd.get_sregs().map_err(kvm(index, "KVM_GET_SREGS"))?,
+        xsave: fd.get_xsave().map_err(kvm(index, "KVM_GET_XSAVE"))?,
+        xcrs: fd.get_xcrs().map_err(kvm(index, "KVM_GET_XCRS"))?,
+        debugregs: fd
+            .get_debug_regs()
+            .map_err(kvm(index, "KVM_GET_DEBUGREGS"))?,
+        lapic: fd.get_lapic().map_err(kvm(index, "KVM_GET_LAPIC"))?,
+        msrs: read_msrs(fd, index, msr_indices)?,
+        events: fd
+            .get_vcpu_events()
+            .map_err(kvm(index, "KVM_GET_VCPU_EVENTS"))?,
+        tsc_khz: fd.get_tsc_khz().ok().filter(|&k| k > 0),
+    })
+}
+
+/// Restores `state` into `fd` (a freshly created vCPU of the same index).
+pub fn restore(fd: &VcpuFd, state: &VcpuState) -> Result<(), VcpuStateError> {
+    let index = state.index;
+    let cpuid = CpuId::from_entries(&state.cpuid).map_err(|_| VcpuStateError::Invalid {
+        index,
+        what: "CPUID",
+    })?;
+    fd.set_cpuid2(&cpuid)
+        .map_err(kvm(index, "KVM_SET_CPUID2"))?;
+    if let Some(khz) = state.tsc_khz {
+        if fd.get_tsc_khz().ok() != Some(khz) {
+            fd.set_tsc_khz(khz).map_err(kvm(index, "KVM_SET_TSC_KHZ"))?;
+        }
+    }
+    fd.set_mp_state(state.mp_state)
+        .map_err(kvm(index, "KVM_SET_MP_STATE"))?;
+    fd.set_regs(&state.regs)
+        .map_err(kvm(index, "KVM_SET_REGS"))?;
+    fd.set_sregs(&state.sregs)
+        .map_err(kvm(index, "KVM_SET_SREGS"))?;
+    // SAFETY: kemari enables no dynamically sized XSTATE features (AMX), so the
+    // kernel's XSAVE area fits the 4096-byte `kvm_xsave` it reads from.
+    unsafe { fd.set_xsave(&state.xsave) }.map_err(kvm(index, "KVM_SET_XSAVE"))?;
+    fd.set_xcrs(&state.xcrs)
+        .map_err(kvm(index, "KVM_SET_XCRS"))?;
+    fd.set_debug_regs(&state.debugregs)
+        .map_err(kvm(index, "KVM_SET_DEBUGREGS"))?;
+    fd.set_lapic(&state.lapic)
+        .map_err(kvm(index, "KVM_SET_LAPIC"))?;
+    let msrs: Vec<_> = state
+        .msrs
+        .iter()
+        .filter(|m| !(m.index == MSR_KVM_POLL_CONTROL && m.data == 0))
+        .copied()
+        .collect();
+    write_msrs(fd, index, &msrs)?;
+    fd.set_vcpu_events(&state.events)
+        .map_err(kvm(index, "KVM_SET_VCPU_EVENTS"))?;
+    Ok(())
+}
+
+/// Writes `msrs`, skipping (and logging) any KVM refuses.
+fn write_msrs(fd: &VcpuFd, index: u8, msrs: &[kvm_msr_entry]) -> Result<(), VcpuStateError> {
+    let mut rest = msrs;
+    while !rest.is_empty() {
+        let batch = Msrs::from_entries(rest).map_err(|_| VcpuStateError::Invalid {
+            index,
+            what: "MSR list",
+        })?;
+        let n = fd.set_msrs(&batch).map_err(kvm(index, "KVM_SET_MSRS"))?;
+        if n < rest.len() {
+            tracing::debug!(
+                vcpu = index,
+                msr = format_args!("{:#x}", rest[n].index),
+                "MSR not restored"
+            );
+        }
+        rest = &rest[(n + 1).min(rest.len())..];
+    }
+    Ok(())
+}

@@ -1,0 +1,447 @@
+//! The guest's kernel command line: which devices exist (passed by the VMM)
+//! and which workloads and services to run. The format is documented in
+//! docs/test-guest.md; parameters that are not the guest's own (`console=`,
+//! `root=`, ...) are ignored, malformed values of its own are errors.
+
+use core::fmt;
+
+use crate::num::{parse_size, parse_u64};
+
+/// Most virtio-mmio devices the guest accepts on its command line.
+pub const MAX_DEVICES: usize = 8;
+/// Most `disk=` jobs the guest accepts; they run in the order given.
+pub const MAX_DISK_JOBS: usize = 4;
+
+/// One `virtio_mmio.device=<size>@<base>:<irq>` parameter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MmioDevice {
+    pub base: u64,
+    pub size: u64,
+    pub irq: u32,
+}
+
+/// `dirty=<pages_per_s>,<MiB>[,seq|rand]`: a rate of 0 means "as fast as
+/// possible"; pages are visited in order unless `rand`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DirtySpec {
+    pub pages_per_s: u64,
+    pub mib: u64,
+    pub order: Order,
+}
+
+/// Order in which `disk=write` visits blocks and `dirty` visits pages.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    Sequential,
+    Random,
+}
+
+/// One `disk=` job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DiskJob {
+    /// `disk=write,<blocks>,seq|rand[,flush]`
+    Write {
+        blocks: u64,
+        order: Order,
+        flush: bool,
+    },
+    /// `disk=verify,<blocks>`: checks blocks 0..blocks.
+    Verify { blocks: u64 },
+}
+
+/// An IPv4 address with its prefix length, `a.b.c.d/prefix`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ipv4Cidr {
+    pub addr: [u8; 4],
+    pub prefix: u8,
+}
+
+/// `fault=<kind>`: fault on purpose, to test the fault path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    /// `fault=page`: read an unmapped address (512 GiB).
+    Page,
+    /// `fault=ud`: execute `ud2`.
+    InvalidOpcode,
+}
+
+/// Everything the command line asks of the guest.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Config {
+    pub devices: [Option<MmioDevice>; MAX_DEVICES],
+    pub counter_ms: Option<u64>,
+    pub dirty: Option<DirtySpec>,
+    pub disk_jobs: [Option<DiskJob>; MAX_DISK_JOBS],
+    pub ip: Option<Ipv4Cidr>,
+    pub gw: Option<[u8; 4]>,
+    /// `poweroff=done`: power off once the finite workloads (disk jobs) end.
+    pub poweroff_done: bool,
+    /// `poweroff_after=<ms>`: power off at this uptime.
+    pub poweroff_after_ms: Option<u64>,
+    pub fault: Option<FaultKind>,
+}
+
+impl Config {
+    pub fn devices(&self) -> impl Iterator<Item = MmioDevice> + '_ {
+        self.devices.iter().flatten().copied()
+    }
+
+    pub fn disk_jobs(&self) -> impl Iterator<Item = DiskJob> + '_ {
+        self.disk_jobs.iter().flatten().copied()
+    }
+}
+
+/// A malformed parameter: `cmdline error: <param>=<value>: <expected>`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CmdlineError<'a> {
+    pub param: &'a str,
+    pub value: &'a str,
+    pub expected: &'static str,
+}
+
+impl fmt::Display for CmdlineError<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}={}: {}", self.param, self.value, self.expected)
+    }
+}
+
+/// Parses the whole command line.
+pub fn parse(cmdline: &str) -> Result<Config, CmdlineError<'_>> {
+    let mut cfg = Config::default();
+    for token in cmdline.split_ascii_whitespace() {
+        let (key, value) = match token.split_once('=') {
+            Some(kv) => kv,
+            None => (token, ""),
+        };
+        let err = |expected| CmdlineError {
+            param: key,
+            value,
+            expected,
+        };
+        match key {
+            "virtio_mmio.device" => {
+                const WANT: &str = "expected <size>@<base>:<irq>";
+                let dev = parse_mmio_device(value).ok_or(err(WANT))?;
+                push(&mut cfg.devices, dev).ok_or(err("too many virtio_mmio devices"))?;
+            }
+            "counter" => {
+                let ms = parse_u64(value)
+                    .filter(|&ms| ms > 0)
+                    .ok_or(err("expected a period in ms > 0"))?;
+                cfg.counter_ms = Some(ms);
+            }
+            "dirty" => {
+                cfg.dirty = Some(
+                    parse_dirty(value)
+                        .ok_or(err("expected <pages_per_s>,<MiB>[,seq|rand] with MiB > 0"))?,
+                );
+            }
+            "disk" => {
+                const WANT: &str = "expected write,<blocks>,seq|rand[,flush] or verify,<blocks>";
+                let job = parse_disk(value).ok_or(err(WANT))?;
+                push(&mut cfg.disk_jobs, job).ok_or(err("too many disk jobs"))?;
+            }
+            "ip" => cfg.ip = Some(parse_cidr(value).ok_or(err("expected a.b.c.d/prefix"))?),
+            "gw" => cfg.gw = Some(parse_ipv4(value).ok_or(err("expected a.b.c.d"))?),
+            "poweroff" => match value {
+                "done" => cfg.poweroff_done = true,
+                _ => return Err(err("expected done")),
+            },
+            "poweroff_after" => {
+                cfg.poweroff_after_ms = Some(parse_u64(value).ok_or(err("expected a time in ms"))?);
+            }
+            "fault" => {
+                cfg.fault = Some(match value {
+                    "page" => FaultKind::Page,
+                    "ud" => FaultKind::InvalidOpcode,
+                    _ => return Err(err("expected page or ud")),
+                });
+            }
+            _ => {} // Not ours (console=, root=, ...).
+        }
+    }
+    Ok(cfg)
+}
+
+fn push<T: Copy>(slots: &mut [Option<T>], item: T) -> Option<()> {
+    let slot = slots.iter_mut().find(|s| s.is_none())?;
+    *slot = Some(item);
+    Some(())
+}
+
+/// `<size>@<base>:<irq>[:<id>]` (Linux's format; the optional platform
+/// device id is accepted and ignored).
+fn parse_mmio_device(value: &str) -> Option<MmioDevice> {
+    let (size, rest) = value.split_once('@')?;
+    let (base, rest) = rest.split_once(':')?;
+    let irq = match rest.split_once(':') {
+        Some((irq, id)) => {
+            parse_u64(id)?;
+            irq
+        }
+        None => rest,
+    };
+    let size = parse_size(size).filter(|&s| s > 0)?;
+    let base = parse_u64(base)?;
+    base.checked_add(size)?;
+    Some(MmioDevice {
+        base,
+        size,
+        irq: u32::try_from(parse_u64(irq)?).ok()?,
+    })
+}
+
+fn parse_dirty(value: &str) -> Option<DirtySpec> {
+    let mut parts = value.split(',');
+    let pages_per_s = parse_u64(parts.next()?)?;
+    let mib = parse_u64(parts.next()?).filter(|&m| m > 0 && m <= 1 << 20)?;
+    let order = match parts.next() {
+        None | Some("seq") => Order::Sequential,
+        Some("rand") => Order::Random,
+        Some(_) => return None,
+    };
+    match parts.next() {
+        None => Some(DirtySpec {
+            pages_per_s,
+            mib,
+            order,
+        }),
+        Some(_) => None,
+    }
+}
+
+fn parse_disk(value: &str) -> Option<DiskJob> {
+    let mut parts = value.split(',');
+    let mode = parts.next()?;
+    let blocks = parse_u64(parts.next()?).filter(|&b| b > 0)?;
+    let job = match mode {
+        "write" => {
+            let order = match parts.next()? {
+                "seq" => Order::Sequential,
+                "rand" => Order::Random,
+                _ => return None,
+            };
+            let flush = match parts.next() {
+                None => false,
+                Some("flush") => true,
+                Some(_) => return None,
+            };
+            DiskJob::Write {
+                blocks,
+                order,
+                flush,
+            }
+        }
+        "verify" => DiskJob::Verify { blocks },
+        _ => return None,
+    };
+    match parts.next() {
+        None => Some(job),
+        Some(_) => None,
+    }
+}
+
+/// Parses `a.b.c.d`.
+pub fn parse_ipv4(value: &str) -> Option<[u8; 4]> {
+    let mut out = [0u8; 4];
+    let mut parts = value.split('.');
+    for byte in &mut out {
+        let part = parts.next()?;
+        if part.is_empty() || part.len() > 3 || !part.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        *byte = part.parse().ok()?;
+    }
+    match parts.next() {
+        None => Some(out),
+        Some(_) => None,
+    }
+}
+
+fn parse_cidr(value: &str) -> Option<Ipv4Cidr> {
+    let (addr, prefix) = value.split_once('/')?;
+    let prefix = u8::try_from(parse_u64(prefix)?).ok().filter(|&p| p <= 32)?;
+    Some(Ipv4Cidr {
+        addr: parse_ipv4(addr)?,
+        prefix,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_and_foreign_parameters() {
+        assert_eq!(parse(""), Ok(Config::default()));
+        assert_eq!(
+            parse("console=ttyS0 root=/dev/vda quiet"),
+            Ok(Config::default())
+        );
+    }
+
+    #[test]
+    fn kemari_and_qemu_devices() {
+        let cfg =
+            parse("virtio_mmio.device=4K@0xd0000000:5 virtio_mmio.device=512@0xfeb00e00:12:3")
+                .unwrap();
+        let devs: std::vec::Vec<_> = cfg.devices().collect();
+        assert_eq!(
+            devs,
+            [
+                MmioDevice {
+                    base: 0xd000_0000,
+                    size: 4096,
+                    irq: 5
+                },
+                MmioDevice {
+                    base: 0xfeb0_0e00,
+                    size: 512,
+                    irq: 12
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn workloads() {
+        let cfg = parse(
+            "counter=100 dirty=20000,1024 disk=write,10000,rand,flush disk=verify,10000 \
+             ip=10.0.2.15/24 gw=10.0.2.1 poweroff=done poweroff_after=5000",
+        )
+        .unwrap();
+        assert_eq!(cfg.counter_ms, Some(100));
+        assert_eq!(
+            cfg.dirty,
+            Some(DirtySpec {
+                pages_per_s: 20000,
+                mib: 1024,
+                order: Order::Sequential
+            })
+        );
+        assert_eq!(
+            parse("dirty=0,64,rand").unwrap().dirty,
+            Some(DirtySpec {
+                pages_per_s: 0,
+                mib: 64,
+                order: Order::Random
+            })
+        );
+        let jobs: std::vec::Vec<_> = cfg.disk_jobs().collect();
+        assert_eq!(
+            jobs,
+            [
+                DiskJob::Write {
+                    blocks: 10000,
+                    order: Order::Random,
+                    flush: true
+                },
+                DiskJob::Verify { blocks: 10000 }
+            ]
+        );
+        assert_eq!(
+            cfg.ip,
+            Some(Ipv4Cidr {
+                addr: [10, 0, 2, 15],
+                prefix: 24
+            })
+        );
+        assert_eq!(cfg.gw, Some([10, 0, 2, 1]));
+        assert!(cfg.poweroff_done);
+        assert_eq!(cfg.poweroff_after_ms, Some(5000));
+        assert_eq!(cfg.fault, None);
+        assert_eq!(parse("fault=page").unwrap().fault, Some(FaultKind::Page));
+        assert_eq!(
+            parse("fault=ud").unwrap().fault,
+            Some(FaultKind::InvalidOpcode)
+        );
+    }
+
+    #[test]
+    fn malformed_values_are_errors() {
+        for bad in [
+            "counter=",
+            "counter=0",
+            "counter=abc",
+            "dirty=100",
+            "dirty=100,0",
+            "dirty=x,1",
+            "dirty=1,1,sideways",
+            "dirty=1,1,rand,more",
+            "disk=write,10",
+            "disk=write,10,sideways",
+            "disk=write,10,seq,flush,extra",
+            "disk=verify",
+            "disk=verify,0",
+            "disk=erase,10",
+            "ip=10.0.2.15",
+            "ip=10.0.2.256/24",
+            "ip=10.0.2.15/33",
+            "gw=1.2.3",
+            "poweroff=now",
+            "poweroff_after=soon",
+            "fault=",
+            "fault=maybe",
+            "virtio_mmio.device=4K@0xd0000000",
+            "virtio_mmio.device=0@0xd0000000:5",
+            "virtio_mmio.device=4K@zz:5",
+        ] {
+            assert!(parse(bad).is_err(), "{bad} should be rejected");
+        }
+    }
+
+    #[test]
+    fn error_message_names_the_parameter() {
+        let err = parse("counter=10 dirty=fast").unwrap_err();
+        assert_eq!(err.param, "dirty");
+        assert_eq!(err.value, "fast");
+        assert_eq!(
+            std::format!("{err}"),
+            "dirty=fast: expected <pages_per_s>,<MiB>[,seq|rand] with MiB > 0"
+        );
+    }
+
+    /// Arbitrary command lines never panic the parser (a poor man's fuzzer:
+    /// random words over the characters that matter).
+    #[test]
+    fn random_lines_never_panic() {
+        const ALPHABET: &[u8] = b"=,@:./xX0123456789KMGkmg abcdefghilmnoprstuvwy_-\xff";
+        const WORDS: [&str; 10] = [
+            "counter=",
+            "dirty=",
+            "disk=",
+            "write,",
+            "verify,",
+            "ip=",
+            "gw=",
+            "virtio_mmio.device=",
+            "poweroff",
+            "fault=",
+        ];
+        let mut x: u64 = 0x1234_5678_9abc_def1;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..20_000 {
+            let mut line = std::string::String::new();
+            for _ in 0..next() % 12 {
+                if next() % 3 == 0 {
+                    line.push_str(WORDS[(next() % WORDS.len() as u64) as usize]);
+                } else {
+                    let b = ALPHABET[(next() % ALPHABET.len() as u64) as usize];
+                    line.push(b as char);
+                }
+            }
+            let _ = parse(&line);
+        }
+    }
+
+    #[test]
+    fn too_many_disk_jobs() {
+        let line = "disk=verify,1 ".repeat(MAX_DISK_JOBS + 1);
+        assert_eq!(parse(&line).unwrap_err().expected, "too many disk jobs");
+    }
+}
