@@ -289,7 +289,7 @@ def build_host_base(tree: KernelTree) -> Path:
     if _fresh(out, digest):
         return out
     log("building the virtual host initramfs")
-    tmp = out.with_suffix(".tmp")
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
     with tmp.open("wb") as f:
         w = CpioWriter(f)
         for d in ("dev", "proc", "sys", "tmp", "run", "mnt", "lab", "root", "etc"):
@@ -318,7 +318,7 @@ def build_guest_initrd(tree: KernelTree) -> Path:
     if _fresh(out, digest):
         return out
     log("building the guest initramfs")
-    tmp = out.with_suffix(".tmp")
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
     with tmp.open("wb") as f:
         w = CpioWriter(f)
         for d in ("dev", "proc", "sys", "tmp", "run", "mnt", "root", "etc"):
@@ -341,7 +341,7 @@ def build_guest_disk() -> Path:
     log("building the guest ext4 disk")
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "hello.txt").write_text("hello from the kemari lab disk\n")
-        tmp = out.with_suffix(".tmp")
+        tmp = out.with_suffix(f".tmp{os.getpid()}")
         tmp.unlink(missing_ok=True)
         run(["mkfs.ext4", "-q", "-F", "-L", "klabdisk", "-d", d, str(tmp), f"{GUEST_DISK_SIZE_MB}M"])
         tmp.rename(out)
@@ -374,7 +374,7 @@ def host_initrd(tree: KernelTree) -> Path:
     if _fresh(out, digest):
         return out
     log("composing the virtual host initramfs with its payload")
-    tmp = out.with_suffix(".tmp")
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
     with tmp.open("wb") as f:
         with base.open("rb") as b:
             shutil.copyfileobj(b, f)

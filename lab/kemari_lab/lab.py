@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -18,6 +19,16 @@ from kemari_lab import cleanup, images, paths
 from kemari_lab.errors import LabError
 from kemari_lab.netns import LabNetwork, remove_stale
 from kemari_lab.vhost import VirtualHost
+
+# Console logs of this many recent lab runs are kept under lab/build/runs/.
+KEEP_RUNS = 30
+
+
+def _prune_runs(keep: int) -> None:
+    runs = sorted(paths.RUNS_DIR.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in runs[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
+
 
 _HTTP_GET = """
 import sys, urllib.request
@@ -70,6 +81,7 @@ class Lab:
             images.log(f"removed stale namespace {ns}")
         self.images = images.setup()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        _prune_runs(keep=KEEP_RUNS)
         self._cleanup = cleanup.register(f"lab {self.tag}", self.teardown)
         self.network.create()
         for i in range(self.n_hosts):
