@@ -236,7 +236,7 @@ pub fn load(
 
     hdr.type_of_loader = LOADER_TYPE_UNDEFINED;
     hdr.cmd_line_ptr = layout::CMDLINE_START as u32;
-    hdr.cmdline_size = (cmdline.len() - 1) as u32;
+    // cmdline_size stays the kernel's own limit (a read-only field for loaders).
     let mut params = boot_params {
         hdr,
         ..Default::default()
