@@ -122,7 +122,7 @@ class Guest:
         (self.host.run_dir / f"{self.host.name}-{self.spec.name}.console").write_text(text)
         return text
 
-    def wait_ready(self, timeout: float = 120) -> str:
+    def wait_ready(self, timeout: float = 240) -> str:
         """Waits for KLAB-GUEST-READY; fails early if the VMM exits. Returns the console."""
         pattern = re.compile(f"{READY_RE.pattern}|{EXIT_RE.pattern}")
         m = self.host.wait_file_match(self.console, pattern, timeout, f"guest {self.spec.name} to be ready")
@@ -134,7 +134,7 @@ class Guest:
         self.ready_seconds = time.monotonic() - self.started_at
         return self.console_text()
 
-    def wait_exit(self, timeout: float = 60) -> int:
+    def wait_exit(self, timeout: float = 120) -> int:
         """Waits for the VMM to exit and returns its exit status."""
         m = self.host.wait_file_match(self.console, EXIT_RE, timeout, f"{self.spec.vmm} of {self.spec.name} to exit")
         self.console_text()  # keep the whole console in the run dir

@@ -95,7 +95,7 @@ def boot_poweroff(lab: Lab, vmm: str, action: str = "poweroff") -> dict[str, flo
         GuestSpec(name=f"{vmm}-{action}", vmm=vmm, disk=False, net=False, extra_cmdline=f"klab.poweroff={arg}"),
     )
     guest.start()
-    status = guest.wait_exit(timeout=180)
+    status = guest.wait_exit(timeout=300)
     console = guest.console_text()
     booted = BOOTED_RE.search(console)
     if booted is None:
