@@ -8,46 +8,13 @@ mod common;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpStream, UdpSocket};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::mpsc;
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::*;
-
-/// Builds the guest once per test binary and returns the ELF's path.
-fn guest_elf() -> PathBuf {
-    static ELF: OnceLock<PathBuf> = OnceLock::new();
-    static BUILD: Mutex<()> = Mutex::new(());
-    let _guard = BUILD.lock().unwrap_or_else(|e| e.into_inner());
-    ELF.get_or_init(|| {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let status = Command::new(cargo)
-            .current_dir(&root)
-            .args([
-                "build",
-                "-p",
-                "guest",
-                "--target",
-                "x86_64-unknown-none",
-                "--release",
-            ])
-            .status()
-            .expect("running cargo to build the test guest");
-        assert!(
-            status.success(),
-            "building the test guest failed (is the target installed? \
-             `rustup target add x86_64-unknown-none`)"
-        );
-        let target = std::env::var_os("CARGO_TARGET_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| root.join("target"));
-        target.join("x86_64-unknown-none/release/guest")
-    })
-    .clone()
-}
 
 /// One guest at a time: the guest polls, so guests running side by side
 /// on a small machine would skew the timing and rate checks.

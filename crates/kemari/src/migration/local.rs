@@ -312,6 +312,14 @@ fn accept_vm(
     let Message::State { state } = msg else {
         return Err(unexpected("State", &msg));
     };
+    // Fault injection for tests: hold here (the source is paused, waiting) so a
+    // test can kill this process mid-migration.
+    if let Some(ms) = std::env::var("KEMARI_FAULT_HOLD_MIGRATE_IN_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
     let started = Instant::now();
     let mut state =
         format::decode(&state).map_err(|e| LocalMigrationError::Protocol(e.to_string()))?;

@@ -1,3 +1,4 @@
 //! Moving a running VM to another VMM process.
 
 pub mod local;
+pub mod wire;

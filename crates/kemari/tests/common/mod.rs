@@ -6,6 +6,7 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 /// The kemari binary under test.
@@ -121,4 +122,37 @@ impl Drop for KillOnDrop {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// Builds the guest once per test binary and returns the ELF's path.
+pub fn guest_elf() -> PathBuf {
+    static ELF: OnceLock<PathBuf> = OnceLock::new();
+    static BUILD: Mutex<()> = Mutex::new(());
+    let _guard = BUILD.lock().unwrap_or_else(|e| e.into_inner());
+    ELF.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let status = Command::new(cargo)
+            .current_dir(&root)
+            .args([
+                "build",
+                "-p",
+                "guest",
+                "--target",
+                "x86_64-unknown-none",
+                "--release",
+            ])
+            .status()
+            .expect("running cargo to build the test guest");
+        assert!(
+            status.success(),
+            "building the test guest failed (is the target installed? \
+             `rustup target add x86_64-unknown-none`)"
+        );
+        let target = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| root.join("target"));
+        target.join("x86_64-unknown-none/release/guest")
+    })
+    .clone()
 }

@@ -109,3 +109,121 @@ pub fn decode(bytes: &[u8]) -> Result<VmState, FormatError> {
     }
     serde_json::from_slice(payload).map_err(|e| FormatError::Payload(e.to_string()))
 }
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::config::{MachineConfig, SerialConfig};
+    use crate::memory::MemoryBacking;
+    use crate::persist::{KvmVmState, MemoryState, SerialStateData, VcpuState};
+
+    pub(crate) fn sample_state() -> VmState {
+        let config = MachineConfig {
+            vcpus: 1,
+            memory_bytes: 64 << 20,
+            memory_backing: MemoryBacking::Memfd,
+            kernel: "/k".into(),
+            initramfs: None,
+            cmdline: "counter=1".into(),
+            serial: SerialConfig::Null,
+            disks: vec![],
+            nets: vec![],
+        };
+        let mut regs = kvm_bindings::kvm_regs::default();
+        regs.rip = 0x1234_5678;
+        VmState {
+            kemari_version: "test".into(),
+            saved_at_ms: 1,
+            config,
+            memory: MemoryState {
+                size: 64 << 20,
+                backing: MemoryBacking::Memfd,
+            },
+            kvm: KvmVmState {
+                irqchips: vec![Default::default(); 3],
+                pit: Default::default(),
+                clock: Default::default(),
+            },
+            vcpus: vec![VcpuState {
+                index: 0,
+                cpuid: vec![],
+                regs,
+                sregs: Default::default(),
+                xsave: Default::default(),
+                xcrs: Default::default(),
+                lapic: Default::default(),
+                events: Default::default(),
+                debugregs: Default::default(),
+                mp_state: Default::default(),
+                msrs: vec![kvm_bindings::kvm_msr_entry {
+                    index: 0x10,
+                    data: 42,
+                    ..Default::default()
+                }],
+                tsc_khz: Some(2_000_000),
+            }],
+            serial: SerialStateData::default(),
+            virtio: vec![],
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let bytes = encode(&sample_state()).unwrap();
+        let back = decode(&bytes).unwrap();
+        assert_eq!(back.vcpus[0].regs.rip, 0x1234_5678);
+        assert_eq!(back.vcpus[0].msrs[0].data, 42);
+        assert!(back.validate().is_ok());
+    }
+
+    #[test]
+    fn refuses_damage() {
+        let good = encode(&sample_state()).unwrap();
+        assert!(matches!(
+            decode(&good[..10]),
+            Err(FormatError::Truncated(10))
+        ));
+        let mut b = good.clone();
+        b[0] = b'X';
+        assert!(matches!(decode(&b), Err(FormatError::BadMagic)));
+        let mut b = good.clone();
+        b[8] = 2;
+        assert!(matches!(decode(&b), Err(FormatError::Version { found: 2 })));
+        assert!(matches!(
+            decode(&good[..good.len() - 1]),
+            Err(FormatError::Length { .. })
+        ));
+        let mut b = good.clone();
+        let last = b.len() - 1;
+        b[last] ^= 1;
+        assert!(matches!(decode(&b), Err(FormatError::Checksum { .. })));
+        // A huge declared length is refused before anything is allocated.
+        let mut b = good.clone();
+        b[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(matches!(decode(&b), Err(FormatError::Length { .. })));
+        // Valid container, payload not a VmState.
+        let payload = b"{\"nope\":1}";
+        let mut b = Vec::new();
+        b.extend_from_slice(MAGIC);
+        b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        b.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        b.extend_from_slice(&crc32fast::hash(payload).to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        b.extend_from_slice(payload);
+        assert!(matches!(decode(&b), Err(FormatError::Payload(_))));
+    }
+
+    #[test]
+    fn validation_catches_inconsistent_state() {
+        let mut s = sample_state();
+        s.memory.size = 128 << 20;
+        assert!(s.validate().is_err());
+        let mut s = sample_state();
+        s.vcpus.clear();
+        assert!(s.validate().is_err());
+        let mut s = sample_state();
+        s.kvm.irqchips.pop();
+        assert!(s.validate().is_err());
+    }
+}

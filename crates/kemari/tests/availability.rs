@@ -1,0 +1,674 @@
+//! Whole-VM state end to end with the test guest: snapshot/restore, warm
+//! restart and zero-copy local migration, each while the guest counts, writes
+//! flushed blocks to its disk and echoes a TCP stream from the host. After each
+//! operation the counter continues (it does not restart), every block whose
+//! write the guest saw acknowledged verifies, and the TCP connection keeps
+//! echoing byte-exact. Plus the failure rules: corrupt, truncated or foreign
+//! state is refused and loses nothing; a destination killed mid-migration
+//! leaves the source VM running.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// One scenario at a time: each runs a polling guest and a TAP subnet.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A TAP device with the host end at 10.201.N.1/24, removed on drop.
+struct TapNet {
+    name: String,
+    subnet: u8,
+}
+
+impl TapNet {
+    fn create(tag: &str, subnet: u8) -> TapNet {
+        let name = format!("kav{tag}{}", std::process::id() % 10000);
+        let _ = Command::new("ip")
+            .args(["link", "del", &name])
+            .stderr(Stdio::null())
+            .status();
+        let ok = |args: &[&str]| {
+            let st = Command::new("ip").args(args).status().expect("ip");
+            assert!(st.success(), "ip {args:?} failed (tests need root)");
+        };
+        ok(&["tuntap", "add", &name, "mode", "tap"]);
+        ok(&[
+            "addr",
+            "add",
+            &format!("10.201.{subnet}.1/24"),
+            "dev",
+            &name,
+        ]);
+        ok(&["link", "set", &name, "up"]);
+        TapNet { name, subnet }
+    }
+
+    fn guest_ip(&self) -> String {
+        format!("10.201.{}.2", self.subnet)
+    }
+}
+
+impl Drop for TapNet {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.name])
+            .status();
+    }
+}
+
+/// Streams random chunks to the guest's echo port and checks every byte.
+struct EchoChecker {
+    stop: Arc<AtomicBool>,
+    verified: Arc<AtomicU64>,
+    thread: Option<JoinHandle<Result<(), String>>>,
+}
+
+impl EchoChecker {
+    fn start(ip: &str) -> EchoChecker {
+        let mut s = None;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while s.is_none() {
+            match TcpStream::connect_timeout(
+                &format!("{ip}:7").parse().unwrap(),
+                Duration::from_secs(2),
+            ) {
+                Ok(c) => s = Some(c),
+                Err(e) => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "cannot connect to the guest's echo service: {e}"
+                    );
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
+        let mut s = s.unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let verified = Arc::new(AtomicU64::new(0));
+        let (st, v) = (stop.clone(), verified.clone());
+        let thread = std::thread::spawn(move || {
+            let mut seed: u32 = 0x1234_5678;
+            while !st.load(Ordering::SeqCst) {
+                let chunk: Vec<u8> = (0..2048)
+                    .map(|_| {
+                        seed ^= seed << 13;
+                        seed ^= seed >> 17;
+                        seed ^= seed << 5;
+                        seed as u8
+                    })
+                    .collect();
+                s.write_all(&chunk).map_err(|e| format!("send: {e}"))?;
+                let mut back = vec![0u8; chunk.len()];
+                s.read_exact(&mut back)
+                    .map_err(|e| format!("receive: {e}"))?;
+                if back != chunk {
+                    return Err("echoed bytes differ".into());
+                }
+                v.fetch_add(chunk.len() as u64, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Ok(())
+        });
+        EchoChecker {
+            stop,
+            verified,
+            thread: Some(thread),
+        }
+    }
+
+    fn verified(&self) -> u64 {
+        self.verified.load(Ordering::SeqCst)
+    }
+
+    fn finish(mut self) -> u64 {
+        self.stop.store(true, Ordering::SeqCst);
+        let r = self.thread.take().unwrap().join().unwrap();
+        if let Err(e) = r {
+            panic!("TCP echo through the operation failed: {e}");
+        }
+        self.verified()
+    }
+}
+
+/// Numbers `n` of complete `counter: n ...` lines in a console file.
+fn counters(console: &Path) -> Vec<u64> {
+    read_text(console)
+        .lines()
+        .filter_map(|l| l.strip_prefix("counter: "))
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect()
+}
+
+/// Largest `acked=` (or `write done blocks=`) a console shows.
+fn acked_blocks(console: &Path) -> u64 {
+    read_text(console)
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("disk: acked=")
+                .and_then(|r| r.split_whitespace().next()?.parse().ok())
+                .or_else(|| {
+                    l.strip_prefix("disk: write done blocks=")?
+                        .trim()
+                        .parse()
+                        .ok()
+                })
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+struct Vmm {
+    child: KillOnDrop,
+    console: PathBuf,
+    api: PathBuf,
+}
+
+fn spawn_vmm(args: &[String], console: &Path, api: &Path, env: &[(&str, &str)]) -> Vmm {
+    let mut cmd = kemari();
+    cmd.args(args)
+        .arg("--serial")
+        .arg(format!("file:{}", console.display()))
+        .arg("--api-socket")
+        .arg(api)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    Vmm {
+        child: KillOnDrop(cmd.spawn().expect("spawn kemari")),
+        console: console.to_path_buf(),
+        api: api.to_path_buf(),
+    }
+}
+
+fn wait_exit(child: &mut Child, what: &str) -> std::process::ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "{what} did not exit");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn ctl(api: &Path, args: &[&str]) -> std::process::Output {
+    run_with_timeout(kemarictl(api).args(args), Duration::from_secs(60))
+}
+
+const BLOCKS: u64 = 3000;
+
+/// Boots the guest with counter + flushed sequential disk writes + network;
+/// waits until it runs and its echo service answers.
+fn start_source(dir: &Path, net: &TapNet, disk: &Path, extra: &[String]) -> (Vmm, EchoChecker) {
+    let mut args: Vec<String> = vec![
+        "--kernel".into(),
+        guest_elf().display().to_string(),
+        "--memory".into(),
+        "256M".into(),
+        "--cmdline".into(),
+        format!(
+            "counter=100 ip={}/24 disk=write,{BLOCKS},seq,flush",
+            net.guest_ip()
+        ),
+        "--disk".into(),
+        disk.display().to_string(),
+        "--net".into(),
+        format!("tap={}", net.name),
+    ];
+    args.extend_from_slice(extra);
+    let vmm = spawn_vmm(
+        &args,
+        &dir.join("console-1.log"),
+        &dir.join("api-1.sock"),
+        &[],
+    );
+    wait_for("guest network up", Duration::from_secs(30), || {
+        read_text(&vmm.console).contains("net: up")
+    });
+    let echo = EchoChecker::start(&net.guest_ip());
+    // Operate mid-way through the disk job: some blocks acknowledged, more to come.
+    wait_for(
+        "echo traffic, counter and disk writes",
+        Duration::from_secs(60),
+        || {
+            echo.verified() > 8192
+                && counters(&vmm.console).len() >= 3
+                && acked_blocks(&vmm.console) >= 1000
+        },
+    );
+    (vmm, echo)
+}
+
+/// After an operation that moved the VM from `old` to `new`: the counter goes
+/// on, the echo stream goes on, and every acknowledged block verifies.
+fn check_continuity(old: &Path, new: &Vmm, echo: EchoChecker, disk: &Path) {
+    let before = counters(old);
+    let last_old = *before.last().expect("the source printed counter lines");
+    wait_for(
+        "counter lines from the new VMM",
+        Duration::from_secs(30),
+        || counters(&new.console).len() >= 3,
+    );
+    let after = counters(&new.console);
+    assert!(
+        after[0] > 1 && after[0] <= last_old + 2,
+        "counter restarted or jumped: source ended at {last_old}, new VMM began at {}",
+        after[0]
+    );
+    assert!(
+        after.windows(2).all(|w| w[1] == w[0] + 1),
+        "counter not monotonic: {after:?}"
+    );
+    let echoed = echo.verified();
+    wait_for(
+        "echo traffic after the operation",
+        Duration::from_secs(30),
+        || echo.verified() > echoed + 8192,
+    );
+    echo.finish();
+    // The disk job started before the operation finishes after it.
+    wait_for("the disk job to finish", Duration::from_secs(60), || {
+        read_text(&new.console).contains(&format!("disk: write done blocks={BLOCKS}"))
+    });
+    let acked = acked_blocks(old).max(acked_blocks(&new.console));
+    assert_eq!(acked, BLOCKS);
+    assert!(ctl(&new.api, &["shutdown"]).status.success());
+    let out = run_with_timeout(
+        kemari()
+            .arg("--kernel")
+            .arg(guest_elf())
+            .args(["--memory", "256M", "--cmdline"])
+            .arg(format!("disk=verify,{acked} poweroff=done"))
+            .arg("--disk")
+            .arg(disk),
+        Duration::from_secs(60),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains(&format!("disk: verify ok blocks={acked}")),
+        "acknowledged blocks lost: {text}"
+    );
+}
+
+fn disk_image(dir: &Path) -> PathBuf {
+    let p = dir.join("disk.img");
+    std::fs::File::create(&p)
+        .unwrap()
+        .set_len(64 << 20)
+        .unwrap();
+    p
+}
+
+#[test]
+fn snapshot_and_restore_keep_counter_disk_and_tcp() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("av-snap");
+    let net = TapNet::create("s", 11);
+    let disk = disk_image(&dir);
+    let (mut src, echo) = start_source(&dir, &net, &disk, &[]);
+    let snap = dir.join("snap");
+    let out = ctl(&src.api, &["snapshot", snap.to_str().unwrap(), "--exit"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(wait_exit(&mut src.child.0, "the source VMM").success());
+    let new = spawn_vmm(
+        &["--restore".into(), snap.display().to_string()],
+        &dir.join("console-2.log"),
+        &dir.join("api-2.sock"),
+        &[],
+    );
+    check_continuity(&src.console, &new, echo, &disk);
+}
+
+#[test]
+fn warm_restart_keeps_memory_and_continues() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("av-warm");
+    let net = TapNet::create("w", 12);
+    let disk = disk_image(&dir);
+    let memfile = PathBuf::from(format!("/dev/shm/kemari-av-warm-{}", std::process::id()));
+    let _ = std::fs::remove_file(&memfile);
+    let (mut src, echo) = start_source(
+        &dir,
+        &net,
+        &disk,
+        &["--memory-file".into(), memfile.display().to_string()],
+    );
+    let state_dir = dir.join("warm");
+    let out = ctl(&src.api, &["warm-restart", state_dir.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(wait_exit(&mut src.child.0, "the old VMM").success());
+    assert!(
+        !state_dir.join("memory.bin").exists(),
+        "a warm restart must not copy guest memory"
+    );
+    let new = spawn_vmm(
+        &["--restore".into(), state_dir.display().to_string()],
+        &dir.join("console-2.log"),
+        &dir.join("api-2.sock"),
+        &[],
+    );
+    check_continuity(&src.console, &new, echo, &disk);
+    let _ = std::fs::remove_file(memfile);
+}
+
+#[test]
+fn zero_copy_local_migration_keeps_counter_disk_and_tcp() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("av-local");
+    let net = TapNet::create("m", 13);
+    let disk = disk_image(&dir);
+    let (mut src, echo) = start_source(&dir, &net, &disk, &[]);
+    let sock = dir.join("incoming.sock");
+    let dst = spawn_vmm(
+        &["--incoming-local".into(), sock.display().to_string()],
+        &dir.join("console-2.log"),
+        &dir.join("api-2.sock"),
+        &[],
+    );
+    wait_for("the destination's socket", Duration::from_secs(30), || {
+        sock.exists()
+    });
+    let out = ctl(&src.api, &["migrate-local", sock.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        report["state_bytes"].as_u64().unwrap() < 1 << 20,
+        "only state moves, not memory"
+    );
+    assert!(wait_exit(&mut src.child.0, "the source VMM").success());
+    check_continuity(&src.console, &dst, echo, &disk);
+}
+
+#[test]
+fn destination_killed_mid_migration_leaves_the_source_running() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("av-kill");
+    let net = TapNet::create("k", 14);
+    let disk = disk_image(&dir);
+    let (src, echo) = start_source(&dir, &net, &disk, &[]);
+    let sock = dir.join("incoming.sock");
+    let mut dst = spawn_vmm(
+        &["--incoming-local".into(), sock.display().to_string()],
+        &dir.join("console-2.log"),
+        &dir.join("api-2.sock"),
+        &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "3000")],
+    );
+    wait_for("the destination's socket", Duration::from_secs(30), || {
+        sock.exists()
+    });
+    let api = src.api.clone();
+    let sock2 = sock.clone();
+    let migrate =
+        std::thread::spawn(move || ctl(&api, &["migrate-local", sock2.to_str().unwrap()]));
+    // The destination holds after receiving the state: the source is paused.
+    std::thread::sleep(Duration::from_millis(1000));
+    dst.child.0.kill().unwrap();
+    let _ = dst.child.0.wait();
+    let out = migrate.join().unwrap();
+    assert!(!out.status.success(), "the migration cannot have succeeded");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("migration"), "unclear error: {err}");
+    // The source resumed: counter and echo go on, the API says running.
+    let n = counters(&src.console).len();
+    wait_for(
+        "counter after the failed migration",
+        Duration::from_secs(30),
+        || counters(&src.console).len() > n + 3,
+    );
+    let info: serde_json::Value = serde_json::from_slice(&ctl(&src.api, &["info"]).stdout).unwrap();
+    assert_eq!(info["state"], "running");
+    let echoed = echo.verified();
+    wait_for(
+        "echo after the failed migration",
+        Duration::from_secs(30),
+        || echo.verified() > echoed + 8192,
+    );
+    echo.finish();
+    assert!(ctl(&src.api, &["shutdown"]).status.success());
+}
+
+#[test]
+fn corrupt_truncated_and_foreign_state_is_refused_and_nothing_is_lost() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("av-bad");
+    let mut vmm = spawn_vmm(
+        &[
+            "--kernel".into(),
+            guest_elf().display().to_string(),
+            "--memory".into(),
+            "128M".into(),
+            "--cmdline".into(),
+            "counter=100".into(),
+        ],
+        &dir.join("console-1.log"),
+        &dir.join("api-1.sock"),
+        &[],
+    );
+    wait_for("counter", Duration::from_secs(30), || {
+        counters(&vmm.console).len() >= 3
+    });
+    let snap = dir.join("snap");
+    assert!(
+        ctl(&vmm.api, &["snapshot", snap.to_str().unwrap(), "--exit"])
+            .status
+            .success()
+    );
+    assert!(wait_exit(&mut vmm.child.0, "the VMM").success());
+    let good = std::fs::read(snap.join("state.bin")).unwrap();
+
+    let variants: Vec<(&str, Vec<u8>, &str)> = vec![
+        (
+            "corrupt",
+            {
+                let mut b = good.clone();
+                let i = b.len() / 2;
+                b[i] ^= 0x5a;
+                b
+            },
+            "checksum",
+        ),
+        ("truncated", good[..good.len() / 2].to_vec(), "length"),
+        ("header-only", good[..10].to_vec(), "truncated"),
+        ("foreign", std::fs::read("/bin/true").unwrap(), "bad magic"),
+        (
+            "future",
+            {
+                let mut b = good.clone();
+                b[8] = 99;
+                b
+            },
+            "version 99",
+        ),
+    ];
+    for (name, bytes, needle) in variants {
+        let bad = dir.join(name);
+        std::fs::create_dir_all(&bad).unwrap();
+        std::fs::write(bad.join("state.bin"), &bytes).unwrap();
+        std::fs::copy(snap.join("memory.bin"), bad.join("memory.bin")).unwrap();
+        let out = run_with_timeout(
+            kemari()
+                .arg("--restore")
+                .arg(&bad)
+                .args(["--serial", "null"]),
+            Duration::from_secs(30),
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{name}: {err}");
+        assert!(
+            err.contains(needle),
+            "{name}: expected {needle:?} in: {err}"
+        );
+        assert!(!err.contains("panicked"), "{name}: {err}");
+    }
+    // Nothing was lost: the real snapshot still restores and continues.
+    assert_eq!(std::fs::read(snap.join("state.bin")).unwrap(), good);
+    let last = *counters(&vmm.console).last().unwrap();
+    let new = spawn_vmm(
+        &["--restore".into(), snap.display().to_string()],
+        &dir.join("console-2.log"),
+        &dir.join("api-2.sock"),
+        &[],
+    );
+    wait_for("counter after restore", Duration::from_secs(30), || {
+        counters(&new.console).len() >= 2
+    });
+    let first = counters(&new.console)[0];
+    assert!(first > 1 && first <= last + 2, "{last} -> {first}");
+    assert!(ctl(&new.api, &["shutdown"]).status.success());
+}
+
+#[test]
+fn warm_restart_without_a_named_memory_file_is_refused_and_the_vm_runs_on() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("av-warm-memfd");
+    let vmm = spawn_vmm(
+        &[
+            "--kernel".into(),
+            guest_elf().display().to_string(),
+            "--memory".into(),
+            "128M".into(),
+            "--cmdline".into(),
+            "counter=100".into(),
+        ],
+        &dir.join("console-1.log"),
+        &dir.join("api-1.sock"),
+        &[],
+    );
+    wait_for("counter", Duration::from_secs(30), || {
+        counters(&vmm.console).len() >= 2
+    });
+    let out = ctl(&vmm.api, &["warm-restart", dir.join("w").to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--memory-file"));
+    let n = counters(&vmm.console).len();
+    wait_for("the VM runs on", Duration::from_secs(30), || {
+        counters(&vmm.console).len() > n + 2
+    });
+    assert!(ctl(&vmm.api, &["shutdown"]).status.success());
+}
+
+#[test]
+fn several_vms_warm_restart_in_parallel() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("av-warm-many");
+    let vms: Vec<(Vmm, PathBuf)> = (0..3)
+        .map(|i| {
+            let memfile = PathBuf::from(format!(
+                "/dev/shm/kemari-av-many-{}-{i}",
+                std::process::id()
+            ));
+            let _ = std::fs::remove_file(&memfile);
+            let vmm = spawn_vmm(
+                &[
+                    "--kernel".into(),
+                    guest_elf().display().to_string(),
+                    "--memory".into(),
+                    "256M".into(),
+                    "--memory-file".into(),
+                    memfile.display().to_string(),
+                    "--cmdline".into(),
+                    "counter=200".into(),
+                ],
+                &dir.join(format!("console-{i}-a.log")),
+                &dir.join(format!("api-{i}-a.sock")),
+                &[],
+            );
+            (vmm, memfile)
+        })
+        .collect();
+    for (vmm, _) in &vms {
+        wait_for("counter", Duration::from_secs(30), || {
+            counters(&vmm.console).len() >= 2
+        });
+    }
+    // All three save at once.
+    let saves: Vec<_> = vms
+        .iter()
+        .enumerate()
+        .map(|(i, (vmm, _))| {
+            let api = vmm.api.clone();
+            let state = dir.join(format!("warm-{i}"));
+            std::thread::spawn(move || ctl(&api, &["warm-restart", state.to_str().unwrap()]))
+        })
+        .collect();
+    for s in saves {
+        let out = s.join().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut restored = Vec::new();
+    for (i, (mut vmm, memfile)) in vms.into_iter().enumerate() {
+        assert!(wait_exit(&mut vmm.child.0, "an old VMM").success());
+        let last = *counters(&vmm.console).last().unwrap();
+        let new = spawn_vmm(
+            &[
+                "--restore".into(),
+                dir.join(format!("warm-{i}")).display().to_string(),
+            ],
+            &dir.join(format!("console-{i}-b.log")),
+            &dir.join(format!("api-{i}-b.sock")),
+            &[],
+        );
+        restored.push((new, last, memfile));
+    }
+    for (new, last, memfile) in restored {
+        wait_for("counter after restore", Duration::from_secs(30), || {
+            counters(&new.console).len() >= 2
+        });
+        let first = counters(&new.console)[0];
+        assert!(first > 1 && first <= last + 2, "{last} -> {first}");
+        assert!(ctl(&new.api, &["shutdown"]).status.success());
+        let _ = std::fs::remove_file(memfile);
+    }
+}
