@@ -2,6 +2,7 @@
 //! the availability layers (snapshot, warm restart, migration, fault tolerance)
 //! build on.
 
+pub mod acpi;
 pub mod boot;
 pub mod config;
 pub mod devices;

@@ -1,6 +1,7 @@
 //! Loading a kernel and writing what it needs to boot: the PVH start info or
 //! (lab) the Linux zero page, the memory map, command line and initramfs.
 
+pub mod bzimage;
 pub mod memmap;
 pub mod pvh;
 

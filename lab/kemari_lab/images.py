@@ -1,0 +1,412 @@
+"""The lab's set-up step: fetch what it needs and build its images.
+
+Everything comes from Debian packages (apt-get) and is cached under
+lab/build/; running :func:`setup` again only redoes what is missing or stale.
+
+Images (under lab/build/images/):
+
+- ``vmlinuz``: the Debian cloud kernel, for virtual hosts and guests alike;
+- ``host-base.cpio``: the virtual host's initramfs (busybox, kvm-amd, virtio,
+  tun, bridge, netem, nbd modules, QEMU with its libraries and firmware);
+- ``guest-initrd.cpio``: the guest's initramfs (busybox, virtio modules, an
+  init that mounts the disk, starts services and reports on the console);
+- ``guest-disk.ext4``: the guest's ext4 disk;
+- ``host-initrd.cpio``: host-base plus a payload archive (the guest images and
+  the kemari binaries), composed by :func:`host_initrd` before each run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from kemari_lab import paths
+from kemari_lab.cpio import CpioWriter
+from kemari_lab.errors import LabError
+
+# Modules each side needs (dependencies are added from the modules' own
+# "depends=" records, in load order).
+HOST_MODULES = [
+    "kvm_amd",
+    "virtio_pci",
+    "virtio_net",
+    "virtio_blk",
+    "tun",
+    "bridge",
+    "sch_netem",
+    "nbd",
+]
+GUEST_MODULES = [
+    "virtio_mmio",
+    "virtio_pci",
+    "virtio_blk",
+    "virtio_net",
+]
+
+# QEMU firmware files the nested QEMU needs for `-M pc -kernel` boots.
+QEMU_FIRMWARE = [
+    "bios-256k.bin",
+    "kvmvapic.bin",
+    "linuxboot_dma.bin",
+    "linuxboot.bin",
+    "pvh.bin",
+    "qboot.rom",
+    "bios-microvm.bin",
+]
+
+GUEST_DISK_SIZE_MB = 32
+KEMARI_BINARIES = ["kemari"]
+
+_INIT_DIR = Path(__file__).resolve().parent / "init"
+
+
+def log(msg: str) -> None:
+    """Progress messages go to stderr so that command output stays clean."""
+    print(f"[lab] {msg}", file=sys.stderr, flush=True)
+
+
+def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+    """Runs a set-up command; failures name the command and show its output."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, **kwargs)  # type: ignore[call-overload]
+    if proc.returncode != 0:
+        raise LabError(f"set-up command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
+    return proc
+
+
+# ---------------------------------------------------------------- packages
+
+
+def ensure_host_packages() -> None:
+    """apt-get installs the tools the lab runs on this machine, if missing."""
+    missing = []
+    for pkg in paths.HOST_PACKAGES:
+        q = subprocess.run(["dpkg-query", "-W", "-f=${Status}", pkg], capture_output=True, text=True, check=False)
+        if "install ok installed" not in q.stdout:
+            missing.append(pkg)
+    if not missing:
+        return
+    log(f"installing Debian packages: {' '.join(missing)}")
+    run(["apt-get", "update"])
+    run(["apt-get", "install", "-y", "--no-install-recommends", *missing], env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+
+
+def kernel_version() -> str:
+    """The Debian cloud kernel version, e.g. 6.1.0-56-cloud-amd64.
+
+    Pinned by the first fetch (lab/build/cache/kernel-version) so that runs are
+    reproducible; delete that file to move to a newer kernel.
+    """
+    pin = paths.CACHE_DIR / "kernel-version"
+    if pin.exists():
+        return pin.read_text().strip()
+    out = subprocess.run(["apt-cache", "depends", paths.KERNEL_META_PACKAGE], capture_output=True, text=True, check=False).stdout
+    m = re.search(r"Depends: linux-image-(\S+-cloud-amd64)", out)
+    if m is None:
+        run(["apt-get", "update"])
+        out = run(["apt-cache", "depends", paths.KERNEL_META_PACKAGE]).stdout
+        m = re.search(r"Depends: linux-image-(\S+-cloud-amd64)", out)
+    if m is None:
+        raise LabError(f"cannot find the kernel version from `apt-cache depends {paths.KERNEL_META_PACKAGE}`:\n{out}")
+    paths.CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    pin.write_text(m.group(1) + "\n")
+    return m.group(1)
+
+
+def fetch_kernel() -> Path:
+    """Downloads and unpacks the Debian cloud kernel package; returns its root."""
+    ver = kernel_version()
+    root = paths.CACHE_DIR / f"kernel-{ver}"
+    if (root / "boot" / f"vmlinuz-{ver}").exists():
+        return root
+    paths.CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    pkg = f"linux-image-{ver}"
+    debs = list(paths.CACHE_DIR.glob(f"{pkg}_*.deb"))
+    if not debs:
+        log(f"downloading {pkg}")
+        run(["apt-get", "download", pkg], cwd=paths.CACHE_DIR)
+        debs = list(paths.CACHE_DIR.glob(f"{pkg}_*.deb"))
+    if not debs:
+        raise LabError(f"apt-get download {pkg} left no .deb in {paths.CACHE_DIR}")
+    tmp = Path(tempfile.mkdtemp(dir=paths.CACHE_DIR))
+    run(["dpkg-deb", "-x", str(debs[0]), str(tmp)])
+    tmp.rename(root)
+    return root
+
+
+# ---------------------------------------------------------------- modules
+
+
+@dataclass
+class KernelTree:
+    """An unpacked kernel package: the image and a module index."""
+
+    root: Path
+    version: str
+
+    @property
+    def vmlinuz(self) -> Path:
+        return self.root / "boot" / f"vmlinuz-{self.version}"
+
+    @property
+    def modules_dir(self) -> Path:
+        return self.root / "lib" / "modules" / self.version
+
+    def module_index(self) -> dict[str, Path]:
+        """Module name (with '_') -> .ko path."""
+        index = {}
+        for ko in self.modules_dir.rglob("*.ko"):
+            index[ko.stem.replace("-", "_")] = ko
+        return index
+
+    def resolve(self, wanted: list[str]) -> list[Path]:
+        """The .ko files for `wanted` and their dependencies, in load order."""
+        index = self.module_index()
+        order: list[Path] = []
+        seen: set[str] = set()
+
+        def visit(name: str) -> None:
+            name = name.replace("-", "_")
+            if name in seen:
+                return
+            seen.add(name)
+            ko = index.get(name)
+            if ko is None:
+                raise LabError(f"kernel {self.version} has no module {name}")
+            m = re.search(rb"\x00depends=([^\x00]*)\x00", ko.read_bytes())
+            deps = m.group(1).decode().split(",") if m and m.group(1) else []
+            for dep in deps:
+                visit(dep)
+            order.append(ko)
+
+        for name in wanted:
+            visit(name)
+        return order
+
+
+# ---------------------------------------------------------------- initramfs
+
+
+def _add_busybox(w: CpioWriter, skip: tuple[str, ...] = ()) -> None:
+    busybox = shutil.which("busybox")
+    if busybox is None:
+        raise LabError("busybox not found: run the lab set-up (busybox-static)")
+    ldd = subprocess.run(["ldd", busybox], capture_output=True, text=True, check=False)
+    if "not a dynamic executable" not in ldd.stdout + ldd.stderr:
+        raise LabError(f"{busybox} is not static: install busybox-static")
+    w.add_file("bin/busybox", Path(busybox), 0o755)
+    for applet in run([busybox, "--list-full"]).stdout.split():
+        if applet in ("bin/busybox", "linuxrc") or applet.rsplit("/", 1)[-1] in skip:
+            continue
+        depth = applet.count("/")
+        w.add_symlink(applet, "../" * (depth - 1) + "bin/busybox" if depth > 1 else "busybox")
+
+
+def _add_modules(w: CpioWriter, tree: KernelTree, wanted: list[str]) -> None:
+    names = []
+    for ko in tree.resolve(wanted):
+        w.add_file(f"lib/modules/{ko.name}", ko, 0o644)
+        names.append(ko.name)
+    w.add_bytes("etc/klab-modules", ("\n".join(names) + "\n").encode())
+
+
+def shared_libraries(binary: Path) -> list[Path]:
+    """The shared libraries `binary` loads (from ldd), the loader included."""
+    out = run(["ldd", str(binary)]).stdout
+    libs = []
+    for line in out.splitlines():
+        line = line.strip()
+        if "=>" in line:
+            target = line.split("=>", 1)[1].split("(")[0].strip()
+            if target and target != "not found":
+                libs.append(Path(target))
+            elif target == "not found":
+                raise LabError(f"{binary}: shared library missing: {line}")
+        elif line.startswith("/"):
+            libs.append(Path(line.split()[0]))
+    return libs
+
+
+def _add_dynamic_binary(w: CpioWriter, binary: Path, dest: str, added: set[str]) -> None:
+    w.add_file(dest, binary, 0o755)
+    for lib in shared_libraries(binary):
+        key = str(lib).lstrip("/")
+        if key not in added:
+            added.add(key)
+            w.add_file(key, lib, 0o755)
+
+
+def _add_qemu(w: CpioWriter) -> None:
+    qemu = shutil.which("qemu-system-x86_64")
+    if qemu is None:
+        raise LabError("qemu-system-x86_64 not found: run the lab set-up")
+    _add_dynamic_binary(w, Path(qemu), "usr/bin/qemu-system-x86_64", set())
+    found = set()
+    for share in (Path("/usr/share/qemu"), Path("/usr/share/seabios")):
+        for name in QEMU_FIRMWARE:
+            src = share / name
+            if src.exists():
+                w.add_file(f"{str(share).lstrip('/')}/{name}", src.resolve(), 0o644)
+                found.add(name)
+    if "bios-256k.bin" not in found:
+        raise LabError("QEMU firmware bios-256k.bin not found (Debian package seabios)")
+
+
+def _inputs_digest(*parts: object) -> str:
+    h = hashlib.sha256()
+    # This builder's own source: changing how images are made remakes them.
+    h.update(Path(__file__).read_bytes())
+    for p in parts:
+        if isinstance(p, Path):
+            st = p.stat()
+            h.update(f"{p}:{st.st_size}:{st.st_mtime_ns}".encode())
+        else:
+            h.update(repr(p).encode())
+    return h.hexdigest()
+
+
+def _fresh(target: Path, digest: str) -> bool:
+    stamp = target.with_suffix(target.suffix + ".digest")
+    return target.exists() and stamp.exists() and stamp.read_text() == digest
+
+
+def _stamp(target: Path, digest: str) -> None:
+    target.with_suffix(target.suffix + ".digest").write_text(digest)
+
+
+def build_host_base(tree: KernelTree) -> Path:
+    """The virtual host's initramfs without the payload."""
+    out = paths.IMAGES_DIR / "host-base.cpio"
+    init = _INIT_DIR / "host-init.sh"
+    qemu = Path(shutil.which("qemu-system-x86_64") or "/usr/bin/qemu-system-x86_64")
+    digest = _inputs_digest(tree.version, HOST_MODULES, QEMU_FIRMWARE, init, qemu, init.read_bytes())
+    if _fresh(out, digest):
+        return out
+    log("building the virtual host initramfs")
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    with tmp.open("wb") as f:
+        w = CpioWriter(f)
+        for d in ("dev", "proc", "sys", "tmp", "run", "mnt", "lab", "root", "etc"):
+            w.add_dir(d)
+        _add_busybox(w, skip=("ip",))
+        _add_modules(w, tree, HOST_MODULES)
+        _add_qemu(w)
+        # iproute2 ip as /sbin/ip: busybox ip lacks tuntap and bridge options. This
+        # busybox prefers its applets to PATH, so call it as /sbin/ip.
+        ip_full = shutil.which("ip")
+        if ip_full is None:
+            raise LabError("iproute2 ip not found: run the lab set-up")
+        _add_dynamic_binary(w, Path(ip_full), "sbin/ip", set())
+        w.add_file("init", init, 0o755)
+        w.close()
+    tmp.rename(out)
+    _stamp(out, digest)
+    return out
+
+
+def build_guest_initrd(tree: KernelTree) -> Path:
+    """The guest's initramfs."""
+    out = paths.IMAGES_DIR / "guest-initrd.cpio"
+    init = _INIT_DIR / "guest-init.sh"
+    digest = _inputs_digest(tree.version, GUEST_MODULES, init, init.read_bytes())
+    if _fresh(out, digest):
+        return out
+    log("building the guest initramfs")
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    with tmp.open("wb") as f:
+        w = CpioWriter(f)
+        for d in ("dev", "proc", "sys", "tmp", "run", "mnt", "root", "etc"):
+            w.add_dir(d)
+        _add_busybox(w)
+        _add_modules(w, tree, GUEST_MODULES)
+        w.add_file("init", init, 0o755)
+        w.close()
+    tmp.rename(out)
+    _stamp(out, digest)
+    return out
+
+
+def build_guest_disk() -> Path:
+    """A small ext4 image with a known file (mkfs.ext4 -d, no root needed)."""
+    out = paths.IMAGES_DIR / "guest-disk.ext4"
+    digest = _inputs_digest(GUEST_DISK_SIZE_MB, "v1")
+    if _fresh(out, digest):
+        return out
+    log("building the guest ext4 disk")
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "hello.txt").write_text("hello from the kemari lab disk\n")
+        tmp = out.with_suffix(f".tmp{os.getpid()}")
+        tmp.unlink(missing_ok=True)
+        run(["mkfs.ext4", "-q", "-F", "-L", "klabdisk", "-d", d, str(tmp), f"{GUEST_DISK_SIZE_MB}M"])
+        tmp.rename(out)
+    _stamp(out, digest)
+    return out
+
+
+def kemari_binaries() -> list[Path]:
+    """The kemari binaries from `cargo build --release`, if built."""
+    rel = paths.REPO_DIR / "target" / "release"
+    return [rel / b for b in KEMARI_BINARIES if (rel / b).exists()]
+
+
+def build_kemari() -> None:
+    """cargo build --release of the kemari binary (used inside virtual hosts)."""
+    log("cargo build --release -p kemari")
+    proc = subprocess.run(["cargo", "build", "--release", "-p", "kemari"], cwd=paths.REPO_DIR, check=False)
+    if proc.returncode != 0:
+        raise LabError("cargo build --release -p kemari failed")
+
+
+def host_initrd(tree: KernelTree) -> Path:
+    """host-base.cpio + a payload archive with the guest images and kemari."""
+    base = build_host_base(tree)
+    guest_initrd = build_guest_initrd(tree)
+    disk = build_guest_disk()
+    bins = kemari_binaries()
+    out = paths.IMAGES_DIR / "host-initrd.cpio"
+    digest = _inputs_digest(base, guest_initrd, disk, tree.vmlinuz, *bins)
+    if _fresh(out, digest):
+        return out
+    log("composing the virtual host initramfs with its payload")
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    with tmp.open("wb") as f:
+        with base.open("rb") as b:
+            shutil.copyfileobj(b, f)
+        w = CpioWriter(f)
+        w.add_file("lab/guest/vmlinuz", tree.vmlinuz, 0o644)
+        w.add_file("lab/guest/initrd.cpio", guest_initrd, 0o644)
+        w.add_file("lab/guest/disk.ext4", disk, 0o644)
+        added: set[str] = set()
+        for binary in bins:
+            _add_dynamic_binary(w, binary, f"usr/bin/{binary.name}", added)
+        w.close()
+    tmp.rename(out)
+    _stamp(out, digest)
+    return out
+
+
+@dataclass
+class Images:
+    """Paths of the built images."""
+
+    vmlinuz: Path
+    host_initrd: Path
+    has_kemari: bool
+
+
+def setup(with_kemari: bool = False) -> Images:
+    """The whole set-up step (idempotent)."""
+    ensure_host_packages()
+    paths.IMAGES_DIR.mkdir(parents=True, exist_ok=True)
+    root = fetch_kernel()
+    tree = KernelTree(root, kernel_version())
+    if with_kemari:
+        build_kemari()
+    initrd = host_initrd(tree)
+    return Images(vmlinuz=tree.vmlinuz, host_initrd=initrd, has_kemari=bool(kemari_binaries()))

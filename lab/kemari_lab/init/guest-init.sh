@@ -1,0 +1,74 @@
+#!/bin/sh
+# Init of a kemari lab guest (busybox). Kernel command line: klab.ip=ADDR/PREFIX
+# Reports on the console:
+#   KLAB-GUEST-BOOTED            init started
+#   KLAB-DISK-OK / KLAB-DISK-FAIL  /dev/vda mounted, written, read back
+#   KLAB-NET-OK / KLAB-NET-FAIL    eth0 configured
+#   KLAB-GUEST-READY ip=...      httpd (port 80) and nc echo (port 7) running
+# GET /cgi-bin/poweroff makes the guest unmount its disk and power off;
+# klab.poweroff=1 on the command line makes it power off right after READY,
+# klab.poweroff=reboot makes it reboot instead.
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+mount -t tmpfs tmp /tmp
+echo "KLAB-GUEST-BOOTED cpus=$(grep -c ^processor /proc/cpuinfo) mem_kb=$(awk '/MemTotal/{print $2}' /proc/meminfo)"
+dmesg -n 1
+# What the firmware tables described (ACPI device IDs), for debugging VMMs.
+echo "KLAB-GUEST-ACPI $(ls /sys/bus/acpi/devices 2>/dev/null | tr '\n' ' ')"
+for m in $(cat /etc/klab-modules); do
+    insmod /lib/modules/$m 2>/dev/null
+done
+ip=
+poweroff_when_ready=
+for arg in $(cat /proc/cmdline); do
+    case "$arg" in
+        klab.ip=*) ip=${arg#klab.ip=} ;;
+        klab.poweroff=1) poweroff_when_ready=poweroff ;;
+        klab.poweroff=reboot) poweroff_when_ready=reboot ;;
+    esac
+done
+for i in $(seq 50); do
+    [ -b /dev/vda ] && [ -e /sys/class/net/eth0 ] && break
+    sleep 0.1
+done
+if mount -t ext4 /dev/vda /mnt; then
+    token="written-$(cat /proc/sys/kernel/random/uuid)"
+    echo "$token" > /mnt/written.txt && sync && echo 3 > /proc/sys/vm/drop_caches
+    if [ "$(cat /mnt/written.txt)" = "$token" ] && grep -q "kemari lab" /mnt/hello.txt; then
+        echo "KLAB-DISK-OK $token"
+    else
+        echo "KLAB-DISK-FAIL readback"
+    fi
+else
+    echo "KLAB-DISK-FAIL mount"
+fi
+ip link set lo up
+if [ -n "$ip" ] && ip link set eth0 up && ip addr add "$ip" dev eth0; then
+    echo "KLAB-NET-OK ip=$ip"
+else
+    echo "KLAB-NET-FAIL ip=$ip"
+fi
+mkdir -p /www/cgi-bin
+echo "hello from the kemari lab guest" > /www/index.html
+cat > /www/cgi-bin/poweroff <<'CGI'
+#!/bin/sh
+echo "Content-Type: text/plain"
+echo
+echo "powering off"
+( sleep 1; umount /mnt; echo KLAB-GUEST-POWEROFF > /dev/console; poweroff -f ) >/dev/null 2>&1 </dev/null &
+CGI
+chmod +x /www/cgi-bin/poweroff
+httpd -p 80 -h /www
+nc -lk -p 7 -e cat >/dev/null 2>&1 &
+echo "KLAB-GUEST-READY ip=$ip"
+if [ "$poweroff_when_ready" = poweroff ]; then
+    umount /mnt 2>/dev/null
+    echo KLAB-GUEST-POWEROFF
+    poweroff -f
+elif [ "$poweroff_when_ready" = reboot ]; then
+    umount /mnt 2>/dev/null
+    echo KLAB-GUEST-REBOOT
+    reboot -f
+fi
+while true; do sleep 3600; done

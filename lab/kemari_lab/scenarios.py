@@ -1,0 +1,128 @@
+"""Lab scenarios: each takes a started :class:`Lab` and returns measurements.
+
+A scenario raises :class:`LabError` (naming the host and the step) on failure.
+To add one, write a function here taking ``(lab, vmm)`` and add it to
+``SCENARIOS`` with the number of virtual hosts it needs (see docs/lab.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kemari_lab.errors import LabError
+from kemari_lab.guests import BOOTED_RE, DISK_RE, NET_RE, Guest, GuestSpec
+from kemari_lab.lab import Lab
+
+
+@dataclass
+class Scenario:
+    """A named scenario and how many virtual hosts it needs."""
+
+    name: str
+    hosts: int
+    run: Callable[[Lab, str], dict[str, float]]
+    doc: str
+
+
+def _check_memory(host: str, want_mb: int, mem_kb: int) -> None:
+    """MemTotal is a little below the VM's RAM (kernel, reserved areas)."""
+    if not want_mb * 0.8 < mem_kb / 1024 <= want_mb:
+        raise LabError(f"{host}: guest reports {mem_kb // 1024} MiB of memory, expected about {want_mb}")
+
+
+def _boot_checked_guest(lab: Lab, host_index: int, vmm: str) -> tuple[Guest, dict[str, float]]:
+    """Starts a 2-vCPU 512 MiB guest and checks CPUs, memory, disk and network."""
+    host = lab.hosts[host_index]
+    guest = Guest(host, GuestSpec(name=f"{vmm}{host_index}", vmm=vmm, host_index=host_index))
+    guest.start()
+    console = guest.wait_ready()
+    booted = BOOTED_RE.search(console)
+    if booted is None or int(booted.group(1)) != guest.spec.vcpus:
+        raise LabError(f"{host.name}: guest did not report {guest.spec.vcpus} CPUs:\n{console[-2000:]}")
+    _check_memory(host.name, guest.spec.memory_mb, int(booted.group(2)))
+    for regex, what in ((DISK_RE, "disk"), (NET_RE, "network")):
+        m = regex.search(console)
+        if m is None or m.group(1) != "OK":
+            raise LabError(f"{host.name}: guest {what} check failed: {m.group(0) if m else 'no report'}")
+    return guest, {"guest_ready_s": guest.ready_seconds or 0.0}
+
+
+def _power_off(lab: Lab, guest: Guest) -> dict[str, float]:
+    """Asks the guest to power off (over HTTP from the client) and checks the VMM exits 0."""
+    t0 = time.monotonic()
+    lab.client_http_get(guest.spec.ip, "/cgi-bin/poweroff")
+    status = guest.wait_exit()
+    if status != 0:
+        raise LabError(f"{guest.host.name}: {guest.spec.vmm} exited with status {status} after guest poweroff")
+    return {"poweroff_s": time.monotonic() - t0}
+
+
+def single_guest(lab: Lab, vmm: str) -> dict[str, float]:
+    """One guest on vh0: disk, TCP from the client namespace, clean poweroff."""
+    guest, times = _boot_checked_guest(lab, 0, vmm)
+    body = lab.wait_client_reach(guest.spec.ip)
+    if "kemari lab guest" not in body:
+        raise LabError(f"client: unexpected page from the guest: {body!r}")
+    times.update(_power_off(lab, guest))
+    return times
+
+
+def two_hosts(lab: Lab, vmm: str) -> dict[str, float]:
+    """A guest on vh0 reachable from the client; vh1 reaches vh0 and the guest."""
+    guest, times = _boot_checked_guest(lab, 0, vmm)
+    lab.wait_client_reach(guest.spec.ip)
+    a, b = lab.hosts[0], lab.hosts[1]
+    b.run(f"ping -c 1 -W 5 {a.ip}", timeout=30)
+    # busybox nc, not wget (this busybox's wget crashes).
+    out = b.run(f"printf 'GET / HTTP/1.0\\r\\n\\r\\n' | nc -w 10 {guest.spec.ip} 80", timeout=30).output
+    if "kemari lab guest" not in out:
+        raise LabError(f"{b.name}: unexpected page from the guest on {a.name}: {out!r}")
+    times.update(_power_off(lab, guest))
+    return times
+
+
+def boot_poweroff(lab: Lab, vmm: str, action: str = "poweroff") -> dict[str, float]:
+    """A device-less guest on vh0 (2 vCPUs, 512 MiB) boots to its init and
+    powers itself off; the VMM must exit 0. The smallest test of a VMM's Linux
+    boot (bzImage, ACPI, SMP, poweroff)."""
+    host = lab.hosts[0]
+    arg = "1" if action == "poweroff" else action
+    marker = "KLAB-GUEST-POWEROFF" if action == "poweroff" else "KLAB-GUEST-REBOOT"
+    guest = Guest(
+        host,
+        GuestSpec(name=f"{vmm}-{action}", vmm=vmm, disk=False, net=False, extra_cmdline=f"klab.poweroff={arg}"),
+    )
+    guest.start()
+    status = guest.wait_exit(timeout=300)
+    console = guest.console_text()
+    booted = BOOTED_RE.search(console)
+    if booted is None:
+        raise LabError(f"{host.name}: the guest never reached its init under {vmm}:\n{console[-3000:]}")
+    if int(booted.group(1)) != guest.spec.vcpus:
+        raise LabError(f"{host.name}: guest saw {booted.group(1)} CPUs, expected {guest.spec.vcpus}")
+    _check_memory(host.name, guest.spec.memory_mb, int(booted.group(2)))
+    if marker not in console or status != 0:
+        raise LabError(
+            f"{host.name}: {vmm} exited with status {status} after the guest's {action} "
+            f"(requested: {marker in console}):\n{console[-3000:]}"
+        )
+    return {"boot_to_exit_s": time.monotonic() - guest.started_at}
+
+
+def boot_reboot(lab: Lab, vmm: str) -> dict[str, float]:
+    """Like boot-poweroff, but the guest reboots (ACPI reset register, then
+    i8042): kemari ends the VM on a reset and exits 0, QEMU too (-no-reboot)."""
+    return boot_poweroff(lab, vmm, action="reboot")
+
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s
+    for s in (
+        Scenario("single-guest", 1, single_guest, single_guest.__doc__ or ""),
+        Scenario("two-hosts", 2, two_hosts, two_hosts.__doc__ or ""),
+        Scenario("boot-poweroff", 1, boot_poweroff, (boot_poweroff.__doc__ or "").split(".")[0]),
+        Scenario("boot-reboot", 1, boot_reboot, (boot_reboot.__doc__ or "").split(":")[0]),
+    )
+}

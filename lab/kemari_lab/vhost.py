@@ -1,0 +1,233 @@
+"""A virtual host: QEMU/TCG with an emulated AMD-V CPU, driven over its serial console.
+
+Console protocol. The host's init runs a prompt-less shell on ttyS0 with echo
+off. For each command the harness sends one line::
+
+    echo __KLAB_""BEGIN_<n>; ( <command> ) </dev/null 2>&1; echo __KLAB_""END_<n>_$?
+
+The empty quotes keep the markers from appearing in any echo of the line
+itself; the output is what lies between ``__KLAB_BEGIN_<n>`` and
+``__KLAB_END_<n>_<status>``. Each command runs in a subshell (``cd`` or
+variables do not carry over) with stdin from /dev/null, so it cannot eat
+the next command. Everything the console prints is also logged to
+``<run dir>/<name>.console``.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kemari_lab import cleanup
+from kemari_lab.errors import LabError
+from kemari_lab.netns import PREFIX_LEN, LabNetwork, host_ip
+
+READY_RE = re.compile(r"KLAB-HOST-READY name=(\S+) ip=(\S*) kvm=(\w+)\n")
+
+
+@dataclass
+class CommandResult:
+    """What a command printed (stdout and stderr together) and its exit status."""
+
+    command: str
+    status: int
+    output: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 0
+
+
+class VirtualHost:
+    """One QEMU/TCG virtual host on the lab bridge."""
+
+    def __init__(
+        self,
+        index: int,
+        network: LabNetwork,
+        vmlinuz: Path,
+        initrd: Path,
+        run_dir: Path,
+        memory_mb: int = 3072,
+        cpus: int = 2,
+    ) -> None:
+        self.index = index
+        self.name = f"vh{index}"
+        self.ip = host_ip(index)
+        self.network = network
+        self.vmlinuz = vmlinuz
+        self.initrd = initrd
+        self.run_dir = run_dir
+        self.memory_mb = memory_mb
+        self.cpus = cpus
+        self.tap = f"vh{index}"
+        self.mac = f"52:54:00:77:00:{10 + index:02x}"
+        self.console_log = run_dir / f"{self.name}.console"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._buf = ""
+        self._cond = threading.Condition()
+        self._seq = 0
+        self._cmd_lock = threading.Lock()
+        self._reader: threading.Thread | None = None
+        self._cleanup: int | None = None
+        self.boot_seconds: float | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def qemu_command(self) -> list[str]:
+        """The QEMU command line of this virtual host (run inside the lab namespace)."""
+        append = f"console=ttyS0 quiet panic=-1 klab.name={self.name} klab.ip={self.ip}/{PREFIX_LEN}"
+        return [
+            "qemu-system-x86_64",
+            "-accel", "tcg",
+            "-cpu", "EPYC,+svm",
+            "-smp", str(self.cpus),
+            "-m", str(self.memory_mb),
+            "-nodefaults", "-display", "none", "-no-reboot",
+            "-monitor", "none",
+            "-serial", "stdio",
+            "-kernel", str(self.vmlinuz),
+            "-initrd", str(self.initrd),
+            "-append", append,
+            "-netdev", f"tap,id=n0,ifname={self.tap},script=no,downscript=no",
+            "-device", f"virtio-net-pci,netdev=n0,mac={self.mac},romfile=",
+        ]  # fmt: skip
+
+    def start(self) -> None:
+        """Starts QEMU (returns at once; see :meth:`wait_ready`)."""
+        self.network.add_tap(self.tap)
+        cmd = ["ip", "netns", "exec", self.network.ns, *self.qemu_command()]
+        self.console_log.parent.mkdir(parents=True, exist_ok=True)
+        self._started_at = time.monotonic()
+        self._proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self._cleanup = cleanup.register(f"virtual host {self.name} (pid {self._proc.pid})", self.kill)
+        self._reader = threading.Thread(target=self._read_console, name=f"{self.name}-console", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        """Waits for KLAB-HOST-READY and checks /dev/kvm is there."""
+        m = self.wait_for(READY_RE, timeout, what="the virtual host to boot")
+        self.boot_seconds = time.monotonic() - self._started_at
+        if m.group(3) != "yes":
+            raise LabError(f"{self.name}: booted without /dev/kvm (kvm-amd did not load); see {self.console_log}")
+
+    def kill(self) -> None:
+        """Powers the virtual host off hard (SIGTERM, then SIGKILL)."""
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        if proc.stdin:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        if self._reader:
+            self._reader.join(timeout=5)
+        if self._cleanup is not None:
+            handle, self._cleanup = self._cleanup, None
+            cleanup.forget(handle)
+
+    # ------------------------------------------------------------ console
+
+    def _read_console(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        with self.console_log.open("ab") as log:
+            while True:
+                chunk = self._proc.stdout.read1(65536)  # type: ignore[attr-defined]
+                if not chunk:
+                    break
+                log.write(chunk)
+                log.flush()
+                text = chunk.decode(errors="replace").replace("\r", "")
+                with self._cond:
+                    self._buf += text
+                    self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def console_text(self) -> str:
+        """Everything the console printed so far."""
+        with self._cond:
+            return self._buf
+
+    def _tail(self, lines: int = 15) -> str:
+        return "\n".join(self.console_text().splitlines()[-lines:])
+
+    def wait_for(self, pattern: re.Pattern[str], timeout: float, what: str, start: int = 0) -> re.Match[str]:
+        """Waits until the console (from offset `start`) matches `pattern`."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                m = pattern.search(self._buf, start)
+                if m:
+                    return m
+                if not self.alive():
+                    raise LabError(
+                        f"{self.name}: QEMU exited while waiting for {what}; console tail:\n{self._tail()}"
+                    )
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise LabError(
+                        f"{self.name}: timed out after {timeout:.0f}s waiting for {what}; console tail:\n{self._tail()}"
+                    )
+                self._cond.wait(min(left, 0.5))
+
+    def run(self, command: str, timeout: float = 60, check: bool = True) -> CommandResult:
+        """Runs a shell command on the virtual host and returns its output and status."""
+        if not self.alive():
+            raise LabError(f"{self.name}: cannot run `{command}`: the virtual host is not running")
+        with self._cmd_lock:
+            self._seq += 1
+            n = self._seq
+            with self._cond:
+                start = len(self._buf)
+            line = f'echo __KLAB_""BEGIN_{n}; ( {command}\n) </dev/null 2>&1; echo __KLAB_""END_{n}_$?\n'
+            assert self._proc is not None and self._proc.stdin is not None
+            try:
+                self._proc.stdin.write(line.encode())
+                self._proc.stdin.flush()
+            except OSError as e:
+                raise LabError(f"{self.name}: cannot send `{command}` to the console: {e}") from e
+            pattern = re.compile(rf"__KLAB_BEGIN_{n}\n(.*?)__KLAB_END_{n}_(\d+)\n", re.DOTALL)
+            try:
+                m = self.wait_for(pattern, timeout, what=f"command `{command}`", start=start)
+            except LabError as e:
+                raise LabError(f"{e}\n(command on {self.name}: {command})") from None
+        result = CommandResult(command, int(m.group(2)), m.group(1))
+        if check and not result.ok:
+            raise LabError(f"{self.name}: command failed with status {result.status}: {command}\n{result.output}")
+        return result
+
+    def wait_file_match(self, path: str, pattern: re.Pattern[str], timeout: float, what: str) -> re.Match[str]:
+        """Polls a file on the virtual host until its contents match `pattern`."""
+        deadline = time.monotonic() + timeout
+        text = ""
+        while True:
+            text = self.run(f"cat {path} 2>/dev/null; true", timeout=30).output
+            m = pattern.search(text)
+            if m:
+                return m
+            if time.monotonic() > deadline:
+                tail = "\n".join(text.splitlines()[-20:])
+                raise LabError(f"{self.name}: timed out after {timeout:.0f}s waiting for {what} in {path}; tail:\n{tail}")
+            time.sleep(0.5)
