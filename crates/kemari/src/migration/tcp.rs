@@ -578,6 +578,14 @@ fn receive_vm(
             }
         }
     };
+    // Fault injection for tests: hold with the whole VM received and the
+    // source paused, so a test can kill either end or the link here.
+    if let Some(ms) = std::env::var("KEMARI_FAULT_HOLD_MIGRATE_IN_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
     let started = Instant::now();
     let mut state = format::decode(&state).map_err(|e| MigrationError::Protocol(e.to_string()))?;
     state.config.serial = config.serial.clone();
