@@ -8,6 +8,6 @@ scripts/setup.sh
 cargo build -p guest --target x86_64-unknown-none --release
 cargo build --workspace --release
 cargo test --workspace -- --test-threads=2
-if [[ "${KEMARI_LAB:-0}" == 1 && -d lab ]]; then
-  python3 -m pytest -q lab/tests
+if [[ "${KEMARI_LAB:-0}" == 1 ]]; then
+  sh lab/ci.sh
 fi
