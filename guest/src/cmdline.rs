@@ -79,6 +79,9 @@ pub struct Config {
     /// `poweroff_after=<ms>`: power off at this uptime.
     pub poweroff_after_ms: Option<u64>,
     pub fault: Option<FaultKind>,
+    /// `disk_errors=continue`: a failed disk request ends the disk jobs with a
+    /// report instead of failing the guest (the other workloads go on).
+    pub disk_errors_continue: bool,
 }
 
 impl Config {
@@ -146,6 +149,11 @@ pub fn parse(cmdline: &str) -> Result<Config, CmdlineError<'_>> {
             "poweroff" => match value {
                 "done" => cfg.poweroff_done = true,
                 _ => return Err(err("expected done")),
+            },
+            "disk_errors" => match value {
+                "continue" => cfg.disk_errors_continue = true,
+                "exit" => cfg.disk_errors_continue = false,
+                _ => return Err(err("expected continue or exit")),
             },
             "poweroff_after" => {
                 cfg.poweroff_after_ms = Some(parse_u64(value).ok_or(err("expected a time in ms"))?);

@@ -44,7 +44,8 @@ pub struct Args {
     /// Serial console: stdout, null, file:PATH or socket:PATH.
     #[arg(long)]
     pub serial: Option<String>,
-    /// A virtio-blk disk: PATH or path=PATH[,ro]. Repeat for more disks.
+    /// A virtio-blk disk: PATH, path=PATH[,ro], or an NBD URL
+    /// (nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH). Repeatable.
     #[arg(long = "disk")]
     pub disks: Vec<String>,
     /// A virtio-net device: tap=NAME[,mac=MAC]. Repeat for more.
@@ -275,6 +276,11 @@ pub fn parse_disk(s: &str) -> Result<DiskConfig, CliError> {
     let mut path = None;
     let mut read_only = false;
     for (i, part) in s.split(',').enumerate() {
+        // An NBD URL may itself hold '=' (nbd+unix:///export?socket=PATH).
+        if i == 0 && vmm::devices::block_backend::is_nbd_url(part) {
+            path = Some(part);
+            continue;
+        }
         match part.split_once('=') {
             Some(("path", p)) => path = Some(p),
             Some(("ro" | "readonly", v)) => {
@@ -341,6 +347,13 @@ mod tests {
         assert!(parse_disk("path=/a.img,ro").unwrap().read_only);
         assert!(parse_disk("/a.img,ro=on").unwrap().read_only);
         assert!(parse_disk("").is_err());
+        assert_eq!(
+            parse_disk("nbd+unix:///d?socket=/s,ro").unwrap(),
+            DiskConfig {
+                path: "nbd+unix:///d?socket=/s".into(),
+                read_only: true
+            }
+        );
         assert!(parse_disk("/a,bogus=1").is_err());
         assert_eq!(
             parse_net("tap=t0,mac=52:54:00:00:00:01")

@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex};
 use vmm_sys_util::eventfd::EventFd;
 
 use crate::config::{default_mac, parse_mac, MachineConfig};
-use crate::devices::block_backend::{BlockBackendError, RawFileBackend};
+use crate::devices::block_backend::{
+    is_nbd_url, BlockBackend, BlockBackendError, NbdBackend, RawFileBackend,
+};
 use crate::devices::bus::{Bus, BusDevice, BusError};
 use crate::devices::event_loop::{EventLoopError, LoopDevice};
 use crate::devices::virtio::block::Block;
@@ -153,18 +155,22 @@ pub fn attach_all(
         }
     };
     for (i, disk) in config.disks.iter().enumerate() {
-        let backend = RawFileBackend::open(&disk.path, disk.read_only).map_err(|source| {
-            AttachError::Disk {
-                index: i,
-                path: disk.path.display().to_string(),
-                source,
-            }
-        })?;
+        let path = disk.path.to_string_lossy();
+        let err = |source| AttachError::Disk {
+            index: i,
+            path: path.to_string(),
+            source,
+        };
+        let backend: Box<dyn BlockBackend> = if is_nbd_url(&path) {
+            Box::new(NbdBackend::connect(&path, disk.read_only).map_err(err)?)
+        } else {
+            Box::new(RawFileBackend::open(&disk.path, disk.read_only).map_err(err)?)
+        };
         let name = format!("block{i}");
         let device: Arc<Mutex<dyn VirtioDevice>> = Arc::new(Mutex::new(Block::new(
             name.clone(),
             i,
-            Box::new(backend),
+            backend,
             gate.clone(),
         )));
         let backend = format!(

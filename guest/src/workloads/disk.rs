@@ -41,6 +41,7 @@ pub struct DiskRunner {
     started_ms: u64,
     failed: bool,
     warned_no_flush: bool,
+    continue_on_error: bool,
 }
 
 impl DiskRunner {
@@ -70,6 +71,7 @@ impl DiskRunner {
             started_ms: now_ms,
             failed: false,
             warned_no_flush: false,
+            continue_on_error: cfg.disk_errors_continue,
         };
         runner.announce();
         runner
@@ -160,6 +162,12 @@ impl DiskRunner {
                     status,
                     slot
                 );
+                if self.continue_on_error {
+                    say!("disk: jobs abandoned after an I/O error");
+                    self.failed = true;
+                    self.current = self.jobs.len();
+                    return;
+                }
                 exit(ExitCode::DeviceError);
             }
             self.slots[slot] = Slot::Idle;

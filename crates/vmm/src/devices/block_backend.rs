@@ -46,6 +46,15 @@ pub enum BlockBackendError {
         /// Its size.
         size: u64,
     },
+    /// The NBD export cannot be reached or opened.
+    #[error("cannot open NBD disk {url}")]
+    Nbd {
+        /// The URL.
+        url: String,
+        /// The cause.
+        #[source]
+        source: kemari_nbd::client::ClientError,
+    },
     /// The image is not a regular file or block device.
     #[error("disk image {path} is not a regular file")]
     NotAFile {
@@ -392,5 +401,85 @@ mod tests {
         let missing = Path::new("/nonexistent/kemari/disk.img");
         let err = RawFileBackend::open(missing, true).unwrap_err();
         assert!(err.to_string().contains("/nonexistent/kemari/disk.img"));
+    }
+}
+
+/// Whether a disk path names an NBD export (`nbd://HOST[:PORT]/EXPORT` or
+/// `nbd+unix:///EXPORT?socket=PATH`).
+pub fn is_nbd_url(path: &str) -> bool {
+    path.starts_with("nbd://") || path.starts_with("nbd+unix://")
+}
+
+/// A disk served over NBD (a kemari-nbd target or relocation proxy, or any NBD
+/// server), through kemari-nbd's blocking client.
+pub struct NbdBackend {
+    client: kemari_nbd::client::Client,
+    url: String,
+    read_only: bool,
+}
+
+fn nbd_io(e: kemari_nbd::client::ClientError) -> io::Error {
+    io::Error::other(e)
+}
+
+impl NbdBackend {
+    /// Connects to `url`; `read_only` also refuses writes the export would take.
+    pub fn connect(url: &str, read_only: bool) -> Result<Self, BlockBackendError> {
+        let client =
+            kemari_nbd::client::Client::connect(url).map_err(|source| BlockBackendError::Nbd {
+                url: url.to_owned(),
+                source,
+            })?;
+        let read_only = read_only || client.read_only();
+        Ok(NbdBackend {
+            client,
+            url: url.to_owned(),
+            read_only,
+        })
+    }
+}
+
+impl BlockBackend for NbdBackend {
+    fn size(&self) -> u64 {
+        self.client.size() & !(SECTOR_SIZE - 1)
+    }
+
+    fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    fn read_at(&mut self, off: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.client.read_at(off, buf).map_err(nbd_io)
+    }
+
+    fn write_at(&mut self, off: u64, buf: &[u8]) -> io::Result<()> {
+        if self.read_only {
+            return Err(io::Error::from(io::ErrorKind::PermissionDenied));
+        }
+        self.client.write_at(off, buf).map_err(nbd_io)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.client.flush().map_err(nbd_io)
+    }
+
+    fn supports_discard(&self) -> bool {
+        !self.read_only
+    }
+
+    fn discard(&mut self, off: u64, len: u64) -> io::Result<()> {
+        self.client.trim(off, len).map_err(nbd_io)
+    }
+
+    fn supports_write_zeroes(&self) -> bool {
+        !self.read_only
+    }
+
+    fn write_zeroes(&mut self, off: u64, len: u64, _unmap: bool) -> io::Result<()> {
+        self.client.write_zeroes(off, len).map_err(nbd_io)
+    }
+
+    fn id(&self) -> String {
+        self.url.clone()
     }
 }

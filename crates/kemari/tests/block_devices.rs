@@ -1,0 +1,206 @@
+//! virtio-blk end to end with the test guest: written blocks land in the image
+//! file (checked from the host, block by block), a read-only disk answers
+//! writes with an I/O error the guest sees while the VMM runs on, and a disk
+//! served over NBD by kemari-nbd round-trips the same way.
+
+mod common;
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::Duration;
+
+use common::scenario::*;
+use common::*;
+use guest::blockfmt::{self, BlockState, BLOCK_SIZE};
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Checks blocks `0..n` of an image from the host.
+fn host_check(image: &Path, n: u64) -> (u64, u64, u64) {
+    let mut f = std::fs::File::open(image).unwrap();
+    let (mut valid, mut missing, mut corrupt) = (0, 0, 0);
+    let mut buf = [0u8; BLOCK_SIZE];
+    for block in 0..n {
+        f.read_exact(&mut buf).unwrap();
+        match blockfmt::check(&buf, block) {
+            BlockState::Valid { .. } => valid += 1,
+            BlockState::Missing => missing += 1,
+            BlockState::Corrupt => corrupt += 1,
+        }
+    }
+    (valid, missing, corrupt)
+}
+
+fn boot_to_end(args: &[String]) -> (std::process::ExitStatus, String) {
+    let out = run_with_timeout(
+        kemari()
+            .arg("--kernel")
+            .arg(guest_elf())
+            .args(["--memory", "128M"])
+            .args(args),
+        Duration::from_secs(120),
+    );
+    (
+        out.status,
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+#[test]
+fn written_blocks_land_in_the_image_file() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("blk-image");
+    let disk = disk_image(&dir);
+    let (st, out) = boot_to_end(&[
+        "--cmdline".into(),
+        "disk=write,600,rand,flush poweroff=done".into(),
+        "--disk".into(),
+        disk.display().to_string(),
+    ]);
+    assert!(st.success(), "{out}");
+    assert!(out.contains("disk: write done blocks=600"), "{out}");
+    // The VMM has exited: the file alone must hold every block.
+    assert_eq!(host_check(&disk, 600), (600, 0, 0));
+    // And nothing beyond what was written.
+    let (_, missing, corrupt) = host_check(&disk, 700);
+    assert_eq!((missing, corrupt), (100, 0));
+}
+
+#[test]
+fn read_only_disk_refuses_writes_and_the_vmm_runs_on() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("blk-ro");
+    let disk = disk_image(&dir);
+    let before = std::fs::read(&disk).unwrap();
+    let vmm = spawn_vmm(
+        &[
+            "--kernel".into(),
+            guest_elf().display().to_string(),
+            "--memory".into(),
+            "128M".into(),
+            "--cmdline".into(),
+            "counter=100 disk=write,50,seq disk_errors=continue".into(),
+            "--disk".into(),
+            format!("{},ro", disk.display()),
+        ],
+        &dir.join("console.log"),
+        &dir.join("api.sock"),
+        &[],
+    );
+    wait_for(
+        "the guest to see the error",
+        Duration::from_secs(30),
+        || read_text(&vmm.console).contains("disk: error: request failed status=1"),
+    );
+    // The VMM keeps running the guest, and counts the error.
+    let n = counters(&vmm.console).len();
+    wait_for("the guest to go on", Duration::from_secs(30), || {
+        counters(&vmm.console).len() > n + 3
+    });
+    let devices = run_with_timeout(kemarictl(&vmm.api).arg("devices"), Duration::from_secs(10));
+    let d: serde_json::Value = serde_json::from_slice(&devices.stdout).unwrap();
+    let blk = d
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["kind"] == "virtio-blk")
+        .unwrap();
+    assert!(blk["counters"]["errors"].as_u64().unwrap() >= 1, "{blk}");
+    assert!(blk["backend"].as_str().unwrap().contains("read-only"));
+    assert!(
+        run_with_timeout(kemarictl(&vmm.api).arg("shutdown"), Duration::from_secs(10))
+            .status
+            .success()
+    );
+    assert!(
+        std::fs::read(&disk).unwrap() == before,
+        "a read-only disk was modified"
+    );
+}
+
+/// Builds kemari-nbd once and returns its path.
+fn kemari_nbd() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let st = Command::new(cargo)
+            .current_dir(&root)
+            .args(["build", "-p", "kemari-nbd"])
+            .status()
+            .expect("cargo");
+        assert!(st.success(), "building kemari-nbd failed");
+        std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| root.join("target"))
+            .join("debug/kemari-nbd")
+    })
+    .clone()
+}
+
+#[test]
+fn disk_over_nbd_round_trips() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("blk-nbd");
+    let disk = disk_image(&dir);
+    let sock = dir.join("nbd.sock");
+    let server = Command::new(kemari_nbd())
+        .args(["serve", "--export"])
+        .arg(format!("vmdisk={}", disk.display()))
+        .arg("--listen")
+        .arg(format!("unix:{}", sock.display()))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _server = KillOnDrop(server);
+    wait_for("the NBD server", Duration::from_secs(30), || sock.exists());
+    let url = format!("nbd+unix:///vmdisk?socket={}", sock.display());
+    let (st, out) = boot_to_end(&[
+        "--cmdline".into(),
+        "disk=write,800,seq,flush poweroff=done".into(),
+        "--disk".into(),
+        url.clone(),
+    ]);
+    assert!(
+        st.success() && out.contains("disk: write done blocks=800"),
+        "{out}"
+    );
+    let (st, out) = boot_to_end(&[
+        "--cmdline".into(),
+        "disk=verify,800 poweroff=done".into(),
+        "--disk".into(),
+        url,
+    ]);
+    assert!(
+        st.success() && out.contains("disk: verify ok blocks=800"),
+        "{out}"
+    );
+    assert_eq!(host_check(&disk, 800), (800, 0, 0));
+    // A server that is not there is a clear error.
+    let out = run_with_timeout(
+        kemari().arg("--kernel").arg(guest_elf()).args([
+            "--memory",
+            "128M",
+            "--disk",
+            "nbd://127.0.0.1:1/none",
+        ]),
+        Duration::from_secs(30),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot open NBD disk"));
+}
