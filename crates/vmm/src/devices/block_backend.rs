@@ -351,59 +351,6 @@ impl BlockBackend for MemoryBackend {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn temp_image(tag: &str, size: u64) -> PathBuf {
-        let path =
-            std::env::temp_dir().join(format!("kemari-backend-{tag}-{}.img", std::process::id()));
-        let f = File::create(&path).unwrap();
-        f.set_len(size).unwrap();
-        path
-    }
-
-    #[test]
-    fn raw_file_round_trip_and_bounds() {
-        let path = temp_image("rw", 1 << 20);
-        let mut b = RawFileBackend::open(&path, false).unwrap();
-        assert_eq!(b.size(), 1 << 20);
-        assert!(b.id().contains(path.to_str().unwrap()));
-        b.write_at(4096, b"hello").unwrap();
-        let mut buf = [0u8; 5];
-        b.read_at(4096, &mut buf).unwrap();
-        assert_eq!(&buf, b"hello");
-        b.flush().unwrap();
-        assert!(b.read_at((1 << 20) - 2, &mut buf).is_err());
-        assert!(b.write_at(u64::MAX - 1, b"xx").is_err());
-        b.write_zeroes(4096, 512, false).unwrap();
-        b.read_at(4096, &mut buf).unwrap();
-        assert_eq!(buf, [0; 5]);
-        b.write_at(8192, b"abc").unwrap();
-        b.discard(8192, 4096).unwrap();
-        std::fs::remove_file(path).unwrap();
-    }
-
-    #[test]
-    fn raw_file_read_only_and_errors_name_the_file() {
-        let path = temp_image("ro", 4096);
-        let mut b = RawFileBackend::open(&path, true).unwrap();
-        assert!(b.read_only());
-        assert!(!b.supports_discard());
-        assert!(b.write_at(0, b"x").is_err());
-        std::fs::remove_file(&path).unwrap();
-
-        let odd = temp_image("odd", 1000);
-        let err = RawFileBackend::open(&odd, false).unwrap_err();
-        assert!(err.to_string().contains(odd.to_str().unwrap()), "{err}");
-        std::fs::remove_file(&odd).unwrap();
-
-        let missing = Path::new("/nonexistent/kemari/disk.img");
-        let err = RawFileBackend::open(missing, true).unwrap_err();
-        assert!(err.to_string().contains("/nonexistent/kemari/disk.img"));
-    }
-}
-
 /// Whether a disk path names an NBD export (`nbd://HOST[:PORT]/EXPORT` or
 /// `nbd+unix:///EXPORT?socket=PATH`).
 pub fn is_nbd_url(path: &str) -> bool {
@@ -481,5 +428,58 @@ impl BlockBackend for NbdBackend {
 
     fn id(&self) -> String {
         self.url.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_image(tag: &str, size: u64) -> PathBuf {
+        let path =
+            std::env::temp_dir().join(format!("kemari-backend-{tag}-{}.img", std::process::id()));
+        let f = File::create(&path).unwrap();
+        f.set_len(size).unwrap();
+        path
+    }
+
+    #[test]
+    fn raw_file_round_trip_and_bounds() {
+        let path = temp_image("rw", 1 << 20);
+        let mut b = RawFileBackend::open(&path, false).unwrap();
+        assert_eq!(b.size(), 1 << 20);
+        assert!(b.id().contains(path.to_str().unwrap()));
+        b.write_at(4096, b"hello").unwrap();
+        let mut buf = [0u8; 5];
+        b.read_at(4096, &mut buf).unwrap();
+        assert_eq!(&buf, b"hello");
+        b.flush().unwrap();
+        assert!(b.read_at((1 << 20) - 2, &mut buf).is_err());
+        assert!(b.write_at(u64::MAX - 1, b"xx").is_err());
+        b.write_zeroes(4096, 512, false).unwrap();
+        b.read_at(4096, &mut buf).unwrap();
+        assert_eq!(buf, [0; 5]);
+        b.write_at(8192, b"abc").unwrap();
+        b.discard(8192, 4096).unwrap();
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn raw_file_read_only_and_errors_name_the_file() {
+        let path = temp_image("ro", 4096);
+        let mut b = RawFileBackend::open(&path, true).unwrap();
+        assert!(b.read_only());
+        assert!(!b.supports_discard());
+        assert!(b.write_at(0, b"x").is_err());
+        std::fs::remove_file(&path).unwrap();
+
+        let odd = temp_image("odd", 1000);
+        let err = RawFileBackend::open(&odd, false).unwrap_err();
+        assert!(err.to_string().contains(odd.to_str().unwrap()), "{err}");
+        std::fs::remove_file(&odd).unwrap();
+
+        let missing = Path::new("/nonexistent/kemari/disk.img");
+        let err = RawFileBackend::open(missing, true).unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/kemari/disk.img"));
     }
 }
