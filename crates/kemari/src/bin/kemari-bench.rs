@@ -5,6 +5,10 @@
 //! `kemari-bench boot --kernel guest.elf`: time from process start to the
 //! guest's first line on the serial console, kemari vs QEMU (`-M microvm`,
 //! `-accel kvm`), at several memory sizes.
+//!
+//! `kemari-bench availability`: downtime and total time of whole-VM operations
+//! (snapshot/restore, warm restart, zero-copy migration) vs QEMU
+//! (`kemari::bench::availability`).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -47,6 +51,9 @@ enum Bench {
         #[arg(long, default_value = "qemu-system-x86_64")]
         qemu: String,
     },
+    /// Whole-VM state: downtime and total time of reboot, snapshot/restore,
+    /// warm restart and zero-copy migration, kemari vs QEMU.
+    Availability(kemari::bench::availability::AvailabilityArgs),
 }
 
 fn main() -> ExitCode {
@@ -61,6 +68,16 @@ fn main() -> ExitCode {
         } => {
             let kemari = kemari.unwrap_or_else(|| sibling("kemari"));
             match boot_bench(&kernel, &cmdline, &memory, runs.max(1), &kemari, &qemu) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("kemari-bench: {e}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+        Bench::Availability(args) => {
+            let opts = args.options(sibling("kemari"));
+            match kemari::bench::availability::run(&opts) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("kemari-bench: {e}");
