@@ -352,17 +352,25 @@ fn verdict(text: &str, goal: f64, at_least: bool) -> &'static str {
     };
     let Some(v) = v else { return "n/a" };
     let met = if at_least { v >= goal } else { v <= goal };
-    match (bound, at_least, met) {
-        (Some(true), true, true) | (Some(false), false, true) => "met",
-        (Some(true), false, _) | (Some(false), true, _) => {
+    match bound {
+        None if met => "met",
+        None => "missed",
+        // A bound on the goal's side: met if the bound meets it.
+        Some(lower) if lower == at_least => {
+            if met {
+                "met"
+            } else {
+                "unknown"
+            }
+        }
+        // A bound on the other side: it can only show a miss.
+        Some(_) => {
             if met {
                 "unknown"
             } else {
                 "missed"
             }
         }
-        (_, _, true) => "met",
-        (_, _, false) => "missed",
     }
 }
 
@@ -494,7 +502,7 @@ mod tests {
 
     #[test]
     fn medians() {
-        let s = |d: u64| Sample {
+        let s = |d: u32| Sample {
             downtime: d * MS,
             ..Sample::default()
         };
