@@ -220,6 +220,7 @@ fn measure(
         Op::QemuFile | Op::QemuWarm | Op::QemuLocal => {
             ops::run_qemu(env, op, mem, w, seq, local_mode)
         }
+        Op::QemuLocalCopy => ops::run_qemu(env, op, mem, w, seq, QemuLocalMode::Plain),
     }
 }
 
@@ -435,6 +436,7 @@ fn print_goals(opts: &Options, rates: &[u64], r: &Results, local_mode: QemuLocal
         (Op::Snapshot, Op::QemuFile),
         (Op::Warm, Op::QemuWarm),
         (Op::ZeroCopy, Op::QemuLocal),
+        (Op::ZeroCopy, Op::QemuLocalCopy),
     ];
     for (k, q) in pairs {
         if !(has(k) && has(q)) {

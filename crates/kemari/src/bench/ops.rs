@@ -141,11 +141,14 @@ pub enum Op {
     QemuWarm,
     /// QEMU: local live migration over a Unix socket with `x-ignore-shared`.
     QemuLocal,
+    /// QEMU: local live migration over a Unix socket, memory copied (what
+    /// zero-copy migration replaces).
+    QemuLocalCopy,
 }
 
 impl Op {
     /// Every operation, in table order.
-    pub const ALL: [Op; 7] = [
+    pub const ALL: [Op; 8] = [
         Op::Reboot,
         Op::Snapshot,
         Op::Warm,
@@ -153,6 +156,7 @@ impl Op {
         Op::QemuFile,
         Op::QemuWarm,
         Op::QemuLocal,
+        Op::QemuLocalCopy,
     ];
 
     /// Table label.
@@ -165,12 +169,13 @@ impl Op {
             Op::QemuFile => "qemu migrate-to-file+restore",
             Op::QemuWarm => "qemu x-ignore-shared file+restore",
             Op::QemuLocal => "qemu local migration",
+            Op::QemuLocalCopy => "qemu local migration (copy, unix:)",
         }
     }
 
     /// Whether the operation is measured under several dirty rates.
     pub fn takes_dirty_rates(self) -> bool {
-        matches!(self, Op::ZeroCopy | Op::QemuLocal)
+        matches!(self, Op::ZeroCopy | Op::QemuLocal | Op::QemuLocalCopy)
     }
 }
 
@@ -220,6 +225,24 @@ fn wait_steady(vmm: &Vmm, w: &Workload) -> Result<Option<u64>, OpError> {
         (counters >= 10 && (!need_dirty || dirty.is_some())).then_some(dirty)
     });
     got.ok_or_else(|| timeout("the guest's steady state", vmm))
+}
+
+/// Waits until `vmm` has printed `n` more counter lines: lets the machine
+/// settle after a destination VMM started, so its start does not overlap the
+/// measurement.
+fn wait_more_counters(vmm: &Vmm, n: usize) -> Result<(), OpError> {
+    let count = |lines: &[Line]| {
+        lines
+            .iter()
+            .filter(|l| console::parse_counter(&l.text).is_some())
+            .count()
+    };
+    let have = count(&vmm.console.lines());
+    vmm.console
+        .wait_for(STEP, |lines: &[Line]| {
+            (count(lines) >= have + n).then_some(())
+        })
+        .ok_or_else(|| timeout("counter lines after the destination started", vmm))
 }
 
 /// The rate of the last `dirty: rate=<n> ...` report.
@@ -340,6 +363,7 @@ pub fn run_kemari(
             return Err(timeout("the destination's socket", &d));
         }
         pre_dst = Some(d);
+        wait_more_counters(&src, 3)?;
     }
     let t0 = Instant::now();
     let mut t_done = t0;
@@ -528,7 +552,7 @@ pub fn run_qemu(
     let unix_uri = format!("unix:{}", unix.display());
     // The local-migration destination is ready before the clock starts.
     let mut pre_dst = None;
-    if op == Op::QemuLocal {
+    if matches!(op, Op::QemuLocal | Op::QemuLocalCopy) {
         let d = spawn(
             "destination QEMU",
             qemu_cmd(
@@ -551,6 +575,7 @@ pub fn run_qemu(
             return Err(timeout("the destination's migration socket", &d));
         }
         pre_dst = Some(d);
+        wait_more_counters(&src, 3)?;
     }
     let t0 = Instant::now();
     let (dst, t_done, st) = match op {
@@ -595,7 +620,7 @@ pub fn run_qemu(
             q2.execute("cont", None)?;
             (dst, t0, st)
         }
-        Op::QemuLocal => {
+        Op::QemuLocal | Op::QemuLocalCopy => {
             q1.execute("migrate", Some(json!({ "uri": unix_uri })))?;
             let st = q1.wait_migration(POLL, STEP)?;
             let t_done = Instant::now();
