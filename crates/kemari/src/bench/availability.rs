@@ -353,25 +353,13 @@ fn verdict(text: &str, goal: f64, at_least: bool) -> &'static str {
     };
     let Some(v) = v else { return "n/a" };
     let met = if at_least { v >= goal } else { v <= goal };
-    match bound {
-        None if met => "met",
-        None => "missed",
-        // A bound on the goal's side: met if the bound meets it.
-        Some(lower) if lower == at_least => {
-            if met {
-                "met"
-            } else {
-                "unknown"
-            }
-        }
-        // A bound on the other side: it can only show a miss.
-        Some(_) => {
-            if met {
-                "unknown"
-            } else {
-                "missed"
-            }
-        }
+    // A bound on the goal's side can only show a success, one on the other
+    // side only a miss.
+    let goal_side = bound.map(|lower| lower == at_least);
+    match (goal_side, met) {
+        (None, true) | (Some(true), true) => "met",
+        (None, false) | (Some(false), false) => "missed",
+        (Some(_), _) => "unknown",
     }
 }
 
@@ -536,7 +524,7 @@ pub struct AvailabilityArgs {
     #[arg(long)]
     pub quick: bool,
     /// The guest's counter period in ms (the downtime resolution).
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 2)]
     pub period_ms: u64,
     /// Working set of the dirty workload, MiB.
     #[arg(long, default_value_t = 64)]
