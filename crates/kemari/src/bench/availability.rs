@@ -173,6 +173,14 @@ pub fn run(opts: &Options) -> Result<(), AvailabilityError> {
                         ms(s.downtime),
                         ms(s.total)
                     );
+                    if opts.env.verbose {
+                        let steps: Vec<String> = s
+                            .phases
+                            .iter()
+                            .map(|(n, d)| format!("{n} {:.1}", ms(*d)))
+                            .collect();
+                        eprintln!("    steps (ms from the request): {}", steps.join(", "));
+                    }
                     results.samples.entry(cell).or_default().push(s);
                 }
                 Err(e) => {
@@ -539,6 +547,11 @@ pub struct AvailabilityArgs {
     /// Print every VMM's log after each measurement.
     #[arg(long)]
     pub verbose: bool,
+    /// Start the new kemari as soon as the old one has saved the state,
+    /// without waiting for its exit (reboot, snapshot, warm restart; not safe
+    /// with TAP devices): measures what the old process's exit costs.
+    #[arg(long)]
+    pub overlap_exit: bool,
     /// The kemari binary (default: next to this one).
     #[arg(long)]
     pub kemari: Option<PathBuf>,
@@ -569,6 +582,7 @@ impl AvailabilityArgs {
                 work_dir: self.work_dir,
                 kemari_log: self.kemari_log_level,
                 verbose: self.verbose,
+                overlap_exit: self.overlap_exit,
             },
             memory,
             rates: self.rates,
