@@ -381,10 +381,20 @@ fn print_goals(opts: &Options, rates: &[u64], r: &Results, local_mode: QemuLocal
         floor.as_millis(),
         floor.as_millis()
     );
-    let line = |what: String, text: String, goal: f64, at_least: bool| {
+    let line = |what: String,
+                num: Option<Duration>,
+                den: Option<Duration>,
+                floor: Duration,
+                goal: f64,
+                at_least: bool| {
+        let text = ratio(num, den, floor);
         let v = verdict(&text, goal, at_least);
         let cmp = if at_least { ">=" } else { "<=" };
-        println!("  {what:<62} {text:>22}  goal {cmp} {goal}x: {v}");
+        let figures = match (num, den) {
+            (Some(n), Some(d)) => format!(" ({:.1} / {:.1} ms)", ms(n), ms(d)),
+            _ => String::new(),
+        };
+        println!("  {what}: {text}{figures}, goal {cmp} {goal}x: {v}");
     };
     if large > small {
         let (ms_, ml) = (&opts.memory[small], &opts.memory[large]);
@@ -393,7 +403,9 @@ fn print_goals(opts: &Options, rates: &[u64], r: &Results, local_mode: QemuLocal
                 let c = |mem| Cell { op, rate: 0, mem };
                 line(
                     format!("{} downtime {ml} vs {ms_}", op.label()),
-                    ratio(r.downtime(c(large)), r.downtime(c(small)), floor),
+                    r.downtime(c(large)),
+                    r.downtime(c(small)),
+                    floor,
                     1.5,
                     false,
                 );
@@ -416,7 +428,9 @@ fn print_goals(opts: &Options, rates: &[u64], r: &Results, local_mode: QemuLocal
             let min = d.iter().flatten().min().copied();
             line(
                 format!("zero-copy downtime, max/min over dirty rates {rates:?}, {name}"),
-                ratio(max, min, floor),
+                max,
+                min,
+                floor,
                 1.5,
                 false,
             );
@@ -424,8 +438,8 @@ fn print_goals(opts: &Options, rates: &[u64], r: &Results, local_mode: QemuLocal
     }
     if has(Op::ZeroCopy) {
         println!(
-            "  {:<62} {:>22}  (TCP pre-copy live migration is not built yet)",
-            "zero-copy total time vs TCP pre-copy migration", "n/a"
+            "  zero-copy total time vs TCP pre-copy migration: n/a \
+             (TCP pre-copy live migration is not built yet)"
         );
     }
     let pairs = [
@@ -454,13 +468,17 @@ fn print_goals(opts: &Options, rates: &[u64], r: &Results, local_mode: QemuLocal
                         label(q, local_mode),
                         k.label()
                     ),
-                    ratio(r.downtime(qc), r.downtime(kc), floor),
+                    r.downtime(qc),
+                    r.downtime(kc),
+                    floor,
                     10.0,
                     true,
                 );
                 line(
                     format!("{} vs {}: total, {suffix}", label(q, local_mode), k.label()),
-                    ratio(r.total(qc), r.total(kc), Duration::from_micros(1)),
+                    r.total(qc),
+                    r.total(kc),
+                    Duration::from_micros(1),
                     10.0,
                     true,
                 );
