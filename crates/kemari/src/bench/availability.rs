@@ -6,6 +6,8 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::ops::{self, Env, Op, OpError, QemuLocalMode, Sample, Workload};
@@ -46,6 +48,12 @@ pub enum AvailabilityError {
     /// Every measurement failed.
     #[error("every measurement failed; the first: {0}")]
     AllFailed(#[source] OpError),
+    /// The signal handlers could not be installed.
+    #[error("cannot install signal handlers: {0}")]
+    Signals(#[source] std::io::Error),
+    /// SIGINT or SIGTERM: stopped after cleaning up.
+    #[error("interrupted: every VMM, socket, /dev/shm file and snapshot it made is gone")]
+    Interrupted,
 }
 
 /// One table cell: an operation at a memory size and dirty rate.
@@ -143,9 +151,19 @@ pub fn run(opts: &Options) -> Result<(), AvailabilityError> {
     let mut refused: Option<String> = None;
     let mut first_error = None;
     let mut seq = 0;
+    // Ctrl-C reaches the child VMMs too (same process group) and ends the
+    // measurement under way; the flag then stops the loop so that every drop
+    // guard runs instead of the process dying with files left behind.
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(sig, stop.clone()).map_err(AvailabilityError::Signals)?;
+    }
     // Interleave the cells run by run so that machine noise hits all alike.
     for run in 0..opts.runs {
         for &cell in &cells {
+            if stop.load(Ordering::SeqCst) {
+                return Err(AvailabilityError::Interrupted);
+            }
             seq += 1;
             let mem = &opts.memory[cell.mem];
             let w = Workload {
