@@ -1,6 +1,7 @@
 //! The `kemari` VMM process (one VM per process) and its control API.
 
 pub mod api;
+pub mod bench;
 pub mod cli;
 pub mod migration;
 pub mod vmm_process;

@@ -9,6 +9,9 @@
 //! `kemari-bench dirty-harvest`: the cost of one dirty-page harvest with 16
 //! pages dirtied by a vCPU, KVM dirty ring vs dirty bitmap, at 256 MiB to
 //! 16 GiB of guest memory (docs/dirty-tracking.md).
+//! `kemari-bench availability`: downtime and total time of whole-VM operations
+//! (snapshot/restore, warm restart, zero-copy migration) vs QEMU
+//! (`kemari::bench::availability`).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -63,6 +66,9 @@ enum Bench {
         #[arg(long, default_value_t = 1000)]
         rounds: usize,
     },
+    /// Whole-VM state: downtime and total time of reboot, snapshot/restore,
+    /// warm restart and zero-copy migration, kemari vs QEMU.
+    Availability(kemari::bench::availability::AvailabilityArgs),
 }
 
 fn main() -> ExitCode {
@@ -88,6 +94,16 @@ fn main() -> ExitCode {
         } => {
             let kemari = kemari.unwrap_or_else(|| sibling("kemari"));
             match boot_bench(&kernel, &cmdline, &memory, runs.max(1), &kemari, &qemu) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("kemari-bench: {e}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+        Bench::Availability(args) => {
+            let opts = args.options(sibling("kemari"));
+            match kemari::bench::availability::run(&opts) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("kemari-bench: {e}");

@@ -1,0 +1,148 @@
+//! kemari's operations: cold reboot, snapshot/restore, warm restart,
+//! zero-copy local migration, driven through its API as `kemarictl` does.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+use serde_json::json;
+
+use super::{
+    api, continued, outage, show_logs, spawn, timeout, unreachable_op, wait_exit,
+    wait_first_counter, wait_more_counters, wait_steady, Env, Op, OpError, Sample, Workload, STEP,
+};
+use crate::bench::procs::{wait_path, Scratch};
+
+fn kemari_boot(
+    env: &Env,
+    mem: &str,
+    w: &Workload,
+    api_sock: &Path,
+    memfile: Option<&Path>,
+) -> Command {
+    let mut c = Command::new(&env.kemari);
+    c.arg("--kernel")
+        .arg(&env.kernel)
+        .args(["--memory", mem, "--cmdline"])
+        .arg(w.cmdline())
+        .args(["--serial", "stdout", "--log-level", &env.kemari_log])
+        .arg("--api-socket")
+        .arg(api_sock);
+    if let Some(f) = memfile {
+        c.arg("--memory-file").arg(f);
+    }
+    c
+}
+
+fn kemari_new(env: &Env, flag: &str, from: &Path, api_sock: &Path) -> Command {
+    let mut c = Command::new(&env.kemari);
+    c.arg(flag)
+        .arg(from)
+        .args(["--serial", "stdout", "--log-level", &env.kemari_log])
+        .arg("--api-socket")
+        .arg(api_sock);
+    c
+}
+
+/// Measures one kemari operation.
+pub fn run_kemari(
+    env: &Env,
+    op: Op,
+    mem: &str,
+    w: &Workload,
+    seq: usize,
+) -> Result<Sample, OpError> {
+    let mut scratch = Scratch::create(&env.work_dir, seq).map_err(OpError::Scratch)?;
+    let api1 = scratch.path("api-1.sock");
+    let api2 = scratch.path("api-2.sock");
+    let memfile = (op == Op::Warm).then(|| scratch.shm_file("mem"));
+    let mut src = spawn(
+        "source kemari",
+        kemari_boot(env, mem, w, &api1, memfile.as_deref()),
+    )?;
+    let dirty_seen = wait_steady(&src, w)?;
+    let mut reported = None;
+    // A migration destination is ready before the clock starts.
+    let incoming = scratch.path("incoming.sock");
+    let mut pre_dst = None;
+    if op == Op::ZeroCopy {
+        let d = spawn(
+            "destination kemari",
+            kemari_new(env, "--incoming-local", &incoming, &api2),
+        )?;
+        if !wait_path(&incoming, STEP) {
+            return Err(timeout("the destination's socket", &d));
+        }
+        pre_dst = Some(d);
+        wait_more_counters(&src, 3)?;
+    }
+    let t0 = Instant::now();
+    let mut t_done = t0;
+    let mut phases = Vec::new();
+    let mut mark = |name: &'static str| phases.push((name, t0.elapsed()));
+    let dst = match op {
+        Op::Reboot => {
+            api(&api1, "shutdown", "PUT", "/vm/shutdown", None)?;
+            mark("request answered");
+            if !env.overlap_exit {
+                wait_exit(&mut src)?;
+                mark("old VMM exited");
+            }
+            spawn("rebooted kemari", kemari_boot(env, mem, w, &api2, None))?
+        }
+        Op::Snapshot | Op::Warm => {
+            let dir = scratch.path("state");
+            let (call, path, body) = if op == Op::Snapshot {
+                (
+                    "snapshot",
+                    "/vm/snapshot",
+                    json!({ "dir": dir, "exit": true }),
+                )
+            } else {
+                ("warm-restart", "/vm/warm-restart", json!({ "dir": dir }))
+            };
+            let r = api(&api1, call, "PUT", path, Some(body))?;
+            reported = r["paused_ms"].as_f64();
+            mark("request answered");
+            if !env.overlap_exit {
+                wait_exit(&mut src)?;
+                mark("old VMM exited");
+            }
+            spawn("restored kemari", kemari_new(env, "--restore", &dir, &api2))?
+        }
+        Op::ZeroCopy => {
+            let r = api(
+                &api1,
+                "migrate-local",
+                "PUT",
+                "/vm/migrate-local",
+                Some(json!({ "socket": incoming })),
+            )?;
+            t_done = Instant::now();
+            mark("request answered");
+            reported = r["downtime_ms"].as_f64();
+            wait_exit(&mut src)?;
+            mark("old VMM exited");
+            match pre_dst.take() {
+                Some(d) => d,
+                None => return Err(timeout("a destination", &src)),
+            }
+        }
+        _ => unreachable_op(op),
+    };
+    let t_first = wait_first_counter(&dst, t0)?;
+    phases.push(("first counter line", t_first - t0));
+    wait_exit(&mut src)?;
+    let o = outage(&src, &dst, t0, w)?;
+    if op != Op::Reboot {
+        continued(&o)?;
+    }
+    show_logs(env, &[&src, &dst]);
+    Ok(Sample {
+        downtime: o.downtime,
+        total: t_first.max(t_done) - t0,
+        dirty_seen,
+        reported_downtime_ms: reported,
+        phases,
+    })
+}

@@ -1,0 +1,317 @@
+//! The whole-VM operations measured by `kemari-bench availability`, each run
+//! once from a freshly booted source VM to the first counter line of the VM's
+//! next VMM process.
+//!
+//! Every operation starts its clock when the bench issues the request (an API
+//! call, as `kemarictl` sends it, or a QMP command); a migration destination is
+//! started and ready *before* the clock starts, for kemari and QEMU alike.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use super::console::{self, Line, Outage};
+use super::procs::Vmm;
+use super::qmp::QmpError;
+use crate::api::client::{request, ClientError};
+
+mod kemari;
+mod qemu;
+
+pub use kemari::run_kemari;
+pub use qemu::run_qemu;
+
+/// How long any single step may take before the measurement fails.
+const STEP: Duration = Duration::from_secs(60);
+
+/// Errors of one measurement.
+#[derive(Debug, thiserror::Error)]
+pub enum OpError {
+    /// A process could not be started.
+    #[error("cannot start {what}: {source}")]
+    Spawn {
+        /// Which process.
+        what: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Scratch files could not be made.
+    #[error("scratch directory: {0}")]
+    Scratch(#[source] std::io::Error),
+    /// kemari's API refused or failed.
+    #[error("kemari API {call}: {source}")]
+    Api {
+        /// The call.
+        call: &'static str,
+        /// The cause.
+        #[source]
+        source: ClientError,
+    },
+    /// QMP failed.
+    #[error(transparent)]
+    Qmp(#[from] QmpError),
+    /// QEMU refused `x-ignore-shared`: the caller may fall back.
+    #[error("QEMU refused x-ignore-shared: {0}")]
+    IgnoreSharedRefused(String),
+    /// A VMM did not reach a point in time.
+    #[error("timed out waiting for {what} ({tail})")]
+    Timeout {
+        /// What was awaited.
+        what: String,
+        /// The VMM's last output.
+        tail: String,
+    },
+    /// The guest did not continue where it stopped.
+    #[error("the guest restarted instead of continuing: last count {last_old}, then {first_new}")]
+    NotContinued {
+        /// The old VMM's last count.
+        last_old: u64,
+        /// The new VMM's first.
+        first_new: u64,
+    },
+}
+
+/// The guest workload of a measurement.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    /// `counter=` period.
+    pub period: Duration,
+    /// Pages dirtied per second (0: no dirty workload).
+    pub dirty_rate: u64,
+    /// Working set of the dirty workload, MiB.
+    pub working_set_mib: u64,
+}
+
+impl Workload {
+    /// The guest command line.
+    pub fn cmdline(&self) -> String {
+        let mut c = format!("counter={}", self.period.as_millis());
+        if self.dirty_rate > 0 {
+            c.push_str(&format!(
+                " dirty={},{}",
+                self.dirty_rate, self.working_set_mib
+            ));
+        }
+        c
+    }
+}
+
+/// What the bench needs to start VMMs.
+#[derive(Debug, Clone)]
+pub struct Env {
+    /// The test guest ELF.
+    pub kernel: PathBuf,
+    /// The kemari binary.
+    pub kemari: PathBuf,
+    /// The QEMU binary.
+    pub qemu: String,
+    /// Where scratch directories go (a disk file system: snapshots land there).
+    pub work_dir: PathBuf,
+    /// `--log-level` for kemari (its log is printed with `verbose`).
+    pub kemari_log: String,
+    /// Print each VMM's log after each measurement.
+    pub verbose: bool,
+    /// kemari reboot/snapshot/warm restart: start the new VMM as soon as the
+    /// old one has answered (state saved), not after it has exited. Shows
+    /// what the old process's exit costs; unsafe with TAP devices, which
+    /// the old process holds until it exits.
+    pub overlap_exit: bool,
+}
+
+/// One measurement.
+#[derive(Debug, Clone, Default)]
+pub struct Sample {
+    /// Guest-visible downtime.
+    pub downtime: Duration,
+    /// Request issued to the VM running in its new VMM.
+    pub total: Duration,
+    /// Dirty pages/s the guest reported last before the operation.
+    pub dirty_seen: Option<u64>,
+    /// The VMM's own downtime figure, when it reports one (ms).
+    pub reported_downtime_ms: Option<f64>,
+    /// When each step ended, from the request (printed with `--verbose`).
+    pub phases: Vec<(&'static str, Duration)>,
+}
+
+/// The operations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, clap::ValueEnum)]
+pub enum Op {
+    /// kemari: stop the VMM, boot a fresh one (the counter restarts).
+    Reboot,
+    /// kemari: `snapshot --exit` to disk, then `kemari --restore`.
+    Snapshot,
+    /// kemari: warm restart (memory kept in /dev/shm), then `kemari --restore`.
+    Warm,
+    /// kemari: zero-copy local migration.
+    ZeroCopy,
+    /// QEMU: stop, `migrate` to a file, quit, new QEMU with `-incoming`.
+    QemuFile,
+    /// QEMU: the same with shared memory and `x-ignore-shared` (memory stays
+    /// in /dev/shm: QEMU 7.2's closest warm restart).
+    QemuWarm,
+    /// QEMU: local live migration over a Unix socket with `x-ignore-shared`.
+    QemuLocal,
+    /// QEMU: local live migration over a Unix socket, memory copied (what
+    /// zero-copy migration replaces).
+    QemuLocalCopy,
+}
+
+impl Op {
+    /// Every operation, in table order.
+    pub const ALL: [Op; 8] = [
+        Op::Reboot,
+        Op::Snapshot,
+        Op::Warm,
+        Op::ZeroCopy,
+        Op::QemuFile,
+        Op::QemuWarm,
+        Op::QemuLocal,
+        Op::QemuLocalCopy,
+    ];
+
+    /// Table label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Op::Reboot => "kemari cold reboot",
+            Op::Snapshot => "kemari snapshot+restore",
+            Op::Warm => "kemari warm restart",
+            Op::ZeroCopy => "kemari zero-copy migration",
+            Op::QemuFile => "qemu migrate-to-file+restore",
+            Op::QemuWarm => "qemu x-ignore-shared file+restore",
+            Op::QemuLocal => "qemu local migration",
+            Op::QemuLocalCopy => "qemu local migration (copy, unix:)",
+        }
+    }
+
+    /// Whether the operation is measured under several dirty rates.
+    pub fn takes_dirty_rates(self) -> bool {
+        matches!(self, Op::ZeroCopy | Op::QemuLocal | Op::QemuLocalCopy)
+    }
+}
+
+/// Options of the QEMU local migration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QemuLocalMode {
+    /// Shared memory backend + `x-ignore-shared` on both sides.
+    IgnoreShared,
+    /// A plain migration over the Unix socket (the fallback).
+    Plain,
+}
+
+fn spawn(what: &str, cmd: Command) -> Result<Vmm, OpError> {
+    Vmm::spawn(what, cmd).map_err(|source| OpError::Spawn {
+        what: what.to_owned(),
+        source,
+    })
+}
+
+fn api(
+    socket: &Path,
+    call: &'static str,
+    method: &str,
+    path: &str,
+    body: Option<serde_json::Value>,
+) -> Result<serde_json::Value, OpError> {
+    request(socket, method, path, body.as_ref()).map_err(|source| OpError::Api { call, source })
+}
+
+fn timeout(what: &str, vmm: &Vmm) -> OpError {
+    OpError::Timeout {
+        what: what.to_owned(),
+        tail: vmm.tail(),
+    }
+}
+
+/// Waits for the guest's steady state: some counter lines and, with a dirty
+/// workload, its first rate report (the workload has run a full second).
+fn wait_steady(vmm: &Vmm, w: &Workload) -> Result<Option<u64>, OpError> {
+    let need_dirty = w.dirty_rate > 0;
+    let got = vmm.console.wait_for(STEP, |lines: &[Line]| {
+        let counters = lines
+            .iter()
+            .filter(|l| console::parse_counter(&l.text).is_some())
+            .count();
+        let dirty = last_dirty_rate(lines);
+        (counters >= 10 && (!need_dirty || dirty.is_some())).then_some(dirty)
+    });
+    got.ok_or_else(|| timeout("the guest's steady state", vmm))
+}
+
+/// Waits until `vmm` has printed `n` more counter lines: lets the machine
+/// settle after a destination VMM started, so its start does not overlap the
+/// measurement.
+fn wait_more_counters(vmm: &Vmm, n: usize) -> Result<(), OpError> {
+    let count = |lines: &[Line]| {
+        lines
+            .iter()
+            .filter(|l| console::parse_counter(&l.text).is_some())
+            .count()
+    };
+    let have = count(&vmm.console.lines());
+    vmm.console
+        .wait_for(STEP, |lines: &[Line]| {
+            (count(lines) >= have + n).then_some(())
+        })
+        .ok_or_else(|| timeout("counter lines after the destination started", vmm))
+}
+
+/// The rate of the last `dirty: rate=<n> ...` report.
+fn last_dirty_rate(lines: &[Line]) -> Option<u64> {
+    lines.iter().rev().find_map(|l| {
+        l.text
+            .strip_prefix("dirty: rate=")?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()
+    })
+}
+
+/// Waits for the new VMM's first counter line at or after `since`; returns
+/// its arrival time.
+fn wait_first_counter(vmm: &Vmm, since: Instant) -> Result<Instant, OpError> {
+    vmm.console
+        .wait_for(STEP, |lines: &[Line]| {
+            console::first_counter_after(lines, since).map(|(t, _)| t)
+        })
+        .ok_or_else(|| timeout("the first counter line of the new VMM", vmm))
+}
+
+fn wait_exit(vmm: &mut Vmm) -> Result<(), OpError> {
+    vmm.wait_exit(STEP)
+        .map(|_| ())
+        .ok_or_else(|| timeout("the old VMM to exit", vmm))
+}
+
+fn outage(old: &Vmm, new: &Vmm, since: Instant, w: &Workload) -> Result<Outage, OpError> {
+    console::outage(&old.console.lines(), &new.console.lines(), since, w.period)
+        .ok_or_else(|| timeout("counter lines on both sides", new))
+}
+
+fn continued(o: &Outage) -> Result<(), OpError> {
+    if o.continued() {
+        Ok(())
+    } else {
+        Err(OpError::NotContinued {
+            last_old: o.last_old,
+            first_new: o.first_new,
+        })
+    }
+}
+
+fn show_logs(env: &Env, vmms: &[&Vmm]) {
+    if !env.verbose {
+        return;
+    }
+    for v in vmms {
+        for l in v.log.lines() {
+            eprintln!("    [{}] {}", v.name, l.text);
+        }
+    }
+}
+
+fn unreachable_op(op: Op) -> ! {
+    // The callers dispatch kemari and QEMU operations separately.
+    panic!("operation {op:?} dispatched to the wrong runner")
+}
