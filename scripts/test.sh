@@ -6,7 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 cargo build -p guest --target x86_64-unknown-none --release
-cargo build --workspace --release
 cargo test --workspace -- --test-threads=2
 if [[ "${KEMARI_LAB:-0}" == 1 ]]; then
   sh lab/ci.sh
