@@ -71,6 +71,12 @@ impl Drop for Bridge {
     }
 }
 
+/// One scenario at a time: each runs two VMMs with polling guests.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn port(n: u16) -> u16 {
     20000 + (std::process::id() % 2000) as u16 * 4 + n
 }
@@ -168,6 +174,7 @@ fn live_migration_keeps_counter_disk_and_tcp() {
     if !have_kvm() {
         return;
     }
+    let _turn = one_at_a_time();
     let dir = scratch("lm-ok");
     let br = Bridge::create("o", 21);
     let disk = disk_image(&dir);
@@ -196,6 +203,7 @@ fn heavy_dirtier_converges_or_stops_at_the_round_limit() {
     if !have_kvm() {
         return;
     }
+    let _turn = one_at_a_time();
     let dir = scratch("lm-dirty");
     let br = Bridge::create("d", 22);
     let disk = disk_image(&dir);
@@ -228,6 +236,7 @@ fn wrong_key_is_refused_and_the_source_runs_on() {
     if !have_kvm() {
         return;
     }
+    let _turn = one_at_a_time();
     let dir = scratch("lm-key");
     let br = Bridge::create("k", 23);
     let disk = disk_image(&dir);
@@ -254,6 +263,7 @@ fn destination_killed_mid_migration_leaves_the_source_running() {
     if !have_kvm() {
         return;
     }
+    let _turn = one_at_a_time();
     let dir = scratch("lm-kill-dst");
     let br = Bridge::create("x", 24);
     let disk = disk_image(&dir);
@@ -285,6 +295,7 @@ fn source_killed_mid_migration_leaves_nothing_half_made() {
     if !have_kvm() {
         return;
     }
+    let _turn = one_at_a_time();
     let dir = scratch("lm-kill-src");
     let br = Bridge::create("y", 25);
     let disk = disk_image(&dir);
@@ -370,6 +381,7 @@ fn link_cut_mid_migration_leaves_the_source_running() {
     if !have_kvm() {
         return;
     }
+    let _turn = one_at_a_time();
     let dir = scratch("lm-cut");
     let br = Bridge::create("c", 26);
     let disk = disk_image(&dir);
