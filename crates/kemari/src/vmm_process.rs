@@ -265,84 +265,68 @@ fn handle_api(
     }
 }
 
-/// Pauses the machine if it runs; returns whether it did.
-fn pause_for_save(machine: &mut Machine) -> Result<bool, MachineError> {
-    if machine.state() == RunState::Running {
-        machine.pause()?;
-        Ok(true)
-    } else {
-        Ok(false)
-    }
-}
-
-fn resume_after_failure(machine: &mut Machine, was_running: bool) {
+/// Pauses the machine (if it runs), saves its state and writes it with
+/// `write`; on failure resumes the machine. Returns the write's figures, the
+/// pause time so far and whether the machine was running.
+fn pause_and_save(
+    machine: &mut Machine,
+    write: impl FnOnce(
+        &vmm::persist::VmState,
+        &vmm::memory::GuestMemoryFile,
+    ) -> Result<snapshot::SnapshotStats, SnapshotError>,
+) -> Result<(snapshot::SnapshotStats, u64, bool), String> {
+    let started = Instant::now();
+    let was_running = machine.state() == RunState::Running;
     if was_running {
-        if let Err(e) = machine.resume() {
-            tracing::error!(error = %e, "cannot resume the VM after a failed save");
+        machine.pause().map_err(|e| e.to_string())?;
+    }
+    let saved = machine
+        .save_state()
+        .map_err(|e| e.to_string())
+        .and_then(|state| write(&state, machine.memory_file()).map_err(|e| e.to_string()));
+    match saved {
+        Ok(stats) => Ok((stats, started.elapsed().as_millis() as u64, was_running)),
+        Err(e) => {
+            if was_running {
+                if let Err(re) = machine.resume() {
+                    tracing::error!(error = %re, "cannot resume the VM after a failed save");
+                }
+            }
+            Err(e)
         }
     }
 }
 
 fn snapshot_full(machine: &mut Machine, dir: &std::path::Path, exit: bool) -> (ApiResponse, After) {
-    let started = Instant::now();
-    let was_running = match pause_for_save(machine) {
-        Ok(r) => r,
-        Err(e) => return (ApiResponse::error(500, e), After::Continue),
-    };
-    let saved = machine
-        .save_state()
-        .map_err(|e| e.to_string())
-        .and_then(|state| {
-            snapshot::save_full(dir, &state, machine.memory_file()).map_err(|e| e.to_string())
-        });
-    match saved {
-        Err(e) => {
-            resume_after_failure(machine, was_running);
-            (ApiResponse::error(500, e), After::Continue)
-        }
-        Ok(stats) => {
-            let paused_ms = started.elapsed().as_millis() as u64;
-            tracing::info!(dir = %dir.display(), paused_ms, "snapshot written");
-            let body = json!({
-                "dir": dir,
-                "state_bytes": stats.state_bytes,
-                "memory_bytes_written": stats.memory.bytes_written,
-                "memory_bytes_scanned": stats.memory.bytes_scanned,
-                "paused_ms": paused_ms,
-                "exit": exit,
-            });
-            if exit {
-                return (ApiResponse::ok(body), After::Exit);
-            }
-            if was_running {
-                if let Err(e) = machine.resume() {
-                    return (ApiResponse::error(500, e), After::Continue);
-                }
-            }
-            (ApiResponse::ok(body), After::Continue)
+    let (stats, paused_ms, was_running) =
+        match pause_and_save(machine, |state, mem| snapshot::save_full(dir, state, mem)) {
+            Ok(r) => r,
+            Err(e) => return (ApiResponse::error(500, e), After::Continue),
+        };
+    tracing::info!(dir = %dir.display(), paused_ms, "snapshot written");
+    let body = json!({
+        "dir": dir,
+        "state_bytes": stats.state_bytes,
+        "memory_bytes_written": stats.memory.bytes_written,
+        "memory_bytes_scanned": stats.memory.bytes_scanned,
+        "paused_ms": paused_ms,
+        "exit": exit,
+    });
+    if exit {
+        return (ApiResponse::ok(body), After::Exit);
+    }
+    if was_running {
+        if let Err(e) = machine.resume() {
+            return (ApiResponse::error(500, e), After::Continue);
         }
     }
+    (ApiResponse::ok(body), After::Continue)
 }
 
 fn warm_restart(machine: &mut Machine, dir: &std::path::Path) -> (ApiResponse, After) {
-    let started = Instant::now();
-    let was_running = match pause_for_save(machine) {
-        Ok(r) => r,
-        Err(e) => return (ApiResponse::error(500, e), After::Continue),
-    };
-    let saved = machine
-        .save_state()
-        .map_err(|e| e.to_string())
-        .and_then(|state| {
-            snapshot::save_warm(dir, &state, machine.memory_file()).map_err(|e| e.to_string())
-        });
-    match saved {
-        Err(e) => {
-            resume_after_failure(machine, was_running);
-            (ApiResponse::error(409, e), After::Continue)
-        }
-        Ok(stats) => {
-            let paused_ms = started.elapsed().as_millis() as u64;
+    match pause_and_save(machine, |state, mem| snapshot::save_warm(dir, state, mem)) {
+        Err(e) => (ApiResponse::error(409, e), After::Continue),
+        Ok((stats, paused_ms, _)) => {
             tracing::info!(dir = %dir.display(), paused_ms, "warm restart: state saved, exiting");
             (
                 ApiResponse::ok(json!({

@@ -252,14 +252,7 @@ impl Machine {
         gate: Arc<dyn OutputGate>,
         taps: Vec<std::fs::File>,
     ) -> Result<Self, MachineError> {
-        state.validate().map_err(MachineError::InvalidState)?;
-        if memory_file.size() != state.memory.size {
-            return Err(MachineError::InvalidState(format!(
-                "guest memory is {} bytes, the state needs {}",
-                memory_file.size(),
-                state.memory.size
-            )));
-        }
+        check_restorable(state, &memory_file)?;
         Self::assemble(
             state.config.clone(),
             memory_file,
@@ -294,14 +287,7 @@ impl Machine {
         gate: Arc<dyn OutputGate>,
         taps: Vec<std::fs::File>,
     ) -> Result<Self, MachineError> {
-        state.validate().map_err(MachineError::InvalidState)?;
-        if prepared.memory_file.size() != state.memory.size {
-            return Err(MachineError::InvalidState(format!(
-                "guest memory is {} bytes, the state needs {}",
-                prepared.memory_file.size(),
-                state.memory.size
-            )));
-        }
+        check_restorable(state, &prepared.memory_file)?;
         Self::assemble_in(
             state.config.clone(),
             prepared,
@@ -841,6 +827,19 @@ impl Machine {
         self.event_loop = None;
         tracing::info!("machine shut down");
     }
+}
+
+/// Checks that `state` is consistent and fits `memory`.
+fn check_restorable(state: &VmState, memory: &GuestMemoryFile) -> Result<(), MachineError> {
+    state.validate().map_err(MachineError::InvalidState)?;
+    if memory.size() != state.memory.size {
+        return Err(MachineError::InvalidState(format!(
+            "guest memory is {} bytes, the state needs {}",
+            memory.size(),
+            state.memory.size
+        )));
+    }
+    Ok(())
 }
 
 /// A RARP "request reverse" broadcast from `mac`, behind a zeroed virtio-net

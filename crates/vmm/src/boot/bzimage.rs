@@ -31,8 +31,7 @@ use linux_loader::configurator::{BootConfigurator, BootParams};
 use linux_loader::loader::bootparam::{boot_e820_entry, boot_params};
 use linux_loader::loader::bzimage::BzImage;
 use linux_loader::loader::KernelLoader;
-use vm_memory::bitmap::Bitmap;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, ReadVolatile};
+use vm_memory::{Bytes, GuestAddress};
 
 use crate::boot::memmap;
 use crate::layout;
@@ -335,29 +334,14 @@ fn load_initramfs(
     kernel_end: u64,
     initrd_addr_max: u32,
 ) -> Result<(u64, u64), BzImageError> {
-    let err = |reason: String| BzImageError::Initramfs {
-        path: path.to_path_buf(),
-        reason,
-    };
-    let mut f = File::open(path).map_err(|e| err(e.to_string()))?;
-    let size = f.metadata().map_err(|e| err(e.to_string()))?.len();
     // initrd_addr_max is the highest address the last byte may occupy.
     let top = mem_size
         .min(layout::MMIO_GAP_START)
         .min(u64::from(initrd_addr_max) + 1);
-    let addr = top
-        .checked_sub(size)
-        .map(|a| a & !0xfff)
-        .filter(|&a| a >= kernel_end.max(layout::HIGH_MEMORY_START))
-        .ok_or_else(|| err(format!("{size} bytes do not fit below {top:#x}")))?;
-    let slice = mem
-        .get_slice(GuestAddress(addr), size as usize)
-        .map_err(|e| err(e.to_string()))?;
-    f.read_exact_volatile(&mut slice.clone())
-        .map_err(|e| err(e.to_string()))?;
-    // Keep dirty tracking honest: this write bypassed `Bytes`.
-    slice.bitmap().mark_dirty(0, size as usize);
-    Ok((addr, size))
+    super::place_initramfs(mem, path, top, kernel_end).map_err(|reason| BzImageError::Initramfs {
+        path: path.to_path_buf(),
+        reason,
+    })
 }
 
 #[cfg(test)]

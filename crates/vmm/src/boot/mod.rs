@@ -45,3 +45,32 @@ pub enum BootError {
     #[error("cannot write {0} to guest memory")]
     Write(&'static str),
 }
+
+/// Copies the file at `path` into guest memory at the highest page-aligned
+/// address whose end stays below `top` and whose start stays above the kernel
+/// and the legacy area. Returns (address, size) or why it cannot.
+pub fn place_initramfs(
+    mem: &crate::memory::GuestMemoryMmap,
+    path: &std::path::Path,
+    top: u64,
+    kernel_end: u64,
+) -> Result<(u64, u64), String> {
+    use vm_memory::bitmap::Bitmap;
+    use vm_memory::{GuestAddress, GuestMemoryBackend, ReadVolatile};
+
+    let mut f = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let size = f.metadata().map_err(|e| e.to_string())?.len();
+    let addr = top
+        .checked_sub(size)
+        .map(|a| a & !0xfff)
+        .filter(|&a| a >= kernel_end.max(crate::layout::HIGH_MEMORY_START))
+        .ok_or_else(|| format!("{size} bytes do not fit below {top:#x}"))?;
+    let slice = mem
+        .get_slice(GuestAddress(addr), size as usize)
+        .map_err(|e| e.to_string())?;
+    f.read_exact_volatile(&mut slice.clone())
+        .map_err(|e| e.to_string())?;
+    // Keep dirty tracking honest: this write bypassed `Bytes`.
+    slice.bitmap().mark_dirty(0, size as usize);
+    Ok((addr, size))
+}

@@ -14,8 +14,7 @@ use linux_loader::loader::elf::start_info::{
 };
 use linux_loader::loader::elf::{Elf, PvhBootCapability};
 use linux_loader::loader::{load_cmdline, KernelLoader};
-use vm_memory::bitmap::Bitmap;
-use vm_memory::{GuestAddress, GuestMemoryBackend, ReadVolatile};
+use vm_memory::GuestAddress;
 
 use super::memmap::memory_map;
 use super::BootError;
@@ -146,26 +145,11 @@ pub fn load_initramfs(
     path: &Path,
     kernel_end: u64,
 ) -> Result<(u64, u64), BootError> {
-    let err = |reason: String| BootError::Initramfs {
+    let top = mem_size.min(layout::MMIO_GAP_START);
+    super::place_initramfs(mem, path, top, kernel_end).map_err(|reason| BootError::Initramfs {
         path: path.to_path_buf(),
         reason,
-    };
-    let mut f = File::open(path).map_err(|e| err(e.to_string()))?;
-    let size = f.metadata().map_err(|e| err(e.to_string()))?.len();
-    let top = mem_size.min(layout::MMIO_GAP_START);
-    let addr = top
-        .checked_sub(size)
-        .map(|a| a & !0xfff)
-        .filter(|&a| a >= kernel_end.max(layout::HIGH_MEMORY_START))
-        .ok_or_else(|| err(format!("{size} bytes do not fit in guest memory")))?;
-    let slice = mem
-        .get_slice(GuestAddress(addr), size as usize)
-        .map_err(|e| err(e.to_string()))?;
-    f.read_exact_volatile(&mut slice.clone())
-        .map_err(|e| err(e.to_string()))?;
-    // Keep dirty tracking honest: this write bypassed `Bytes`.
-    slice.bitmap().mark_dirty(0, size as usize);
-    Ok((addr, size))
+    })
 }
 
 #[cfg(test)]
