@@ -240,7 +240,7 @@ fn measure(
     local_mode: QemuLocalMode,
 ) -> Result<Sample, OpError> {
     match op {
-        Op::Reboot | Op::Snapshot | Op::Warm | Op::ZeroCopy => {
+        Op::Reboot | Op::Snapshot | Op::Warm | Op::ZeroCopy | Op::Precopy => {
             ops::run_kemari(env, op, mem, w, seq)
         }
         Op::QemuFile | Op::QemuWarm | Op::QemuLocal => {
@@ -454,11 +454,45 @@ fn print_goals(opts: &Options, rates: &[u64], r: &Results, local_mode: QemuLocal
             );
         }
     }
-    if has(Op::ZeroCopy) {
-        println!(
-            "  zero-copy total time vs TCP pre-copy migration: n/a \
-             (TCP pre-copy live migration is not built yet)"
-        );
+    if has(Op::ZeroCopy) && has(Op::Precopy) {
+        for &rate in rates {
+            for (mem, name) in opts.memory.iter().enumerate() {
+                let c = |op| Cell { op, rate, mem };
+                line(
+                    format!("TCP pre-copy vs zero-copy: total, {name}, dirty {rate}/s"),
+                    r.total(c(Op::Precopy)),
+                    r.total(c(Op::ZeroCopy)),
+                    Duration::from_micros(1),
+                    20.0,
+                    true,
+                );
+            }
+        }
+    }
+    if has(Op::Precopy) && has(Op::QemuLocalCopy) {
+        for &rate in rates {
+            for (mem, name) in opts.memory.iter().enumerate() {
+                let c = |op| Cell { op, rate, mem };
+                line(
+                    format!("kemari pre-copy vs qemu copying migration: downtime, {name}, dirty {rate}/s"),
+                    r.downtime(c(Op::Precopy)),
+                    r.downtime(c(Op::QemuLocalCopy)),
+                    floor,
+                    0.5,
+                    false,
+                );
+                line(
+                    format!(
+                        "kemari pre-copy vs qemu copying migration: total, {name}, dirty {rate}/s"
+                    ),
+                    r.total(c(Op::Precopy)),
+                    r.total(c(Op::QemuLocalCopy)),
+                    Duration::from_micros(1),
+                    1.0,
+                    false,
+                );
+            }
+        }
     }
     let pairs = [
         (Op::Snapshot, Op::QemuFile),

@@ -1,5 +1,6 @@
 //! kemari's operations: cold reboot, snapshot/restore, warm restart,
-//! zero-copy local migration, driven through its API as `kemarictl` does.
+//! zero-copy local migration, TCP pre-copy live migration, driven through its
+//! API as `kemarictl` does.
 
 use std::path::Path;
 use std::process::Command;
@@ -65,6 +66,11 @@ pub fn run_kemari(
     // A migration destination is ready before the clock starts.
     let incoming = scratch.path("incoming.sock");
     let mut pre_dst = None;
+    let key = scratch.path("migration.key");
+    let to = format!(
+        "127.0.0.1:{}",
+        30000 + (std::process::id() % 1000) * 20 + (seq % 20) as u32
+    );
     if op == Op::ZeroCopy {
         let d = spawn(
             "destination kemari",
@@ -73,6 +79,21 @@ pub fn run_kemari(
         if !wait_path(&incoming, STEP) {
             return Err(timeout("the destination's socket", &d));
         }
+        pre_dst = Some(d);
+        wait_more_counters(&src, 3)?;
+    }
+    if op == Op::Precopy {
+        std::fs::write(&key, "kemari-bench-precopy-key-0123456789").map_err(OpError::Scratch)?;
+        let mut c = Command::new(&env.kemari);
+        c.args(["--incoming", &to, "--migration-key-file"])
+            .arg(&key)
+            .args(["--serial", "stdout", "--log-level", &env.kemari_log])
+            .arg("--api-socket")
+            .arg(&api2);
+        let d = spawn("destination kemari", c)?;
+        // Probing the port would be taken for the migration: the destination
+        // listens within a few milliseconds of starting.
+        std::thread::sleep(std::time::Duration::from_millis(300));
         pre_dst = Some(d);
         wait_more_counters(&src, 3)?;
     }
@@ -117,6 +138,24 @@ pub fn run_kemari(
                 "PUT",
                 "/vm/migrate-local",
                 Some(json!({ "socket": incoming })),
+            )?;
+            t_done = Instant::now();
+            mark("request answered");
+            reported = r["downtime_ms"].as_f64();
+            wait_exit(&mut src)?;
+            mark("old VMM exited");
+            match pre_dst.take() {
+                Some(d) => d,
+                None => return Err(timeout("a destination", &src)),
+            }
+        }
+        Op::Precopy => {
+            let r = api(
+                &api1,
+                "migrate",
+                "PUT",
+                "/vm/migrate",
+                Some(json!({ "to": to, "key_file": key })),
             )?;
             t_done = Instant::now();
             mark("request answered");

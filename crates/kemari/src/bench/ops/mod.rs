@@ -145,6 +145,8 @@ pub enum Op {
     Warm,
     /// kemari: zero-copy local migration.
     ZeroCopy,
+    /// kemari: pre-copy live migration over TCP (loopback), memory copied.
+    Precopy,
     /// QEMU: stop, `migrate` to a file, quit, new QEMU with `-incoming`.
     QemuFile,
     /// QEMU: the same with shared memory and `x-ignore-shared` (memory stays
@@ -159,11 +161,12 @@ pub enum Op {
 
 impl Op {
     /// Every operation, in table order.
-    pub const ALL: [Op; 8] = [
+    pub const ALL: [Op; 9] = [
         Op::Reboot,
         Op::Snapshot,
         Op::Warm,
         Op::ZeroCopy,
+        Op::Precopy,
         Op::QemuFile,
         Op::QemuWarm,
         Op::QemuLocal,
@@ -177,6 +180,7 @@ impl Op {
             Op::Snapshot => "kemari snapshot+restore",
             Op::Warm => "kemari warm restart",
             Op::ZeroCopy => "kemari zero-copy migration",
+            Op::Precopy => "kemari TCP pre-copy migration",
             Op::QemuFile => "qemu migrate-to-file+restore",
             Op::QemuWarm => "qemu x-ignore-shared file+restore",
             Op::QemuLocal => "qemu local migration",
@@ -186,7 +190,10 @@ impl Op {
 
     /// Whether the operation is measured under several dirty rates.
     pub fn takes_dirty_rates(self) -> bool {
-        matches!(self, Op::ZeroCopy | Op::QemuLocal | Op::QemuLocalCopy)
+        matches!(
+            self,
+            Op::ZeroCopy | Op::Precopy | Op::QemuLocal | Op::QemuLocalCopy
+        )
     }
 }
 
