@@ -174,19 +174,7 @@ fn corrupt_truncated_and_foreign_state_is_refused_and_nothing_is_lost() {
     }
     let _turn = one_at_a_time();
     let dir = scratch("av-bad");
-    let mut vmm = spawn_vmm(
-        &[
-            "--kernel".into(),
-            guest_elf().display().to_string(),
-            "--memory".into(),
-            "128M".into(),
-            "--cmdline".into(),
-            "counter=100".into(),
-        ],
-        &dir.join("console-1.log"),
-        &dir.join("api-1.sock"),
-        &[],
-    );
+    let mut vmm = counting_vm(&dir);
     wait_for("counter", Duration::from_secs(30), || {
         counters(&vmm.console).len() >= 3
     });
@@ -267,19 +255,7 @@ fn warm_restart_without_a_named_memory_file_is_refused_and_the_vm_runs_on() {
     }
     let _turn = one_at_a_time();
     let dir = scratch("av-warm-memfd");
-    let vmm = spawn_vmm(
-        &[
-            "--kernel".into(),
-            guest_elf().display().to_string(),
-            "--memory".into(),
-            "128M".into(),
-            "--cmdline".into(),
-            "counter=100".into(),
-        ],
-        &dir.join("console-1.log"),
-        &dir.join("api-1.sock"),
-        &[],
-    );
+    let vmm = counting_vm(&dir);
     wait_for("counter", Duration::from_secs(30), || {
         counters(&vmm.console).len() >= 2
     });
@@ -372,4 +348,21 @@ fn several_vms_warm_restart_in_parallel() {
         assert!(ctl(&new.api, &["shutdown"]).status.success());
         let _ = std::fs::remove_file(memfile);
     }
+}
+
+/// A 128 MiB test guest that only counts, with its console and API in `dir`.
+fn counting_vm(dir: &std::path::Path) -> Vmm {
+    spawn_vmm(
+        &[
+            "--kernel".into(),
+            guest_elf().display().to_string(),
+            "--memory".into(),
+            "128M".into(),
+            "--cmdline".into(),
+            "counter=100".into(),
+        ],
+        &dir.join("console-1.log"),
+        &dir.join("api-1.sock"),
+        &[],
+    )
 }

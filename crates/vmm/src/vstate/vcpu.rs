@@ -229,23 +229,7 @@ impl Vcpu {
         };
         match entry {
             BootEntry::Pvh { entry, start_info } => {
-                let code = flat_segment(0x10, 0xb, false);
-                let data = flat_segment(0x18, 0x3, false);
-                sregs.cs = code;
-                sregs.ds = data;
-                sregs.es = data;
-                sregs.fs = data;
-                sregs.gs = data;
-                sregs.ss = data;
-                sregs.tr = kvm_segment {
-                    base: 0,
-                    limit: 0x67,
-                    selector: 0x20,
-                    type_: 0xb,
-                    present: 1,
-                    s: 0,
-                    ..Default::default()
-                };
+                set_flat_segments(&mut sregs, 0x10, 0x18, 0x20, false);
                 sregs.cr0 = 0x11; // PE | ET
                 sregs.cr4 = 0;
                 sregs.efer = 0;
@@ -258,25 +242,9 @@ impl Vcpu {
                 page_tables,
                 gdt,
             } => {
-                let code = flat_segment(0x08, 0xb, true);
-                let data = flat_segment(0x10, 0x3, false);
                 sregs.gdt.base = gdt;
                 sregs.gdt.limit = 0x1f;
-                sregs.cs = code;
-                sregs.ds = data;
-                sregs.es = data;
-                sregs.fs = data;
-                sregs.gs = data;
-                sregs.ss = data;
-                sregs.tr = kvm_segment {
-                    base: 0,
-                    limit: 0x67,
-                    selector: 0x18,
-                    type_: 0xb,
-                    present: 1,
-                    s: 0,
-                    ..Default::default()
-                };
+                set_flat_segments(&mut sregs, 0x08, 0x10, 0x18, true);
                 sregs.cr3 = page_tables;
                 sregs.cr4 = 0x20; // PAE
                 sregs.cr0 = 0x8000_0011; // PG | ET | PE
@@ -585,6 +553,33 @@ impl VcpuRunner {
         }
         Flow::Continue
     }
+}
+
+/// Flat code and data segments (base 0, 4 GiB) and a 32-bit busy TSS, as the
+/// boot protocols expect them loaded.
+fn set_flat_segments(
+    sregs: &mut kvm_bindings::kvm_sregs,
+    code: u16,
+    data: u16,
+    tss: u16,
+    long: bool,
+) {
+    let d = flat_segment(data, 0x3, false);
+    sregs.cs = flat_segment(code, 0xb, long);
+    sregs.ds = d;
+    sregs.es = d;
+    sregs.fs = d;
+    sregs.gs = d;
+    sregs.ss = d;
+    sregs.tr = kvm_segment {
+        base: 0,
+        limit: 0x67,
+        selector: tss,
+        type_: 0xb,
+        present: 1,
+        s: 0,
+        ..Default::default()
+    };
 }
 
 fn flat_segment(selector: u16, type_: u8, long: bool) -> kvm_segment {

@@ -131,32 +131,21 @@ pub fn run_kemari(
             }
             spawn("restored kemari", kemari_new(env, "--restore", &dir, &api2))?
         }
-        Op::ZeroCopy => {
-            let r = api(
-                &api1,
-                "migrate-local",
-                "PUT",
-                "/vm/migrate-local",
-                Some(json!({ "socket": incoming })),
-            )?;
-            t_done = Instant::now();
-            mark("request answered");
-            reported = r["downtime_ms"].as_f64();
-            wait_exit(&mut src)?;
-            mark("old VMM exited");
-            match pre_dst.take() {
-                Some(d) => d,
-                None => return Err(timeout("a destination", &src)),
-            }
-        }
-        Op::Precopy => {
-            let r = api(
-                &api1,
-                "migrate",
-                "PUT",
-                "/vm/migrate",
-                Some(json!({ "to": to, "key_file": key })),
-            )?;
+        Op::ZeroCopy | Op::Precopy => {
+            let (call, path, body) = if op == Op::ZeroCopy {
+                (
+                    "migrate-local",
+                    "/vm/migrate-local",
+                    json!({ "socket": incoming }),
+                )
+            } else {
+                (
+                    "migrate",
+                    "/vm/migrate",
+                    json!({ "to": to, "key_file": key }),
+                )
+            };
+            let r = api(&api1, call, "PUT", path, Some(body))?;
             t_done = Instant::now();
             mark("request answered");
             reported = r["downtime_ms"].as_f64();
