@@ -24,7 +24,7 @@ use crate::output::{OutputGate, PassThroughGate};
 use crate::persist::{self, VmState};
 use crate::virtio_devices::{self, AttachError, AttachedDevice};
 use crate::vstate::cpuid;
-use crate::vstate::vcpu::{BootEntry, Vcpu, VcpuError, VcpuHandle};
+use crate::vstate::vcpu::{BootEntry, Vcpu, VcpuError, VcpuSet};
 use crate::vstate::vm::{Vm, VmError};
 use crate::vstate::VmEventSink;
 
@@ -163,22 +163,124 @@ struct Setup {
     mmio_bus: Arc<Bus>,
 }
 
-/// A built, booted machine.
-pub struct Machine {
+/// The parts of a machine that other threads may use while it runs: a
+/// synchronizer (fault tolerance) on the device event-loop thread pauses the
+/// vCPUs, harvests dirty pages and saves the whole state through it, while the
+/// [`Machine`] stays with the VMM's main thread.
+pub struct MachineCore {
+    // Dropped in this order: vCPU threads end before devices and memory go.
+    vcpus: VcpuSet,
+    virtio: Vec<AttachedDevice>,
+    serial: Arc<Mutex<SerialDevice>>,
+    vm: Vm,
+    dirty: Arc<DirtyTracker>,
     config: MachineConfig,
     memory_file: GuestMemoryFile,
     guest_memory: GuestMemoryMmap,
-    // Dropped after the vCPUs and devices (field order = drop order).
-    vcpus: Vec<VcpuHandle>,
+}
+
+impl MachineCore {
+    /// Stops the vCPUs (pauses nest with the machine's own, see [`VcpuSet`]).
+    pub fn pause_vcpus(&self) -> Result<(), MachineError> {
+        Ok(self.vcpus.pause()?)
+    }
+
+    /// Undoes one [`pause_vcpus`](Self::pause_vcpus).
+    pub fn resume_vcpus(&self) -> Result<(), MachineError> {
+        Ok(self.vcpus.resume()?)
+    }
+
+    /// Pages written since the last harvest. The vCPUs must be paused.
+    pub fn harvest_dirty_paused(&self) -> Result<Vec<u64>, MachineError> {
+        if !self.vcpus.is_paused() {
+            return Err(MachineError::State(RunState::Running));
+        }
+        Ok(self.dirty.harvest()?)
+    }
+
+    /// The whole VM state. The vCPUs must be paused and the devices at rest
+    /// (the machine paused, or the caller is the device event loop).
+    pub fn save_state(&self) -> Result<VmState, MachineError> {
+        if !self.vcpus.is_paused() {
+            return Err(MachineError::State(RunState::Running));
+        }
+        let msr_indices: Vec<u32> = self
+            .vm
+            .kvm()
+            .get_msr_index_list()
+            .map_err(|source| VmError::Kvm {
+                what: "KVM_GET_MSR_INDEX_LIST",
+                source,
+            })?
+            .as_slice()
+            .to_vec();
+        let mut vcpus = Vec::with_capacity(self.vcpus.handles().len());
+        for v in self.vcpus.handles() {
+            let index = v.index();
+            let msrs = msr_indices.clone();
+            let state = v.with_fd(move |fd| persist::vcpu::save(fd, index, &msrs))?;
+            vcpus.push(state.map_err(MachineError::VcpuState)?);
+        }
+        let kvm = persist::KvmVmState::save(self.vm.fd()).map_err(MachineError::VmState)?;
+        let serial = self
+            .serial
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .state()
+            .into();
+        let virtio = self.virtio.iter().map(|d| d.save()).collect();
+        Ok(VmState {
+            kemari_version: env!("CARGO_PKG_VERSION").to_owned(),
+            saved_at_ms: persist::now_ms(),
+            config: self.config.clone(),
+            memory: persist::MemoryState {
+                size: self.memory_file.size(),
+                backing: self.memory_file.backing().clone(),
+            },
+            kvm,
+            vcpus,
+            serial,
+            virtio,
+        })
+    }
+
+    /// The configuration the machine was built from.
+    pub fn config(&self) -> &MachineConfig {
+        &self.config
+    }
+
+    /// The file behind guest memory.
+    pub fn memory_file(&self) -> &GuestMemoryFile {
+        &self.memory_file
+    }
+
+    /// Guest memory.
+    pub fn guest_memory(&self) -> &GuestMemoryMmap {
+        &self.guest_memory
+    }
+
+    /// The dirty-page tracker.
+    pub fn dirty_tracker(&self) -> &Arc<DirtyTracker> {
+        &self.dirty
+    }
+}
+
+/// A built, booted machine.
+pub struct Machine {
+    // The event loop (and the gate it holds) ends before the core goes.
     event_loop: Option<DeviceEventLoop>,
-    virtio: Vec<AttachedDevice>,
-    serial: Arc<Mutex<SerialDevice>>,
+    core: Arc<MachineCore>,
     serial_backend: String,
-    vm: Vm,
     state: RunState,
     built_at: Instant,
     pauses: u64,
-    dirty: Arc<DirtyTracker>,
+}
+
+impl Drop for Machine {
+    fn drop(&mut self) {
+        self.core.vcpus.exit_all();
+        self.event_loop = None;
+    }
 }
 
 impl Machine {
@@ -434,19 +536,21 @@ impl Machine {
             if saved.is_some() { "restored" } else { "booted" }
         );
         Ok(Machine {
-            config,
-            memory_file,
-            guest_memory,
-            vcpus,
             event_loop: Some(event_loop),
-            virtio,
-            serial,
+            core: Arc::new(MachineCore {
+                vcpus: VcpuSet::new(vcpus, start_paused),
+                virtio,
+                serial,
+                vm,
+                dirty,
+                config,
+                memory_file,
+                guest_memory,
+            }),
             serial_backend,
-            vm,
             state,
             built_at,
             pauses: 0,
-            dirty,
         })
     }
 
@@ -496,7 +600,6 @@ impl Machine {
             vm,
             guest_memory,
             &mut mmio_bus,
-            gate,
             saved.map(|s| s.virtio.as_slice()),
             taps,
         )?;
@@ -512,6 +615,7 @@ impl Machine {
                 .iter()
                 .map(|d| d.loop_device())
                 .collect::<Result<_, _>>()?,
+            gate,
         )?;
 
         let vcpus = match saved {
@@ -617,49 +721,26 @@ impl Machine {
         if self.state != RunState::Paused {
             return Err(MachineError::State(self.state));
         }
-        let msr_indices: Vec<u32> = self
-            .vm
-            .kvm()
-            .get_msr_index_list()
-            .map_err(|source| VmError::Kvm {
-                what: "KVM_GET_MSR_INDEX_LIST",
-                source,
-            })?
-            .as_slice()
-            .to_vec();
-        let mut vcpus = Vec::with_capacity(self.vcpus.len());
-        for v in &self.vcpus {
-            let index = v.index();
-            let msrs = msr_indices.clone();
-            let state = v.with_fd(move |fd| persist::vcpu::save(fd, index, &msrs))?;
-            vcpus.push(state.map_err(MachineError::VcpuState)?);
+        self.core.save_state()
+    }
+
+    /// The shared parts, for a synchronizer on another thread.
+    pub fn core(&self) -> Arc<MachineCore> {
+        self.core.clone()
+    }
+
+    /// Replaces the output gate (see [`crate::output`]); returns once the
+    /// device event loop uses it.
+    pub fn set_output_gate(&self, gate: Arc<dyn OutputGate>) -> Result<(), MachineError> {
+        match &self.event_loop {
+            Some(l) => Ok(l.set_gate(gate)?),
+            None => Err(MachineError::EventLoop(EventLoopError::Gone)),
         }
-        let kvm = persist::KvmVmState::save(self.vm.fd()).map_err(MachineError::VmState)?;
-        let serial = self
-            .serial
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .state()
-            .into();
-        let virtio = self.virtio.iter().map(|d| d.save()).collect();
-        Ok(VmState {
-            kemari_version: env!("CARGO_PKG_VERSION").to_owned(),
-            saved_at_ms: persist::now_ms(),
-            config: self.config.clone(),
-            memory: persist::MemoryState {
-                size: self.memory_file.size(),
-                backing: self.memory_file.backing().clone(),
-            },
-            kvm,
-            vcpus,
-            serial,
-            virtio,
-        })
     }
 
     /// The configuration the machine was built from.
     pub fn config(&self) -> &MachineConfig {
-        &self.config
+        &self.core.config
     }
 
     /// Running or paused.
@@ -669,48 +750,48 @@ impl Machine {
 
     /// Guest memory.
     pub fn guest_memory(&self) -> &GuestMemoryMmap {
-        &self.guest_memory
+        &self.core.guest_memory
     }
 
     /// The file behind guest memory.
     pub fn memory_file(&self) -> &GuestMemoryFile {
-        &self.memory_file
+        &self.core.memory_file
     }
 
     /// The KVM VM.
     pub fn vm(&self) -> &Vm {
-        &self.vm
+        &self.core.vm
     }
 
     /// The dirty-page tracker (off until its `start()`).
     pub fn dirty_tracker(&self) -> &Arc<DirtyTracker> {
-        &self.dirty
+        &self.core.dirty
     }
 
     /// Guest page frame numbers written since tracking started or the last
     /// harvest; running vCPUs are kicked so that none is missed.
     pub fn harvest_dirty(&self) -> Result<Vec<u64>, MachineError> {
         Ok(match self.state {
-            RunState::Running => self.dirty.harvest_running(&self.vcpus)?,
-            RunState::Paused => self.dirty.harvest()?,
+            RunState::Running => self.core.dirty.harvest_running(self.core.vcpus.handles())?,
+            RunState::Paused => self.core.dirty.harvest()?,
         })
     }
 
     /// Starts dirty-page logging (guest and VMM writes).
     pub fn start_dirty_log(&self) -> Result<(), MachineError> {
-        Ok(self.dirty.start()?)
+        Ok(self.core.dirty.start()?)
     }
 
     /// Stops dirty-page logging.
     pub fn stop_dirty_log(&self) -> Result<(), MachineError> {
-        Ok(self.dirty.stop()?)
+        Ok(self.core.dirty.stop()?)
     }
 
     /// Announces each network device's MAC on its TAP (a RARP broadcast, as
     /// switches expect after a VM moved), so that bridges learn its new port.
     pub fn announce_network(&self) {
         let taps = self.tap_fds();
-        for (net, fd) in self.config.nets.iter().zip(taps) {
+        for (net, fd) in self.core.config.nets.iter().zip(taps) {
             let mac = net
                 .mac
                 .as_deref()
@@ -734,9 +815,7 @@ impl Machine {
         if self.state == RunState::Paused {
             return Err(MachineError::State(self.state));
         }
-        for v in &self.vcpus {
-            v.pause()?;
-        }
+        self.core.vcpus.pause()?;
         if let Some(l) = &self.event_loop {
             l.pause()?;
         }
@@ -754,9 +833,7 @@ impl Machine {
         if let Some(l) = &self.event_loop {
             l.resume()?;
         }
-        for v in &self.vcpus {
-            v.resume()?;
-        }
+        self.core.vcpus.resume()?;
         self.state = RunState::Running;
         tracing::info!("VM resumed");
         Ok(())
@@ -765,7 +842,8 @@ impl Machine {
     /// The TAP fds of the network devices, in network-device order (to hand
     /// them to another VMM).
     pub fn tap_fds(&self) -> Vec<std::os::fd::RawFd> {
-        self.virtio
+        self.core
+            .virtio
             .iter()
             .filter(|d| d.info.kind == "virtio-net")
             .filter_map(|d| {
@@ -779,7 +857,7 @@ impl Machine {
 
     /// Devices with their counters.
     pub fn devices(&self) -> Vec<DeviceInfo> {
-        let serial = self.serial.lock().unwrap_or_else(|p| p.into_inner());
+        let serial = self.core.serial.lock().unwrap_or_else(|p| p.into_inner());
         let mut list = vec![DeviceInfo {
             name: "serial0".into(),
             kind: "serial".into(),
@@ -792,22 +870,22 @@ impl Machine {
             },
         }];
         drop(serial);
-        list.extend(self.virtio.iter().map(|d| d.info_with_counters()));
+        list.extend(self.core.virtio.iter().map(|d| d.info_with_counters()));
         list
     }
 
     /// Machine-wide counters.
     pub fn metrics(&self) -> MachineMetrics {
         let mut exits = std::collections::BTreeMap::new();
-        for v in &self.vcpus {
+        for v in self.core.vcpus.handles() {
             for (reason, n) in v.counters().snapshot() {
                 *exits.entry(reason.to_string()).or_insert(0) += n;
             }
         }
         MachineMetrics {
             uptime_ms: self.built_at.elapsed().as_millis() as u64,
-            memory_bytes: self.config.memory_bytes,
-            memory_pages: self.config.memory_bytes / 4096,
+            memory_bytes: self.core.config.memory_bytes,
+            memory_pages: self.core.config.memory_bytes / 4096,
             exits,
             devices: self.devices(),
             pauses: self.pauses,
@@ -820,11 +898,8 @@ impl Machine {
     }
 
     /// Stops vCPUs and devices for good.
-    pub fn shutdown(mut self) {
-        for v in &mut self.vcpus {
-            v.exit();
-        }
-        self.event_loop = None;
+    pub fn shutdown(self) {
+        drop(self);
         tracing::info!("machine shut down");
     }
 }

@@ -19,7 +19,6 @@ use crate::devices::virtio::VirtioDevice;
 use crate::layout;
 use crate::machine::DeviceInfo;
 use crate::memory::GuestMemoryMmap;
-use crate::output::OutputGate;
 use crate::persist::VirtioState;
 use crate::vstate::vm::{Vm, VmError};
 
@@ -138,7 +137,6 @@ pub fn attach_all(
     vm: &Vm,
     mem: &GuestMemoryMmap,
     mmio_bus: &mut Bus,
-    gate: Arc<dyn OutputGate>,
     saved: Option<&[VirtioState]>,
     handover_taps: Vec<std::fs::File>,
 ) -> Result<Vec<AttachedDevice>, AttachError> {
@@ -167,12 +165,8 @@ pub fn attach_all(
             Box::new(RawFileBackend::open(&disk.path, disk.read_only).map_err(err)?)
         };
         let name = format!("block{i}");
-        let device: Arc<Mutex<dyn VirtioDevice>> = Arc::new(Mutex::new(Block::new(
-            name.clone(),
-            i,
-            backend,
-            gate.clone(),
-        )));
+        let device: Arc<Mutex<dyn VirtioDevice>> =
+            Arc::new(Mutex::new(Block::new(name.clone(), backend)));
         let backend = format!(
             "{}{}",
             disk.path.display(),
@@ -208,13 +202,8 @@ pub fn attach_all(
             None => default_mac(&net.tap),
         };
         let name = format!("net{i}");
-        let device: Arc<Mutex<dyn VirtioDevice>> = Arc::new(Mutex::new(Net::new(
-            name.clone(),
-            i,
-            tap,
-            mac,
-            gate.clone(),
-        )));
+        let device: Arc<Mutex<dyn VirtioDevice>> =
+            Arc::new(Mutex::new(Net::new(name.clone(), tap, mac)));
         let backend = format!(
             "tap:{} mac:{}",
             net.tap,

@@ -13,7 +13,6 @@ use vmm::devices::virtio::block::Block;
 use vmm::devices::virtio::mmio::MmioTransport;
 use vmm::devices::virtio::VirtioDevice;
 use vmm::memory::GuestMemoryMmap;
-use vmm::output::PassThroughGate;
 use vmm_sys_util::eventfd::EventFd;
 
 const MEM_SIZE: usize = 0x1_0000;
@@ -36,12 +35,7 @@ fuzz_target!(|data: &[u8]| {
     let Ok(irq) = EventFd::new(libc_nonblock()) else {
         return;
     };
-    let blk = Block::new(
-        "fuzz0",
-        0,
-        Box::new(MemoryBackend::new(64 << 10, false)),
-        Arc::new(PassThroughGate),
-    );
+    let blk = Block::new("fuzz0", Box::new(MemoryBackend::new(64 << 10, false)));
     let dev: Arc<Mutex<dyn VirtioDevice>> = Arc::new(Mutex::new(blk));
     let mut t = MmioTransport::new(dev, mem, irq);
     for op in ops.chunks_exact(OP_LEN) {

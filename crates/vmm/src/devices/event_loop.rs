@@ -2,6 +2,12 @@
 //! notifications (ioeventfds, so a guest kick costs no exit to userspace) and
 //! backend readiness (TAP fds). It can be paused like a vCPU, so that snapshots
 //! and synchronization see devices at rest.
+//!
+//! It is also the output hook point (see [`crate::output`]): a device's output
+//! queue is served only after the [`OutputGate`] released the batch of
+//! requests pending on every device's output queue, and only up to what the
+//! batch held. With a gate that checkpoints periodically, the loop runs the
+//! checkpoints from a timer and releases held outputs after each.
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
@@ -11,8 +17,10 @@ use std::time::Duration;
 
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
+use vmm_sys_util::timerfd::TimerFd;
 
-use super::virtio::VirtioDevice;
+use super::virtio::{PendingOutputs, VirtioDevice, TYPE_BLOCK};
+use crate::output::{OutputEvent, OutputGate, OutputKind, Release};
 
 /// Errors of the event loop.
 #[derive(Debug, thiserror::Error)]
@@ -36,10 +44,14 @@ pub struct LoopDevice {
 enum Request {
     Pause(Sender<()>),
     Resume,
+    SetGate(Arc<dyn OutputGate>, Sender<()>),
     Exit,
 }
 
 const CONTROL_TOKEN: u64 = u64::MAX;
+const CHECKPOINT_TOKEN: u64 = u64::MAX - 1;
+/// Batches served in a row before other events get a turn.
+const MAX_BATCHES_IN_A_ROW: usize = 8;
 const BACKEND_QUEUE: u64 = 0xffff;
 
 fn token(device: usize, queue: u64) -> u64 {
@@ -54,9 +66,21 @@ pub struct DeviceEventLoop {
 }
 
 impl DeviceEventLoop {
-    /// Starts the loop over `devices`.
-    pub fn start(devices: Vec<LoopDevice>) -> Result<Self, EventLoopError> {
+    /// Starts the loop over `devices`, outputs passing `gate`.
+    pub fn start(
+        devices: Vec<LoopDevice>,
+        gate: Arc<dyn OutputGate>,
+    ) -> Result<Self, EventLoopError> {
         let epoll = Epoll::new().map_err(EventLoopError::Setup)?;
+        let timer = TimerFd::new()
+            .map_err(|e| EventLoopError::Setup(std::io::Error::from_raw_os_error(e.errno())))?;
+        epoll
+            .ctl(
+                ControlOperation::Add,
+                timer.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, CHECKPOINT_TOKEN),
+            )
+            .map_err(EventLoopError::Setup)?;
         let control = EventFd::new(libc::EFD_NONBLOCK).map_err(EventLoopError::Setup)?;
         epoll
             .ctl(
@@ -102,7 +126,11 @@ impl DeviceEventLoop {
         let ctl = control.try_clone().map_err(EventLoopError::Setup)?;
         let thread = std::thread::Builder::new()
             .name("devices".into())
-            .spawn(move || run(epoll, ctl, rx, devices))
+            .spawn(move || {
+                let mut lp = Loop::new(devices, gate, timer);
+                lp.arm_timer();
+                lp.run(epoll, ctl, rx)
+            })
             .map_err(EventLoopError::Setup)?;
         Ok(DeviceEventLoop {
             requests: tx,
@@ -135,6 +163,14 @@ impl DeviceEventLoop {
     pub fn resume(&self) -> Result<(), EventLoopError> {
         self.send(Request::Resume)
     }
+
+    /// Replaces the output gate; returns once the loop uses the new one (no
+    /// output is released by the old gate after this returns).
+    pub fn set_gate(&self, gate: Arc<dyn OutputGate>) -> Result<(), EventLoopError> {
+        let (ack_tx, ack_rx) = channel();
+        self.send(Request::SetGate(gate, ack_tx))?;
+        ack_rx.recv().map_err(|_| EventLoopError::Gone)
+    }
 }
 
 impl Drop for DeviceEventLoop {
@@ -146,60 +182,195 @@ impl Drop for DeviceEventLoop {
     }
 }
 
-fn run(epoll: Epoll, control: EventFd, requests: Receiver<Request>, devices: Vec<LoopDevice>) {
-    let mut events = vec![EpollEvent::default(); 64];
-    let mut paused = false;
-    loop {
-        let n = match epoll.wait(-1, &mut events) {
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                tracing::error!(error = %e, "device event loop: epoll_wait failed");
+struct Loop {
+    devices: Vec<LoopDevice>,
+    /// Each device's output queue and output kind, if it has one.
+    outputs: Vec<Option<(usize, OutputKind)>>,
+    gate: Arc<dyn OutputGate>,
+    timer: TimerFd,
+}
+
+impl Loop {
+    fn new(devices: Vec<LoopDevice>, gate: Arc<dyn OutputGate>, timer: TimerFd) -> Self {
+        let outputs = devices
+            .iter()
+            .map(|d| {
+                let d = d.device.lock().unwrap_or_else(|p| p.into_inner());
+                let kind = if d.device_type() == TYPE_BLOCK {
+                    OutputKind::BlockRequests
+                } else {
+                    OutputKind::NetTransmits
+                };
+                d.output_queue().map(|q| (q, kind))
+            })
+            .collect();
+        Loop {
+            devices,
+            outputs,
+            gate,
+            timer,
+        }
+    }
+
+    fn arm_timer(&mut self) {
+        let res = match self.gate.checkpoint_interval() {
+            Some(every) => self.timer.reset(every, Some(every)),
+            None => self.timer.clear(),
+        };
+        if let Err(e) = res {
+            tracing::error!(error = %e, "device event loop: cannot arm the checkpoint timer");
+        }
+    }
+
+    /// What waits on every output queue now, device by device.
+    fn pending_outputs(&self) -> Vec<(usize, PendingOutputs, OutputEvent)> {
+        let mut batch = Vec::new();
+        for (i, d) in self.devices.iter().enumerate() {
+            let Some((_, kind)) = self.outputs[i] else {
+                continue;
+            };
+            let pending = d
+                .device
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pending_outputs();
+            if let Some(p) = pending {
+                batch.push((
+                    i,
+                    p,
+                    OutputEvent {
+                        device: i,
+                        kind,
+                        requests: p.requests,
+                    },
+                ));
+            }
+        }
+        batch
+    }
+
+    /// Lets each device serve its part of `batch`; returns requests served.
+    fn release(&self, batch: &[(usize, PendingOutputs, OutputEvent)]) -> usize {
+        batch
+            .iter()
+            .map(|(i, p, _)| {
+                usize::from(
+                    self.devices[*i]
+                        .device
+                        .lock()
+                        .unwrap_or_else(|pe| pe.into_inner())
+                        .serve_outputs_until(p.limit),
+                )
+            })
+            .sum()
+    }
+
+    /// A guest published outputs: pass them through the gate batch by batch.
+    fn serve_outputs(&self) {
+        for _ in 0..MAX_BATCHES_IN_A_ROW {
+            let batch = self.pending_outputs();
+            if batch.is_empty() {
                 return;
             }
-        };
-        for ev in &events[..n] {
-            let data = ev.data();
-            if data == CONTROL_TOKEN {
-                let _ = control.read();
-                // Serve every queued request; while paused, block for the next.
-                loop {
-                    let req = if paused {
-                        match requests.recv() {
-                            Ok(r) => r,
-                            Err(_) => return,
+            let events: Vec<OutputEvent> = batch.iter().map(|b| b.2).collect();
+            if self.gate.before_output(&events) == Release::AtCheckpoint {
+                return;
+            }
+            if self.release(&batch) == 0 {
+                // A ring that cannot be served (corrupt indices): the device
+                // counted it; wait for the guest's next kick.
+                return;
+            }
+        }
+        // Still busy: give other events a turn, then come back.
+        for (i, d) in self.devices.iter().enumerate() {
+            if let Some((q, _)) = self.outputs[i] {
+                if let Some(evt) = d.queue_events.get(q) {
+                    let _ = evt.write(1);
+                }
+            }
+        }
+    }
+
+    /// The periodic checkpoint, then the outputs it covers.
+    fn checkpoint(&self) {
+        let batch = self.pending_outputs();
+        let events: Vec<OutputEvent> = batch.iter().map(|b| b.2).collect();
+        self.gate.checkpoint(&events);
+        self.release(&batch);
+    }
+
+    fn run(&mut self, epoll: Epoll, control: EventFd, requests: Receiver<Request>) {
+        let mut events = vec![EpollEvent::default(); 64];
+        let mut paused = false;
+        loop {
+            let n = match epoll.wait(-1, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::error!(error = %e, "device event loop: epoll_wait failed");
+                    return;
+                }
+            };
+            for ev in &events[..n] {
+                let data = ev.data();
+                if data == CONTROL_TOKEN {
+                    let _ = control.read();
+                    // Serve every queued request; while paused, block for the next.
+                    loop {
+                        let req = if paused {
+                            match requests.recv() {
+                                Ok(r) => r,
+                                Err(_) => return,
+                            }
+                        } else {
+                            match requests.try_recv() {
+                                Ok(r) => r,
+                                Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                                Err(_) => return,
+                            }
+                        };
+                        match req {
+                            Request::Pause(ack) => {
+                                paused = true;
+                                let _ = ack.send(());
+                            }
+                            Request::Resume => paused = false,
+                            Request::SetGate(gate, ack) => {
+                                self.gate = gate;
+                                self.arm_timer();
+                                let _ = ack.send(());
+                            }
+                            Request::Exit => return,
                         }
+                    }
+                    continue;
+                }
+                if data == CHECKPOINT_TOKEN {
+                    let _ = self.timer.wait();
+                    self.checkpoint();
+                    continue;
+                }
+                let (dev, queue) = ((data >> 16) as usize, data & 0xffff);
+                let Some(d) = self.devices.get(dev) else {
+                    continue;
+                };
+                if queue == BACKEND_QUEUE {
+                    d.device
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .backend_ready();
+                } else if let Some(evt) = d.queue_events.get(queue as usize) {
+                    let _ = evt.read();
+                    if self.outputs[dev].map(|(q, _)| q as u64) == Some(queue) {
+                        self.serve_outputs();
                     } else {
-                        match requests.try_recv() {
-                            Ok(r) => r,
-                            Err(std::sync::mpsc::TryRecvError::Empty) => break,
-                            Err(_) => return,
-                        }
-                    };
-                    match req {
-                        Request::Pause(ack) => {
-                            paused = true;
-                            let _ = ack.send(());
-                        }
-                        Request::Resume => paused = false,
-                        Request::Exit => return,
+                        d.device
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .queue_notified(queue as usize);
                     }
                 }
-                continue;
-            }
-            let (dev, queue) = ((data >> 16) as usize, data & 0xffff);
-            let Some(d) = devices.get(dev) else { continue };
-            if queue == BACKEND_QUEUE {
-                d.device
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .backend_ready();
-            } else if let Some(evt) = d.queue_events.get(queue as usize) {
-                let _ = evt.read();
-                d.device
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .queue_notified(queue as usize);
             }
         }
     }

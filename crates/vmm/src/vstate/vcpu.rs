@@ -8,7 +8,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Once};
+use std::sync::{Arc, Mutex, Once};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -298,7 +298,7 @@ impl Vcpu {
             index,
             requests: tx,
             pending,
-            thread: Some(thread),
+            thread: Mutex::new(Some(thread)),
             counters,
         })
     }
@@ -309,7 +309,7 @@ pub struct VcpuHandle {
     index: u8,
     requests: Sender<VcpuRequest>,
     pending: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
     counters: Arc<VcpuExitCounters>,
 }
 
@@ -333,7 +333,7 @@ impl VcpuHandle {
     }
 
     fn kick(&self) {
-        if let Some(t) = &self.thread {
+        if let Some(t) = &*self.thread.lock().unwrap_or_else(|p| p.into_inner()) {
             let _ = t.kill(kick_signal());
         }
     }
@@ -375,17 +375,78 @@ impl VcpuHandle {
     }
 
     /// Ends the vCPU thread and waits for it.
-    pub fn exit(&mut self) {
+    pub fn exit(&self) {
         if self.send(VcpuRequest::Exit).is_ok() {
             self.kick();
         }
-        if let Some(t) = self.thread.take() {
+        let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(t) = thread {
             // Keep kicking until the thread leaves KVM_RUN.
             while !t.is_finished() {
                 let _ = t.kill(kick_signal());
                 std::thread::sleep(Duration::from_millis(1));
             }
             let _ = t.join();
+        }
+    }
+}
+
+/// All vCPUs of a VM, paused and resumed together. Pauses nest: the machine
+/// (API pause, snapshot) and a synchronizer (fault tolerance) may each pause
+/// them, and they run again only when every pause has been undone.
+pub struct VcpuSet {
+    handles: Vec<VcpuHandle>,
+    pauses: Mutex<u32>,
+}
+
+impl VcpuSet {
+    /// The set of started vCPUs; `paused` if they were started paused.
+    pub fn new(handles: Vec<VcpuHandle>, paused: bool) -> Self {
+        VcpuSet {
+            handles,
+            pauses: Mutex::new(u32::from(paused)),
+        }
+    }
+
+    /// The vCPUs.
+    pub fn handles(&self) -> &[VcpuHandle] {
+        &self.handles
+    }
+
+    /// Whether at least one pause is in effect.
+    pub fn is_paused(&self) -> bool {
+        *self.pauses.lock().unwrap_or_else(|p| p.into_inner()) > 0
+    }
+
+    /// Stops every vCPU outside KVM_RUN (if not stopped already); returns once
+    /// all are stopped.
+    pub fn pause(&self) -> Result<(), VcpuError> {
+        let mut pauses = self.pauses.lock().unwrap_or_else(|p| p.into_inner());
+        if *pauses == 0 {
+            for v in &self.handles {
+                v.pause()?;
+            }
+        }
+        *pauses += 1;
+        Ok(())
+    }
+
+    /// Undoes one [`pause`](Self::pause); the vCPUs run again after the last.
+    pub fn resume(&self) -> Result<(), VcpuError> {
+        let mut pauses = self.pauses.lock().unwrap_or_else(|p| p.into_inner());
+        if *pauses == 1 {
+            for v in &self.handles {
+                v.resume()?;
+            }
+        }
+        *pauses = pauses.saturating_sub(1);
+        Ok(())
+    }
+
+    /// Ends every vCPU thread.
+    pub fn exit_all(&self) {
+        for v in &self.handles {
+            v.exit();
         }
     }
 }

@@ -4,8 +4,10 @@
 //! VMM's device event-loop thread. Each chain is checked by
 //! [`request::parse_request`]; a malformed one is answered VIRTIO_BLK_S_IOERR
 //! (or, if it has no usable status byte, returned with length 0) and counted,
-//! and the VMM carries on. Every request that reaches the backend first passes
-//! [`OutputGate::before_output`].
+//! and the VMM carries on. The request queue is the device's output queue
+//! (see [`crate::output`]): the event loop serves it through
+//! [`VirtioDevice::serve_outputs_until`] once the output gate released the
+//! requests the guest had published.
 
 pub mod request;
 
@@ -20,12 +22,11 @@ use self::request::{
     MAX_RANGES, MAX_RANGE_SECTORS, RANGE_FLAG_UNMAP,
 };
 use super::{
-    Activation, DeviceCounters, QueueProgress, VirtioDevice, VirtioError, VirtioInterrupt,
-    FEATURE_VERSION_1, TYPE_BLOCK,
+    Activation, DeviceCounters, PendingOutputs, QueueProgress, VirtioDevice, VirtioError,
+    VirtioInterrupt, FEATURE_VERSION_1, TYPE_BLOCK,
 };
 use crate::devices::block_backend::{BlockBackend, SECTOR_SIZE};
 use crate::memory::GuestMemoryMmap;
-use crate::output::{OutputEvent, OutputGate};
 
 /// Size of the request queue.
 pub const QUEUE_SIZE: u16 = 256;
@@ -75,9 +76,7 @@ struct ActiveQueue {
 /// A virtio-blk device.
 pub struct Block {
     name: String,
-    index: usize,
     backend: Box<dyn BlockBackend>,
-    gate: Arc<dyn OutputGate>,
     features: u64,
     config: [u8; CONFIG_LEN],
     serial: [u8; ID_BYTES],
@@ -104,14 +103,8 @@ struct Completion {
 }
 
 impl Block {
-    /// A block device named `name`, the `index`-th block device of the VM
-    /// (reported in [`OutputEvent::BlockRequest`]).
-    pub fn new(
-        name: impl Into<String>,
-        index: usize,
-        backend: Box<dyn BlockBackend>,
-        gate: Arc<dyn OutputGate>,
-    ) -> Self {
+    /// A block device named `name` in front of `backend`.
+    pub fn new(name: impl Into<String>, backend: Box<dyn BlockBackend>) -> Self {
         let name = name.into();
         let mut features = FEATURE_VERSION_1
             | features::FLUSH
@@ -134,9 +127,7 @@ impl Block {
         serial[..n].copy_from_slice(&name.as_bytes()[..n]);
         Block {
             name,
-            index,
             backend,
-            gate,
             features,
             config,
             serial,
@@ -151,20 +142,26 @@ impl Block {
         self.backend.id()
     }
 
-    /// Serves every available request, then interrupts the guest if it wants.
-    fn process_queue(&mut self) {
+    /// Serves available requests — all of them, or those before avail index
+    /// `limit` — then interrupts the guest if it wants. Returns how many.
+    fn process_queue(&mut self, limit: Option<u16>) -> u16 {
         let Some(mut active) = self.active.take() else {
-            return;
+            return 0;
         };
         let mut used_any = false;
+        let mut served = 0u16;
         loop {
             if active.queue.event_idx_enabled() {
                 // Errors here mean a broken ring; popping will fail and stop too.
                 let _ = active.queue.disable_notification(&active.mem);
             }
             let mut popped = 0usize;
-            while let Some(chain) = active.queue.pop_descriptor_chain(&active.mem) {
+            while limit != Some(active.queue.next_avail()) {
+                let Some(chain) = active.queue.pop_descriptor_chain(&active.mem) else {
+                    break;
+                };
                 popped += 1;
+                served = served.wrapping_add(1);
                 let head = chain.head_index();
                 let used_len = self.handle_chain(&active.mem, chain.map(RawDesc::from));
                 if let Err(e) = active.queue.add_used(&active.mem, head, used_len) {
@@ -179,8 +176,10 @@ impl Block {
                 break;
             }
             match active.queue.enable_notification(&active.mem) {
-                Ok(true) => continue,
-                Ok(false) => break,
+                // More arrived: serve it, unless the batch ends here (the
+                // event loop sees the rest as pending outputs).
+                Ok(true) if limit != Some(active.queue.next_avail()) => continue,
+                Ok(_) => break,
                 Err(e) => {
                     debug!(device = %self.name, error = %e, "virtio-blk: broken ring");
                     break;
@@ -191,6 +190,7 @@ impl Block {
             active.interrupt.signal_used_queue();
         }
         self.active = Some(active);
+        served
     }
 
     /// Parses and serves one chain; returns the used length.
@@ -221,14 +221,6 @@ impl Block {
         u32::try_from(done.written + 1).unwrap_or(u32::MAX)
     }
 
-    fn gate(&self, request_type: u32, sector: u64) {
-        self.gate.before_output(OutputEvent::BlockRequest {
-            device: self.index,
-            request_type,
-            sector,
-        });
-    }
-
     fn execute(&mut self, mem: &GuestMemoryMmap, req: &Request) -> Completion {
         let ok = |written| Completion {
             status: status::OK,
@@ -240,43 +232,34 @@ impl Block {
         };
         let read_only = self.backend.read_only();
         match &req.kind {
-            RequestKind::In => {
-                self.gate(req.request_type, req.sector);
-                match self.read_into_guest(mem, req) {
-                    Ok(()) => {
-                        self.counters.bytes_in += req.data_len;
-                        ok(req.data_len)
-                    }
-                    Err(e) => {
-                        warn!(device = %self.name, sector = req.sector, error = %e, "virtio-blk: read failed");
-                        err(status::IOERR)
-                    }
+            RequestKind::In => match self.read_into_guest(mem, req) {
+                Ok(()) => {
+                    self.counters.bytes_in += req.data_len;
+                    ok(req.data_len)
                 }
-            }
+                Err(e) => {
+                    warn!(device = %self.name, sector = req.sector, error = %e, "virtio-blk: read failed");
+                    err(status::IOERR)
+                }
+            },
             RequestKind::Out if read_only => err(status::IOERR),
-            RequestKind::Out => {
-                self.gate(req.request_type, req.sector);
-                match self.write_from_guest(mem, req) {
-                    Ok(()) => {
-                        self.counters.bytes_out += req.data_len;
-                        ok(0)
-                    }
-                    Err(e) => {
-                        warn!(device = %self.name, sector = req.sector, error = %e, "virtio-blk: write failed");
-                        err(status::IOERR)
-                    }
+            RequestKind::Out => match self.write_from_guest(mem, req) {
+                Ok(()) => {
+                    self.counters.bytes_out += req.data_len;
+                    ok(0)
                 }
-            }
-            RequestKind::Flush => {
-                self.gate(req.request_type, req.sector);
-                match self.backend.flush() {
-                    Ok(()) => ok(0),
-                    Err(e) => {
-                        warn!(device = %self.name, error = %e, "virtio-blk: flush failed");
-                        err(status::IOERR)
-                    }
+                Err(e) => {
+                    warn!(device = %self.name, sector = req.sector, error = %e, "virtio-blk: write failed");
+                    err(status::IOERR)
                 }
-            }
+            },
+            RequestKind::Flush => match self.backend.flush() {
+                Ok(()) => ok(0),
+                Err(e) => {
+                    warn!(device = %self.name, error = %e, "virtio-blk: flush failed");
+                    err(status::IOERR)
+                }
+            },
             RequestKind::GetId => {
                 let n = (req.data_len as usize).min(ID_BYTES);
                 let mut written = 0;
@@ -310,8 +293,6 @@ impl Block {
                 {
                     return err(status::UNSUPP);
                 }
-                let first = ranges.first().map_or(0, |r| r.sector);
-                self.gate(req.request_type, first);
                 for r in ranges {
                     let (off, len) = (
                         r.sector * SECTOR_SIZE,
@@ -470,8 +451,21 @@ impl VirtioDevice for Block {
 
     fn queue_notified(&mut self, index: usize) {
         if index == 0 {
-            self.process_queue();
+            self.process_queue(None);
         }
+    }
+
+    fn output_queue(&self) -> Option<usize> {
+        Some(0)
+    }
+
+    fn pending_outputs(&self) -> Option<PendingOutputs> {
+        let a = self.active.as_ref()?;
+        PendingOutputs::of(&a.queue, &a.mem)
+    }
+
+    fn serve_outputs_until(&mut self, limit: u16) -> u16 {
+        self.process_queue(Some(limit))
     }
 
     fn reset(&mut self) {

@@ -14,7 +14,7 @@ pub mod tap;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
-use virtio_queue::Queue;
+use virtio_queue::{Queue, QueueT};
 
 use crate::memory::GuestMemoryMmap;
 
@@ -102,6 +102,32 @@ pub struct Activation {
     pub acked_features: u64,
 }
 
+/// Requests waiting on a device's output queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PendingOutputs {
+    /// The guest's avail index: serve up to here.
+    pub limit: u16,
+    /// Requests between the device's next avail index and `limit`.
+    pub requests: u16,
+}
+
+impl PendingOutputs {
+    /// What waits on `queue`, if anything (a broken ring reads as nothing).
+    pub fn of(queue: &Queue, mem: &GuestMemoryMmap) -> Option<Self> {
+        let avail = queue
+            .avail_idx(mem, std::sync::atomic::Ordering::Acquire)
+            .ok()?
+            .0;
+        let requests = avail.wrapping_sub(queue.next_avail());
+        // More than the queue holds means a corrupt index: serving will stop
+        // at the first chain that cannot be popped.
+        (requests != 0).then_some(PendingOutputs {
+            limit: avail,
+            requests: requests.min(queue.size()),
+        })
+    }
+}
+
 /// A virtio device model, independent of the transport.
 pub trait VirtioDevice: Send {
     /// virtio device ID ([`TYPE_NET`], [`TYPE_BLOCK`], ...).
@@ -120,8 +146,23 @@ pub trait VirtioDevice: Send {
     fn activate(&mut self, activation: Activation) -> Result<(), VirtioError>;
     /// Whether [`activate`](Self::activate) has run since the last reset.
     fn is_activated(&self) -> bool;
-    /// The driver notified queue `index` (it added available buffers).
+    /// The driver notified queue `index` (it added available buffers). The
+    /// event loop does not call this for the [output queue](Self::output_queue).
     fn queue_notified(&mut self, index: usize);
+    /// The queue whose requests leave the VM (see [`crate::output`]), if any.
+    fn output_queue(&self) -> Option<usize> {
+        None
+    }
+    /// While activated: the avail index the guest has published on the output
+    /// queue and how many requests wait before it, if any wait.
+    fn pending_outputs(&self) -> Option<PendingOutputs> {
+        None
+    }
+    /// Serves the output queue's requests up to avail index `limit` (not
+    /// beyond, whatever the guest added since); returns how many were served.
+    fn serve_outputs_until(&mut self, _limit: u16) -> u16 {
+        0
+    }
     /// An fd the event loop should watch for readability (e.g. the TAP device).
     fn backend_fd(&self) -> Option<RawFd> {
         None

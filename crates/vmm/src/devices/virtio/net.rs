@@ -3,8 +3,10 @@
 //!
 //! No offloads are offered, so every frame crosses whole and checksummed and
 //! the 12-byte virtio-net header carries nothing but `num_buffers` = 1 on
-//! receive. Transmit runs in `queue_notified(1)`: each frame passes
-//! [`OutputGate::before_output`] before it is written to the TAP. Receive runs
+//! receive. The transmit queue is the device's output queue (see
+//! [`crate::output`]): the event loop serves it through
+//! [`VirtioDevice::serve_outputs_until`] once the output gate released the
+//! frames the guest had published. Receive runs
 //! in `backend_ready` (TAP readable; register [`VirtioDevice::backend_fd`]
 //! **edge-triggered**) and in `queue_notified(0)` (new receive buffers): it reads
 //! frames until the TAP is empty or the guest has no buffer left; a frame that
@@ -23,11 +25,10 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 use super::block::request::{RawDesc, MAX_DESCRIPTORS};
 use super::tap::{Tap, VNET_HDR_LEN};
 use super::{
-    Activation, DeviceCounters, QueueProgress, VirtioDevice, VirtioError, VirtioInterrupt,
-    FEATURE_VERSION_1, TYPE_NET,
+    Activation, DeviceCounters, PendingOutputs, QueueProgress, VirtioDevice, VirtioError,
+    VirtioInterrupt, FEATURE_VERSION_1, TYPE_NET,
 };
 use crate::memory::GuestMemoryMmap;
-use crate::output::{OutputEvent, OutputGate};
 
 /// Size of each queue.
 pub const QUEUE_SIZE: u16 = 256;
@@ -195,9 +196,7 @@ struct ActiveQueues {
 /// A virtio-net device.
 pub struct Net {
     name: String,
-    index: usize,
     tap: Tap,
-    gate: Arc<dyn OutputGate>,
     config: [u8; 10],
     active: Option<ActiveQueues>,
     counters: DeviceCounters,
@@ -218,24 +217,15 @@ impl std::fmt::Debug for Net {
 }
 
 impl Net {
-    /// A network device named `name`, the `index`-th of the VM (reported in
-    /// [`OutputEvent::NetTransmit`]), with MAC address `mac`, on `tap`.
-    pub fn new(
-        name: impl Into<String>,
-        index: usize,
-        tap: Tap,
-        mac: [u8; 6],
-        gate: Arc<dyn OutputGate>,
-    ) -> Self {
+    /// A network device named `name`, with MAC address `mac`, on `tap`.
+    pub fn new(name: impl Into<String>, tap: Tap, mac: [u8; 6]) -> Self {
         let mut config = [0u8; 10];
         config[..6].copy_from_slice(&mac);
         config[6..8].copy_from_slice(&LINK_UP.to_le_bytes());
         config[8..10].copy_from_slice(&1u16.to_le_bytes());
         Net {
             name: name.into(),
-            index,
             tap,
-            gate,
             config,
             active: None,
             counters: DeviceCounters::default(),
@@ -255,12 +245,19 @@ impl Net {
         self.rx_pending.is_some()
     }
 
-    fn process_tx(&mut self) {
+    /// Transmits the frames before avail index `limit` (all of them for
+    /// `None`); returns how many chains were served.
+    fn process_tx(&mut self, limit: Option<u16>) -> u16 {
         let Some(mut a) = self.active.take() else {
-            return;
+            return 0;
         };
         let mut used_any = false;
-        while let Some(chain) = a.tx.pop_descriptor_chain(&a.mem) {
+        let mut served = 0u16;
+        while limit != Some(a.tx.next_avail()) {
+            let Some(chain) = a.tx.pop_descriptor_chain(&a.mem) else {
+                break;
+            };
+            served = served.wrapping_add(1);
             let head = chain.head_index();
             match gather_tx_frame(&a.mem, chain.map(RawDesc::from), &mut self.tx_buf) {
                 Ok(len) => self.transmit(len),
@@ -279,6 +276,7 @@ impl Net {
             a.interrupt.signal_used_queue();
         }
         self.active = Some(a);
+        served
     }
 
     fn transmit(&mut self, len: usize) {
@@ -286,10 +284,6 @@ impl Net {
         // TAP must not act on it.
         self.tx_buf[..VNET_HDR_LEN].fill(0);
         let frame_len = len - VNET_HDR_LEN;
-        self.gate.before_output(OutputEvent::NetTransmit {
-            device: self.index,
-            len: frame_len,
-        });
         match self.tap.write(&self.tx_buf[..len]) {
             Ok(_) => {
                 self.counters.requests += 1;
@@ -452,9 +446,24 @@ impl VirtioDevice for Net {
     fn queue_notified(&mut self, index: usize) {
         match index {
             RX_QUEUE => self.process_rx(),
-            TX_QUEUE => self.process_tx(),
+            TX_QUEUE => {
+                self.process_tx(None);
+            }
             _ => {}
         }
+    }
+
+    fn output_queue(&self) -> Option<usize> {
+        Some(TX_QUEUE)
+    }
+
+    fn pending_outputs(&self) -> Option<PendingOutputs> {
+        let a = self.active.as_ref()?;
+        PendingOutputs::of(&a.tx, &a.mem)
+    }
+
+    fn serve_outputs_until(&mut self, limit: u16) -> u16 {
+        self.process_tx(Some(limit))
     }
 
     fn backend_fd(&self) -> Option<RawFd> {

@@ -289,19 +289,13 @@ fn block_device_end_to_end_through_registers() {
     use crate::devices::block_backend::MemoryBackend;
     use crate::devices::virtio::block::tests::TestRing;
     use crate::devices::virtio::block::{features, Block};
-    use crate::output::PassThroughGate;
     use vm_memory::{Bytes, GuestAddress};
 
     let mem = GuestMemoryFile::create(16 << 20, &MemoryBacking::Memfd)
         .unwrap()
         .map()
         .unwrap();
-    let blk = Block::new(
-        "blk0",
-        0,
-        Box::new(MemoryBackend::new(1 << 20, false)),
-        Arc::new(PassThroughGate),
-    );
+    let blk = Block::new("blk0", Box::new(MemoryBackend::new(1 << 20, false)));
     let dev: Arc<Mutex<dyn VirtioDevice>> = Arc::new(Mutex::new(blk));
     let irq = EventFd::new(libc::EFD_NONBLOCK).unwrap();
     let mut t = MmioTransport::new(dev.clone(), mem.clone(), irq.try_clone().unwrap());
