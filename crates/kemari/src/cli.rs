@@ -71,6 +71,19 @@ pub struct Args {
     /// --serial and --api-socket may be given.
     #[arg(long, conflicts_with_all = ["config", "kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "restore", "incoming_local"])]
     pub incoming: Option<String>,
+    /// Be the fault-tolerance standby of the VM whose primary will connect to
+    /// this TCP address (HOST:PORT; `kemarictl ft start --peer`): receive its
+    /// synchronizations and run the VM if the primary is lost. Needs
+    /// --migration-key-file; --net tap=NAME, --serial and --api-socket may be
+    /// given.
+    #[arg(long, conflicts_with_all = ["config", "kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "restore", "incoming_local", "incoming"])]
+    pub ft_standby: Option<String>,
+    /// Fault-tolerance fence: a lock file only the running copy of the VM
+    /// holds. A primary takes it at start; a standby takes it before it runs
+    /// the VM and does not fail over while another process holds it (split
+    /// brain). Give both ends the same path (a file they can both lock).
+    #[arg(long)]
+    pub ft_fence: Option<PathBuf>,
     /// Pre-shared key (a file of at least 16 bytes) that authenticates the
     /// live-migration stream; both ends need the same key.
     #[arg(long)]

@@ -3,5 +3,6 @@
 pub mod api;
 pub mod bench;
 pub mod cli;
+pub mod ft;
 pub mod migration;
 pub mod vmm_process;

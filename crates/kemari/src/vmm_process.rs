@@ -2,8 +2,10 @@
 //! the process when the guest powers off or the API asks.
 //!
 //! Exit status: 0 after a clean guest poweroff, a guest reset, an API shutdown
-//! or SIGTERM/SIGINT; 1 when the VMM fails (bad configuration, KVM error);
-//! 3 when the guest reports a failure through the exit port (code != 0).
+//! or SIGTERM/SIGINT, or a fault-tolerance standby whose primary ended
+//! protection; 1 when the VMM fails (bad configuration, KVM error, a standby
+//! that may not fail over); 3 when the guest reports a failure through the
+//! exit port (code != 0).
 
 use std::process::ExitCode;
 use std::sync::mpsc::{channel, Sender};
@@ -17,8 +19,10 @@ use vmm::persist::snapshot::{self, SnapshotError};
 use vmm::vstate::{VmEvent, VmEventSink};
 
 use crate::api::routes::ApiRequest;
+use crate::api::routes::FtStartRequest;
 use crate::api::server::{ApiResponse, ApiServer, PendingRequest, ServerError};
 use crate::cli::{Args, CliError};
+use crate::ft::{self, fence::Fence, primary::FtGate, status::FtShared, status::FtState};
 use crate::migration::{local, tcp};
 use std::sync::Arc;
 
@@ -52,6 +56,9 @@ pub enum ProcessError {
     /// Signal handling could not be set up.
     #[error("cannot install signal handlers")]
     Signals(#[source] std::io::Error),
+    /// Fault tolerance (standby, fence).
+    #[error(transparent)]
+    Ft(#[from] ft::FtError),
 }
 
 enum Control {
@@ -125,16 +132,38 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
     let sink = VmEventSink::new(forwarder(&tx, Control::Vm));
     // The API socket first: a socket in use is refused before any VM exists.
     let migration = Arc::new(tcp::MigrationShared::default());
-    let m = migration.clone();
+    let ft_shared = Arc::new(FtShared::default());
+    let (m, f) = (migration.clone(), ft_shared.clone());
     let _api = match &api_socket {
         Some(path) => Some(ApiServer::start_with_direct(
             path,
             forwarder(&tx, Control::Api),
-            move |req| direct_api(&m, req),
+            move |req| direct_api(&m, &f, req),
         )?),
         None => None,
     };
-    let mut machine = make_machine(args, sink)?;
+    // The fence: a primary holds it for its whole life; a standby takes it
+    // before it fails over.
+    let mut _fence: Option<Fence> = None;
+    let mut machine = if let Some(listen) = &args.ft_standby {
+        match standby(args, listen, sink, &ft_shared)? {
+            ft::standby::StandbyOutcome::FailedOver(m, fence) => {
+                _fence = fence;
+                m
+            }
+            ft::standby::StandbyOutcome::PrimaryStopped(reason) => {
+                eprintln!("kemari: standby done: the primary ended protection ({reason})");
+                return Ok(ExitCode::SUCCESS);
+            }
+        }
+    } else {
+        if let Some(path) = &args.ft_fence {
+            _fence =
+                Some(Fence::acquire(path, std::time::Duration::ZERO).map_err(ft::FtError::from)?);
+        }
+        make_machine(args, sink)?
+    };
+    let mut ft_gate: Option<Arc<FtGate>> = None;
     let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT])
         .map_err(ProcessError::Signals)?;
     let sig_tx = forwarder(&tx, Control::Signal);
@@ -152,6 +181,10 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         let Ok(event) = rx.recv() else {
             return Err(ProcessError::VmFailed("all event sources are gone".into()));
         };
+        if let (Control::Vm(_) | Control::Signal(_), Some(g)) = (&event, &ft_gate) {
+            // The VM ends here on purpose: the standby must not take over.
+            g.stop("the primary VM ended");
+        }
         match event {
             Control::Vm(VmEvent::Poweroff { code }) => {
                 machine.shutdown();
@@ -177,7 +210,26 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
                 return Ok(ExitCode::SUCCESS);
             }
             Control::Api(PendingRequest { request, reply }) => {
-                let (resp, next) = handle_api(&mut machine, request, &migration);
+                let (resp, next) = match request {
+                    ApiRequest::FtStart(req) => (
+                        ft_start(&mut machine, &req, &ft_shared, &mut ft_gate),
+                        After::Continue,
+                    ),
+                    ApiRequest::FtStop => {
+                        (ft_stop(&machine, &ft_shared, &mut ft_gate), After::Continue)
+                    }
+                    _ if ft_busy(&ft_shared) && request.moves_vm() => (
+                        ApiResponse::error(
+                            409,
+                            "the VM is protected by fault tolerance: `kemarictl ft stop` first",
+                        ),
+                        After::Continue,
+                    ),
+                    request => handle_api(&mut machine, request, &migration),
+                };
+                if let (After::Exit, Some(g)) = (&next, &ft_gate) {
+                    g.stop("the primary VMM is shutting down");
+                }
                 let _ = reply.send(resp);
                 if let After::Exit = next {
                     machine.shutdown();
@@ -201,8 +253,98 @@ enum After {
     Exit,
 }
 
-/// Requests answered on the API thread, even while the main thread migrates.
-fn direct_api(migration: &tcp::MigrationShared, request: &ApiRequest) -> Option<ApiResponse> {
+/// Follows a primary as its fault-tolerance standby.
+fn standby(
+    args: &Args,
+    listen: &str,
+    sink: VmEventSink,
+    shared: &Arc<FtShared>,
+) -> Result<ft::standby::StandbyOutcome, ProcessError> {
+    let key_file = args.migration_key_file.as_ref().ok_or(CliError::Missing(
+        "--migration-key-file (with --ft-standby)",
+    ))?;
+    let opts = ft::standby::StandbyOptions {
+        listen: listen.to_owned(),
+        key: tcp::read_key(key_file)?,
+        fence: args.ft_fence.clone(),
+    };
+    let mut overrides = Ok(());
+    let outcome = ft::standby::run(
+        &opts,
+        sink,
+        |config| overrides = args.apply_restore_overrides(config),
+        shared,
+    )?;
+    overrides?;
+    Ok(outcome)
+}
+
+/// Whether fault tolerance protects (or is setting up protection for) the VM.
+fn ft_busy(shared: &FtShared) -> bool {
+    matches!(shared.state(), FtState::Protected | FtState::Syncing)
+}
+
+fn ft_start(
+    machine: &mut Machine,
+    req: &FtStartRequest,
+    shared: &Arc<FtShared>,
+    gate: &mut Option<Arc<FtGate>>,
+) -> ApiResponse {
+    let key = match tcp::read_key(&req.key_file) {
+        Ok(k) => k,
+        Err(e) => return ApiResponse::error(400, e),
+    };
+    let ms = |v: Option<u64>, d: std::time::Duration| {
+        v.map(|v| std::time::Duration::from_millis(v.max(1)))
+            .unwrap_or(d)
+    };
+    let opts = ft::primary::FtStartOptions {
+        peer: req.peer.clone(),
+        key,
+        mode: match req.periodic_ms {
+            Some(p) => ft::SyncMode::Periodic(std::time::Duration::from_millis(p.max(1))),
+            None => ft::SyncMode::EventDriven,
+        },
+        heartbeat: ms(req.heartbeat_ms, ft::DEFAULT_HEARTBEAT),
+        timeout: ms(req.timeout_ms, ft::DEFAULT_TIMEOUT),
+    };
+    match ft::primary::start(machine, &opts, shared) {
+        Ok(g) => {
+            *gate = Some(g);
+            to_json(&shared.report())
+        }
+        Err(ft::FtError::State(s)) => ApiResponse::error(409, s),
+        Err(e) => ApiResponse::error(502, e),
+    }
+}
+
+fn ft_stop(machine: &Machine, shared: &FtShared, gate: &mut Option<Arc<FtGate>>) -> ApiResponse {
+    let Some(g) = gate.take() else {
+        return ApiResponse::error(409, "fault tolerance is not active");
+    };
+    g.stop("stopped through the API");
+    if let Err(e) = machine.set_output_gate(Arc::new(vmm::output::PassThroughGate)) {
+        return ApiResponse::error(500, e);
+    }
+    to_json(&shared.report())
+}
+
+/// Requests answered on the API thread, even while the main thread migrates
+/// or follows a primary.
+fn direct_api(
+    migration: &tcp::MigrationShared,
+    ft: &FtShared,
+    request: &ApiRequest,
+) -> Option<ApiResponse> {
+    if let ApiRequest::FtStatus = request {
+        return Some(to_json(&ft.report()));
+    }
+    if matches!(ft.state(), FtState::Standby | FtState::FailingOver) {
+        return Some(ApiResponse::error(
+            409,
+            "this VMM is a fault-tolerance standby: the VM runs on the primary (GET /vm/ft for the sync state)",
+        ));
+    }
     match request {
         ApiRequest::MigrationStatus => Some(to_json(&migration.snapshot())),
         ApiRequest::MigrationCancel => {
@@ -379,6 +521,9 @@ fn handle_query(machine: &mut Machine, request: ApiRequest) -> ApiResponse {
         | ApiRequest::MigrateLocal { .. }
         | ApiRequest::Migrate { .. }
         | ApiRequest::MigrationStatus
-        | ApiRequest::MigrationCancel => ApiResponse::error(500, "not a query"),
+        | ApiRequest::MigrationCancel
+        | ApiRequest::FtStart(_)
+        | ApiRequest::FtStatus
+        | ApiRequest::FtStop => ApiResponse::error(500, "not a query"),
     }
 }

@@ -177,6 +177,8 @@ pub struct MachineCore {
     config: MachineConfig,
     memory_file: GuestMemoryFile,
     guest_memory: GuestMemoryMmap,
+    /// KVM's MSR list, fetched on the first save (syncs save often).
+    msr_indices: std::sync::OnceLock<Arc<Vec<u32>>>,
 }
 
 impl MachineCore {
@@ -204,16 +206,23 @@ impl MachineCore {
         if !self.vcpus.is_paused() {
             return Err(MachineError::State(RunState::Running));
         }
-        let msr_indices: Vec<u32> = self
-            .vm
-            .kvm()
-            .get_msr_index_list()
-            .map_err(|source| VmError::Kvm {
-                what: "KVM_GET_MSR_INDEX_LIST",
-                source,
-            })?
-            .as_slice()
-            .to_vec();
+        let msr_indices = match self.msr_indices.get() {
+            Some(m) => m.clone(),
+            None => {
+                let list: Arc<Vec<u32>> = Arc::new(
+                    self.vm
+                        .kvm()
+                        .get_msr_index_list()
+                        .map_err(|source| VmError::Kvm {
+                            what: "KVM_GET_MSR_INDEX_LIST",
+                            source,
+                        })?
+                        .as_slice()
+                        .to_vec(),
+                );
+                self.msr_indices.get_or_init(|| list).clone()
+            }
+        };
         let mut vcpus = Vec::with_capacity(self.vcpus.handles().len());
         for v in self.vcpus.handles() {
             let index = v.index();
@@ -546,6 +555,7 @@ impl Machine {
                 config,
                 memory_file,
                 guest_memory,
+                msr_indices: std::sync::OnceLock::new(),
             }),
             serial_backend,
             state,

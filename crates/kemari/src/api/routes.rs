@@ -16,6 +16,9 @@
 //! | PUT    | /vm/migrate     | {"to", "key_file", "max_downtime_ms"?, "max_rounds"?}: live migration |
 //! | GET    | /vm/migration   | progress of the running or last live migration |
 //! | PUT    | /vm/migration/cancel | cancel the running live migration |
+//! | PUT    | /vm/ft/start    | {"peer", "key_file", "periodic_ms"?, "heartbeat_ms"?, "timeout_ms"?}: protect the VM with a standby |
+//! | GET    | /vm/ft          | fault-tolerance state and metrics |
+//! | PUT    | /vm/ft/stop     | stop protection (the standby exits) |
 
 use std::path::PathBuf;
 
@@ -73,6 +76,46 @@ pub enum ApiRequest {
     MigrationStatus,
     /// Cancel the live migration.
     MigrationCancel,
+    /// Start fault tolerance with the standby at `peer`.
+    FtStart(FtStartRequest),
+    /// Fault-tolerance state and metrics.
+    FtStatus,
+    /// Stop fault tolerance.
+    FtStop,
+}
+
+/// Parameters of `PUT /vm/ft/start`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FtStartRequest {
+    /// The standby's `host:port` (`kemari --ft-standby`).
+    pub peer: String,
+    /// Pre-shared key file (the standby's --migration-key-file).
+    pub key_file: PathBuf,
+    /// Periodic checkpoints every this many ms (Remus-style) instead of
+    /// event-driven synchronization.
+    #[serde(default)]
+    pub periodic_ms: Option<u64>,
+    /// Heartbeat interval on the sync link, ms (default 100).
+    #[serde(default)]
+    pub heartbeat_ms: Option<u64>,
+    /// Peer declared lost after this long without a frame, ms (default 1000).
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+}
+
+impl ApiRequest {
+    /// Whether the request moves the VM to another VMM (which a protected VM
+    /// must not do: its standby follows this VMM, and live migration would
+    /// share the dirty-page tracker with fault tolerance).
+    pub fn moves_vm(&self) -> bool {
+        matches!(
+            self,
+            ApiRequest::WarmRestart { .. }
+                | ApiRequest::MigrateLocal { .. }
+                | ApiRequest::Migrate { .. }
+        )
+    }
 }
 
 #[derive(Deserialize)]
@@ -166,7 +209,10 @@ pub fn route(method: &str, path: &str, body_bytes: &[u8]) -> Result<ApiRequest, 
         "/vm/shutdown" => (ApiRequest::Shutdown, "PUT"),
         "/vm/migration" => (ApiRequest::MigrationStatus, "GET"),
         "/vm/migration/cancel" => (ApiRequest::MigrationCancel, "PUT"),
-        "/vm/snapshot" | "/vm/warm-restart" | "/vm/migrate-local" | "/vm/migrate" => {
+        "/vm/ft" => (ApiRequest::FtStatus, "GET"),
+        "/vm/ft/stop" => (ApiRequest::FtStop, "PUT"),
+        "/vm/snapshot" | "/vm/warm-restart" | "/vm/migrate-local" | "/vm/migrate"
+        | "/vm/ft/start" => {
             if !method.eq_ignore_ascii_case("PUT") {
                 return Err(RouteError::MethodNotAllowed {
                     method: truncate(method),
@@ -185,6 +231,7 @@ pub fn route(method: &str, path: &str, body_bytes: &[u8]) -> Result<ApiRequest, 
                 "/vm/warm-restart" => ApiRequest::WarmRestart {
                     dir: parse_body::<DirBody>(body_bytes)?.dir,
                 },
+                "/vm/ft/start" => ApiRequest::FtStart(parse_body(body_bytes)?),
                 "/vm/migrate" => {
                     let b: MigrateBody = parse_body(body_bytes)?;
                     ApiRequest::Migrate {
@@ -263,6 +310,24 @@ mod tests {
             route("GET", "/vm/warm-restart", b"").unwrap_err().status(),
             405
         );
+        assert_eq!(
+            route("PUT", "/vm/ft/start", br#"{"peer":"h:1"}"#)
+                .unwrap_err()
+                .status(),
+            400
+        );
+        assert!(matches!(
+            route(
+                "PUT",
+                "/vm/ft/start",
+                br#"{"peer":"h:1","key_file":"/k","periodic_ms":25}"#
+            ),
+            Ok(ApiRequest::FtStart(FtStartRequest {
+                periodic_ms: Some(25),
+                ..
+            }))
+        ));
+        assert_eq!(route("GET", "/vm/ft", b"").unwrap(), ApiRequest::FtStatus);
         let big = vec![b' '; MAX_BODY + 1];
         assert_eq!(route("PUT", "/vm/pause", &big).unwrap_err().status(), 400);
         let long = "/".repeat(10_000);

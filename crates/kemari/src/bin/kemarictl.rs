@@ -74,6 +74,39 @@ enum Command {
         /// The destination's socket.
         socket: PathBuf,
     },
+    /// Fault tolerance: protect this VM with a standby, show its state, stop it.
+    Ft {
+        #[command(subcommand)]
+        command: FtCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum FtCommand {
+    /// Synchronize the standby started with `kemari --ft-standby HOST:PORT`
+    /// (a live pre-copy, then one sync per output event or per period).
+    Start {
+        /// The standby's HOST:PORT.
+        #[arg(long)]
+        peer: String,
+        /// Pre-shared key file (the standby's --migration-key-file).
+        #[arg(long)]
+        key_file: PathBuf,
+        /// Periodic checkpoints every MS (Remus-style, outputs held until the
+        /// checkpoint is acknowledged) instead of event-driven synchronization.
+        #[arg(long)]
+        periodic_ms: Option<u64>,
+        /// Heartbeat interval on the sync link (default 100 ms).
+        #[arg(long)]
+        heartbeat_ms: Option<u64>,
+        /// The peer is lost after this long without a frame (default 1000 ms).
+        #[arg(long)]
+        timeout_ms: Option<u64>,
+    },
+    /// State (protected, degraded, standby, failed over) and metrics.
+    Status,
+    /// Stop protection; the standby exits.
+    Stop,
 }
 
 fn main() -> ExitCode {
@@ -107,6 +140,31 @@ fn main() -> ExitCode {
             }));
             ("PUT", "/vm/migrate")
         }
+        Command::Ft {
+            command:
+                FtCommand::Start {
+                    peer,
+                    key_file,
+                    periodic_ms,
+                    heartbeat_ms,
+                    timeout_ms,
+                },
+        } => {
+            body = Some(serde_json::json!({
+                "peer": peer,
+                "key_file": abs(key_file),
+                "periodic_ms": periodic_ms,
+                "heartbeat_ms": heartbeat_ms,
+                "timeout_ms": timeout_ms,
+            }));
+            ("PUT", "/vm/ft/start")
+        }
+        Command::Ft {
+            command: FtCommand::Status,
+        } => ("GET", "/vm/ft"),
+        Command::Ft {
+            command: FtCommand::Stop,
+        } => ("PUT", "/vm/ft/stop"),
         Command::Migration => ("GET", "/vm/migration"),
         Command::MigrateCancel => ("PUT", "/vm/migration/cancel"),
         Command::Info => ("GET", "/vm"),

@@ -150,7 +150,7 @@ impl MigrationShared {
 }
 
 /// Offset in the memory file of guest-physical page `pfn`, if it is RAM.
-fn pfn_offset(mem_size: u64, pfn: u64) -> Option<u64> {
+pub(crate) fn pfn_offset(mem_size: u64, pfn: u64) -> Option<u64> {
     let gpa = pfn.checked_mul(PAGE as u64)?;
     layout::ram_ranges(mem_size)
         .into_iter()
@@ -159,7 +159,7 @@ fn pfn_offset(mem_size: u64, pfn: u64) -> Option<u64> {
 }
 
 /// Guest page number of memory-file offset `off`.
-fn offset_pfn(mem_size: u64, off: u64) -> Option<u64> {
+pub(crate) fn offset_pfn(mem_size: u64, off: u64) -> Option<u64> {
     layout::ram_ranges(mem_size)
         .into_iter()
         .find(|&(_, len, foff)| off >= foff && off < foff + len)
@@ -167,7 +167,7 @@ fn offset_pfn(mem_size: u64, off: u64) -> Option<u64> {
 }
 
 /// Data extents of the memory file (never-touched memory is a hole).
-fn data_extents(file: &std::fs::File, size: u64) -> Vec<(u64, u64)> {
+pub(crate) fn data_extents(file: &std::fs::File, size: u64) -> Vec<(u64, u64)> {
     use std::os::fd::AsRawFd;
     let fd = file.as_raw_fd();
     let mut out = Vec::new();
@@ -559,6 +559,11 @@ fn receive_vm(
                         .write_all_at(data.unwrap_or(&zero), off)
                         .map_err(WireError::Io)
                 })?;
+            }
+            Kind::Blob => {
+                return Err(MigrationError::Protocol(
+                    "unexpected binary frame during memory transfer".into(),
+                ))
             }
             Kind::Control => {
                 match serde_json::from_slice(&buf)

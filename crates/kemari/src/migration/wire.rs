@@ -65,6 +65,8 @@ pub enum Kind {
     Control = 1,
     /// Binary page batch.
     Pages = 2,
+    /// Opaque binary payload (a state container in fault tolerance).
+    Blob = 3,
 }
 
 /// Control messages (JSON).
@@ -268,7 +270,9 @@ impl<S: Read + Write> Channel<S> {
             Side::Destination,
         ))
     }
+}
 
+impl<S> Channel<S> {
     fn with_key(stream: S, key: [u8; 32], me: Side) -> Self {
         Channel {
             stream,
@@ -281,6 +285,39 @@ impl<S: Read + Write> Channel<S> {
         }
     }
 
+    /// The underlying stream.
+    pub fn stream(&self) -> &S {
+        &self.stream
+    }
+
+    /// Splits the channel into a receiving and a sending half over the two
+    /// halves `split` makes of the stream (each direction keeps its own
+    /// sequence, so the halves may be used from different threads).
+    pub fn split<R, W>(
+        self,
+        split: impl FnOnce(S) -> std::io::Result<(R, W)>,
+    ) -> std::io::Result<(Channel<R>, Channel<W>)> {
+        let (r, w) = split(self.stream)?;
+        let (rx, tx) = (
+            Channel::with_key(r, self.key, self.me),
+            Channel::with_key(w, self.key, self.me),
+        );
+        Ok((
+            Channel {
+                received: self.received,
+                bytes_received: self.bytes_received,
+                ..rx
+            },
+            Channel {
+                sent: self.sent,
+                bytes_sent: self.bytes_sent,
+                ..tx
+            },
+        ))
+    }
+}
+
+impl<S: Write> Channel<S> {
     /// Sends one authenticated frame.
     pub fn send(&mut self, kind: Kind, payload: &[u8]) -> Result<(), WireError> {
         if payload.len() > MAX_PAYLOAD {
@@ -300,10 +337,22 @@ impl<S: Read + Write> Channel<S> {
 
     /// Sends a control message.
     pub fn send_control(&mut self, msg: &Control) -> Result<(), WireError> {
+        self.send_json(msg)
+    }
+
+    /// Sends any JSON message as a control frame.
+    pub fn send_json<T: Serialize>(&mut self, msg: &T) -> Result<(), WireError> {
         let bytes = serde_json::to_vec(msg).map_err(|e| WireError::Malformed(e.to_string()))?;
         self.send(Kind::Control, &bytes)
     }
 
+    /// Pushes out buffered frames (for a buffered stream).
+    pub fn flush(&mut self) -> Result<(), WireError> {
+        Ok(self.stream.flush()?)
+    }
+}
+
+impl<S: Read> Channel<S> {
     /// Receives one frame into `buf`; returns its kind. The payload is only
     /// returned once its tag verifies.
     pub fn recv(&mut self, buf: &mut Vec<u8>) -> Result<Kind, WireError> {
@@ -316,6 +365,7 @@ impl<S: Read + Write> Channel<S> {
         let kind = match head[4] {
             1 => Kind::Control,
             2 => Kind::Pages,
+            3 => Kind::Blob,
             k => return Err(WireError::Malformed(format!("frame kind {k}"))),
         };
         buf.resize(len, 0);
@@ -338,19 +388,22 @@ impl<S: Read + Write> Channel<S> {
 
     /// Receives a control message (a page frame here is a protocol error).
     pub fn recv_control(&mut self, buf: &mut Vec<u8>) -> Result<Control, WireError> {
+        self.recv_json(buf)
+    }
+
+    /// Receives a JSON control frame of type `T`.
+    pub fn recv_json<T: serde::de::DeserializeOwned>(
+        &mut self,
+        buf: &mut Vec<u8>,
+    ) -> Result<T, WireError> {
         match self.recv(buf)? {
             Kind::Control => {
                 serde_json::from_slice(buf).map_err(|e| WireError::Malformed(e.to_string()))
             }
-            Kind::Pages => Err(WireError::Malformed(
-                "pages where a control message was due".into(),
-            )),
+            k => Err(WireError::Malformed(format!(
+                "{k:?} frame where a control message was due"
+            ))),
         }
-    }
-
-    /// The underlying stream.
-    pub fn stream(&self) -> &S {
-        &self.stream
     }
 }
 

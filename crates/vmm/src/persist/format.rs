@@ -82,6 +82,14 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
 
 /// Checks and decodes a state file.
 pub fn decode(bytes: &[u8]) -> Result<VmState, FormatError> {
+    let payload = verify(bytes)?;
+    serde_json::from_slice(payload).map_err(|e| FormatError::Payload(e.to_string()))
+}
+
+/// Checks the header, length and checksum without parsing the payload (cheap:
+/// a fault-tolerance standby checks every epoch's state this way and parses
+/// only the one it fails over to). Returns the payload.
+pub fn verify(bytes: &[u8]) -> Result<&[u8], FormatError> {
     if bytes.len() < HEADER_LEN {
         return Err(FormatError::Truncated(bytes.len()));
     }
@@ -107,7 +115,7 @@ pub fn decode(bytes: &[u8]) -> Result<VmState, FormatError> {
     if found != expected {
         return Err(FormatError::Checksum { found, expected });
     }
-    serde_json::from_slice(payload).map_err(|e| FormatError::Payload(e.to_string()))
+    Ok(payload)
 }
 
 #[cfg(test)]

@@ -1,0 +1,81 @@
+//! Fault tolerance: event-driven VM synchronization with transparent failover
+//! (the Kemari design; docs/fault-tolerance.md).
+//!
+//! The primary runs freely until the guest is about to produce an output
+//! visible outside the VM (a virtio-blk request, a virtio-net frame). At that
+//! point — the device event loop's output gate, see [`vmm::output`] — it
+//! pauses the vCPUs, captures the pages dirtied since the last sync and the
+//! whole VM state, lets the vCPUs run again, sends the epoch to the standby
+//! and releases the outputs once the standby acknowledged it. The standby
+//! stages each epoch, acknowledges it only when complete and applies it
+//! atomically; when the primary is lost it takes the fence and runs the VM
+//! from the last complete epoch.
+//!
+//! - [`protocol`]: the messages on the sync link;
+//! - [`primary`]: initial pre-copy, the synchronizing gate, heartbeats;
+//! - [`standby`]: staging, applying, failure detection and failover;
+//! - [`fence`]: the split-brain rule (a lock only the running copy holds);
+//! - [`status`]: state and metrics served by the API.
+
+pub mod fence;
+pub mod primary;
+pub mod protocol;
+pub mod standby;
+pub mod status;
+
+use std::time::Duration;
+
+use crate::migration::wire::WireError;
+
+/// Default heartbeat interval on the sync link.
+pub const DEFAULT_HEARTBEAT: Duration = Duration::from_millis(100);
+/// Default time without a frame after which the peer is lost.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(1000);
+
+/// Errors of fault tolerance.
+#[derive(Debug, thiserror::Error)]
+pub enum FtError {
+    /// The sync link failed or was refused.
+    #[error(transparent)]
+    Wire(#[from] WireError),
+    /// The peer said something out of order.
+    #[error("fault-tolerance protocol: {0}")]
+    Protocol(String),
+    /// The peer gave up.
+    #[error("the peer failed: {0}")]
+    Refused(String),
+    /// The machine failed.
+    #[error(transparent)]
+    Machine(#[from] vmm::machine::MachineError),
+    /// The operation does not apply now.
+    #[error("{0}")]
+    State(String),
+    /// The fence is held by another process.
+    #[error(transparent)]
+    Fence(#[from] fence::FenceError),
+    /// The key file is unusable.
+    #[error(transparent)]
+    Key(#[from] crate::migration::tcp::MigrationError),
+    /// Guest memory I/O.
+    #[error("guest memory: {0}")]
+    Memory(String),
+}
+
+/// How the primary synchronizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncMode {
+    /// One sync before each batch of outputs (Kemari).
+    EventDriven,
+    /// A checkpoint every period; outputs wait for the next one (Remus).
+    Periodic(Duration),
+}
+
+impl SyncMode {
+    /// Name in the API.
+    pub fn name(&self) -> &'static str {
+        match self {
+            SyncMode::EventDriven => "event",
+            SyncMode::Periodic(_) => "periodic",
+        }
+    }
+}

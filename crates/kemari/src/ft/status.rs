@@ -1,0 +1,321 @@
+//! Fault-tolerance state and metrics, shared between the synchronizing
+//! threads and the API thread (`GET /vm/ft`, `kemarictl ft status`).
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+/// Where a VMM stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FtState {
+    /// No fault tolerance.
+    Unprotected,
+    /// Primary: initial synchronization under way.
+    Syncing,
+    /// Primary: every output waits for the standby's acknowledgement.
+    Protected,
+    /// Primary: the standby was lost; running unprotected.
+    Degraded,
+    /// Standby: receiving synchronizations.
+    Standby,
+    /// Standby: primary lost, taking over.
+    FailingOver,
+    /// Standby that took over: the VM runs here (unprotected).
+    FailedOver,
+}
+
+/// Durations kept for the percentiles.
+const HISTORY: usize = 4096;
+
+/// The figures the API reports.
+#[derive(Debug, Clone, Serialize)]
+pub struct FtReport {
+    /// "primary", "standby" or "none".
+    pub role: &'static str,
+    /// State.
+    pub state: FtState,
+    /// "event" or "periodic".
+    pub mode: String,
+    /// Checkpoint period for "periodic", ms.
+    pub period_ms: Option<u64>,
+    /// The other end.
+    pub peer: String,
+    /// Last complete epoch (sent and acknowledged, or received and applied).
+    pub epoch: u64,
+    /// Syncs (epochs) since protection began.
+    pub syncs: u64,
+    /// Syncs per second since protection began.
+    pub syncs_per_s: f64,
+    /// Output requests released after a sync.
+    pub outputs: u64,
+    /// Pages sent (or received) in epochs.
+    pub pages: u64,
+    /// Mean pages per sync.
+    pub pages_per_sync: f64,
+    /// Mean payload bytes per sync.
+    pub bytes_per_sync: f64,
+    /// Sync-link payload bytes sent and received, initial copy included.
+    pub link_bytes: u64,
+    /// Guest pause per sync (capture of pages and state), microseconds: p50.
+    pub pause_us_p50: u64,
+    /// Guest pause per sync, p99.
+    pub pause_us_p99: u64,
+    /// Output delay per sync (pause + transfer + acknowledgement), p50.
+    pub sync_us_p50: u64,
+    /// Output delay per sync, p99.
+    pub sync_us_p99: u64,
+    /// Initial synchronization time, ms.
+    pub initial_sync_ms: Option<u64>,
+    /// Failovers performed by this VMM.
+    pub failovers: u64,
+    /// Failover time (primary lost to VM running), ms.
+    pub failover_ms: Option<u64>,
+    /// Last error (why degraded, why the failover happened).
+    pub last_error: Option<String>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    role: &'static str,
+    state: FtState,
+    mode: String,
+    period_ms: Option<u64>,
+    peer: String,
+    epoch: u64,
+    syncs: u64,
+    outputs: u64,
+    pages: u64,
+    sync_bytes: u64,
+    link_bytes: u64,
+    pauses: VecDeque<u32>,
+    delays: VecDeque<u32>,
+    protected_at: Option<Instant>,
+    initial_sync_ms: Option<u64>,
+    failovers: u64,
+    failover_ms: Option<u64>,
+    last_error: Option<String>,
+}
+
+/// Shared state and metrics.
+#[derive(Debug)]
+pub struct FtShared {
+    inner: Mutex<Inner>,
+}
+
+impl Default for FtShared {
+    fn default() -> Self {
+        FtShared {
+            inner: Mutex::new(Inner {
+                role: "none",
+                state: FtState::Unprotected,
+                mode: String::new(),
+                period_ms: None,
+                peer: String::new(),
+                epoch: 0,
+                syncs: 0,
+                outputs: 0,
+                pages: 0,
+                sync_bytes: 0,
+                link_bytes: 0,
+                pauses: VecDeque::new(),
+                delays: VecDeque::new(),
+                protected_at: None,
+                initial_sync_ms: None,
+                failovers: 0,
+                failover_ms: None,
+                last_error: None,
+            }),
+        }
+    }
+}
+
+fn percentile(values: &VecDeque<u32>, p: f64) -> u64 {
+    if values.is_empty() {
+        return 0;
+    }
+    let mut v: Vec<u32> = values.iter().copied().collect();
+    v.sort_unstable();
+    let i = ((v.len() - 1) as f64 * p).round() as usize;
+    u64::from(v[i.min(v.len() - 1)])
+}
+
+fn push(q: &mut VecDeque<u32>, d: Duration) {
+    if q.len() == HISTORY {
+        q.pop_front();
+    }
+    q.push_back(u32::try_from(d.as_micros()).unwrap_or(u32::MAX));
+}
+
+impl FtShared {
+    fn with<R>(&self, f: impl FnOnce(&mut Inner) -> R) -> R {
+        f(&mut self.inner.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// A new protection begins (primary) or is awaited (standby).
+    pub fn begin(
+        &self,
+        role: &'static str,
+        state: FtState,
+        peer: &str,
+        mode: &str,
+        period: Option<Duration>,
+    ) {
+        self.with(|i| {
+            i.role = role;
+            i.state = state;
+            i.peer = peer.to_owned();
+            i.mode = mode.to_owned();
+            i.period_ms = period.map(|p| p.as_millis() as u64);
+            i.epoch = 0;
+            i.syncs = 0;
+            i.outputs = 0;
+            i.pages = 0;
+            i.sync_bytes = 0;
+            i.link_bytes = 0;
+            i.pauses.clear();
+            i.delays.clear();
+            i.protected_at = None;
+            i.initial_sync_ms = None;
+            i.last_error = None;
+        })
+    }
+
+    /// Sets the state.
+    pub fn set_state(&self, state: FtState) {
+        self.with(|i| i.state = state)
+    }
+
+    /// The current state.
+    pub fn state(&self) -> FtState {
+        self.with(|i| i.state)
+    }
+
+    /// Records why things went wrong.
+    pub fn set_error(&self, e: impl Into<String>) {
+        let e = e.into();
+        self.with(|i| i.last_error = Some(e))
+    }
+
+    /// The initial synchronization took `d`.
+    pub fn initial_sync_done(&self, d: Duration, link_bytes: u64) {
+        self.with(|i| {
+            i.initial_sync_ms = Some(d.as_millis() as u64);
+            i.link_bytes = link_bytes;
+        })
+    }
+
+    /// One complete epoch: `pages` pages, `bytes` payload bytes, the guest
+    /// paused `pause`, outputs delayed `delay`.
+    pub fn record_sync(
+        &self,
+        epoch: u64,
+        pages: u64,
+        bytes: u64,
+        outputs: u64,
+        pause: Duration,
+        delay: Duration,
+    ) {
+        self.with(|i| {
+            i.protected_at.get_or_insert_with(Instant::now);
+            i.epoch = epoch;
+            i.syncs += 1;
+            i.pages += pages;
+            i.outputs += outputs;
+            i.sync_bytes += bytes;
+            i.link_bytes += bytes;
+            push(&mut i.pauses, pause);
+            push(&mut i.delays, delay);
+        })
+    }
+
+    /// Link bytes outside epochs (heartbeats, pre-copy).
+    pub fn add_link_bytes(&self, bytes: u64) {
+        self.with(|i| i.link_bytes += bytes)
+    }
+
+    /// A failover completed in `d`.
+    pub fn failed_over(&self, d: Duration) {
+        self.with(|i| {
+            i.failovers += 1;
+            i.failover_ms = Some(d.as_millis() as u64);
+            i.state = FtState::FailedOver;
+            i.role = "none";
+        })
+    }
+
+    /// The figures.
+    pub fn report(&self) -> FtReport {
+        self.with(|i| {
+            let secs = i
+                .protected_at
+                .map(|t| t.elapsed().as_secs_f64())
+                .unwrap_or(0.0);
+            let per = |x: u64| {
+                if i.syncs == 0 {
+                    0.0
+                } else {
+                    x as f64 / i.syncs as f64
+                }
+            };
+            FtReport {
+                role: i.role,
+                state: i.state,
+                mode: i.mode.clone(),
+                period_ms: i.period_ms,
+                peer: i.peer.clone(),
+                epoch: i.epoch,
+                syncs: i.syncs,
+                syncs_per_s: if secs > 0.0 {
+                    i.syncs as f64 / secs
+                } else {
+                    0.0
+                },
+                outputs: i.outputs,
+                pages: i.pages,
+                pages_per_sync: per(i.pages),
+                bytes_per_sync: per(i.sync_bytes),
+                link_bytes: i.link_bytes,
+                pause_us_p50: percentile(&i.pauses, 0.5),
+                pause_us_p99: percentile(&i.pauses, 0.99),
+                sync_us_p50: percentile(&i.delays, 0.5),
+                sync_us_p99: percentile(&i.delays, 0.99),
+                initial_sync_ms: i.initial_sync_ms,
+                failovers: i.failovers,
+                failover_ms: i.failover_ms,
+                last_error: i.last_error.clone(),
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_and_means() {
+        let s = FtShared::default();
+        s.begin("primary", FtState::Syncing, "h:1", "event", None);
+        s.set_state(FtState::Protected);
+        for k in 1..=100u64 {
+            s.record_sync(
+                k,
+                2,
+                100,
+                1,
+                Duration::from_micros(k),
+                Duration::from_micros(10 * k),
+            );
+        }
+        let r = s.report();
+        assert_eq!((r.epoch, r.syncs, r.pages, r.outputs), (100, 100, 200, 100));
+        assert_eq!(r.pause_us_p50, 51);
+        assert_eq!(r.pause_us_p99, 99);
+        assert_eq!(r.sync_us_p99, 990);
+        assert!((r.bytes_per_sync - 100.0).abs() < 1e-9);
+        assert_eq!(r.state, FtState::Protected);
+    }
+}

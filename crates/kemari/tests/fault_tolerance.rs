@@ -1,0 +1,450 @@
+//! Fault tolerance end to end with the test guest: a primary kemari protected
+//! by a standby kemari on this host (same TAP, same disk image, one fence),
+//! the guest counting, writing flushed blocks and echoing a TCP stream.
+//!
+//! - The primary is killed with SIGKILL at a random moment: the standby takes
+//!   over within the timeout + 1 s, the echo stream continues byte-exact,
+//!   every block the guest saw acknowledged verifies, the counter continues.
+//!   `KEMARI_FT_KILLS=N` repeats it N times (default 2; the stress command
+//!   `scripts/ft-stress.sh` runs 50).
+//! - The standby is killed: the primary runs on degraded, is re-protected by
+//!   a new standby, and a clean shutdown lets the standby exit without
+//!   failing over.
+//! - The sync link is cut (a relay stops forwarding) while both live: the
+//!   standby must not run a second copy (the primary holds the fence).
+//! - Periodic (Remus-style) checkpoints fail over the same way.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::scenario::*;
+use common::*;
+
+/// Blocks the guest writes (each write and flush is an output: one sync each).
+const FT_BLOCKS: u64 = 400;
+const TIMEOUT_MS: u64 = 1000;
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Pair {
+    primary: Vmm,
+    standby: Vmm,
+    echo: EchoChecker,
+}
+
+fn key_file(dir: &Path) -> PathBuf {
+    let k = dir.join("key");
+    std::fs::write(&k, "fault-tolerance-test-key-0123456789\n").unwrap();
+    k
+}
+
+fn spawn_standby(dir: &Path, tag: &str, port: u16, net: &TapNet) -> Vmm {
+    spawn_vmm(
+        &[
+            "--ft-standby".into(),
+            format!("127.0.0.1:{port}"),
+            "--migration-key-file".into(),
+            key_file(dir).display().to_string(),
+            "--net".into(),
+            format!("tap={}", net.name),
+            "--ft-fence".into(),
+            dir.join("fence").display().to_string(),
+        ],
+        &dir.join(format!("console-{tag}.log")),
+        &dir.join(format!("api-{tag}.sock")),
+        &[],
+    )
+}
+
+fn ft_start(primary: &Vmm, dir: &Path, peer: &str, extra: &[&str]) -> serde_json::Value {
+    let key = key_file(dir);
+    let mut args = vec![
+        "ft",
+        "start",
+        "--peer",
+        peer,
+        "--key-file",
+        key.to_str().unwrap(),
+        "--timeout-ms",
+        "1000",
+    ];
+    args.extend_from_slice(extra);
+    let out = ctl(&primary.api, &args);
+    assert!(
+        out.status.success(),
+        "ft start: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn ft_status(vmm: &Vmm) -> serde_json::Value {
+    let out = ctl(&vmm.api, &["ft", "status"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Boots a protected guest: standby first, then the primary, then `ft start`,
+/// then the echo stream.
+fn protected_pair(dir: &Path, net: &TapNet, disk: &Path, ft_extra: &[&str]) -> Pair {
+    let port = free_port();
+    let standby = spawn_standby(dir, "standby", port, net);
+    let primary = spawn_vmm(
+        &[
+            "--kernel".into(),
+            guest_elf().display().to_string(),
+            "--memory".into(),
+            "256M".into(),
+            "--cmdline".into(),
+            format!(
+                "counter=100 ip={}/24 disk=write,{FT_BLOCKS},seq,flush",
+                net.guest_ip()
+            ),
+            "--disk".into(),
+            disk.display().to_string(),
+            "--net".into(),
+            format!("tap={}", net.name),
+            "--ft-fence".into(),
+            dir.join("fence").display().to_string(),
+        ],
+        &dir.join("console-primary.log"),
+        &dir.join("api-primary.sock"),
+        &[],
+    );
+    wait_for("guest network up", Duration::from_secs(30), || {
+        read_text(&primary.console).contains("net: up")
+    });
+    let report = ft_start(&primary, dir, &format!("127.0.0.1:{port}"), ft_extra);
+    assert_eq!(report["state"], "protected", "{report}");
+    let echo = EchoChecker::start(&net.guest_ip());
+    wait_for(
+        "echo traffic under protection",
+        Duration::from_secs(60),
+        || echo.verified() > 4096,
+    );
+    Pair {
+        primary,
+        standby,
+        echo,
+    }
+}
+
+/// A pseudo-random delay up to `max_ms` (no RNG crate: the clock's nanoseconds).
+fn random_delay(max_ms: u64) -> Duration {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos() as u64;
+    Duration::from_millis(nanos % max_ms.max(1))
+}
+
+/// Kills the primary, checks the takeover and everything the guest had.
+fn kill_primary_and_check(dir: &Path, pair: Pair, disk: &Path) {
+    let Pair {
+        mut primary,
+        standby,
+        echo,
+    } = pair;
+    let before = ft_status(&primary);
+    assert_eq!(before["state"], "protected", "{before}");
+    primary.child.0.kill().unwrap();
+    let killed = Instant::now();
+    let _ = primary.child.0.wait();
+    // The standby runs the VM within the timeout + 1 s.
+    wait_for(
+        "the standby to take over",
+        Duration::from_millis(TIMEOUT_MS + 1000),
+        || ft_status(&standby)["state"] == "failed_over",
+    );
+    let took = killed.elapsed();
+    let status = ft_status(&standby);
+    eprintln!(
+        "failover after {} ms (standby saw epoch {}, failover_ms {})",
+        took.as_millis(),
+        status["epoch"],
+        status["failover_ms"]
+    );
+    assert_eq!(status["failovers"], 1);
+    let _ = dir;
+    check_continuity_blocks(&primary.console, &standby, echo, disk, FT_BLOCKS);
+}
+
+#[test]
+fn primary_killed_at_random_moments_standby_takes_over() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let runs: u64 = std::env::var("KEMARI_FT_KILLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    let net = TapNet::create("f", 31);
+    for run in 0..runs {
+        let dir = scratch(&format!("ft-kill-{run}"));
+        let disk = disk_image(&dir);
+        let pair = protected_pair(&dir, &net, &disk, &[]);
+        std::thread::sleep(random_delay(1500));
+        eprintln!("run {}/{runs}", run + 1);
+        kill_primary_and_check(&dir, pair, &disk);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+#[test]
+fn periodic_checkpoints_fail_over_too() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("ft-periodic");
+    let net = TapNet::create("p", 32);
+    let disk = disk_image(&dir);
+    let pair = protected_pair(&dir, &net, &disk, &["--periodic-ms", "25"]);
+    let st = ft_status(&pair.primary);
+    assert_eq!(st["mode"], "periodic");
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        ft_status(&pair.primary)["syncs"].as_u64().unwrap() >= 5,
+        "periodic checkpoints happen"
+    );
+    kill_primary_and_check(&dir, pair, &disk);
+}
+
+#[test]
+fn standby_loss_degrades_then_a_new_standby_protects_and_shutdown_releases_it() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("ft-degrade");
+    let net = TapNet::create("d", 33);
+    let disk = disk_image(&dir);
+    let Pair {
+        primary,
+        mut standby,
+        echo,
+    } = protected_pair(&dir, &net, &disk, &[]);
+    standby.child.0.kill().unwrap();
+    let _ = standby.child.0.wait();
+    wait_for(
+        "the primary to notice",
+        Duration::from_millis(TIMEOUT_MS + 1000),
+        || ft_status(&primary)["state"] == "degraded",
+    );
+    // Unprotected, the guest goes on.
+    let seen = echo.verified();
+    let count = counters(&primary.console).len();
+    wait_for("the guest to go on", Duration::from_secs(30), || {
+        echo.verified() > seen + 4096 && counters(&primary.console).len() > count + 2
+    });
+    // A new standby; re-protection pauses the guest for one sync only.
+    let port = free_port();
+    let second = spawn_standby(&dir, "standby2", port, &net);
+    let report = ft_start(&primary, &dir, &format!("127.0.0.1:{port}"), &[]);
+    assert_eq!(report["state"], "protected", "{report}");
+    let seen = echo.verified();
+    wait_for(
+        "echo under the new protection",
+        Duration::from_secs(30),
+        || echo.verified() > seen + 4096,
+    );
+    assert!(ft_status(&second)["epoch"].as_u64().unwrap() >= 2);
+    // A VMM that ends on purpose tells its standby, which exits cleanly.
+    echo.finish();
+    let out = ctl(&primary.api, &["shutdown"]);
+    assert!(out.status.success());
+    let mut second = second;
+    let st = wait_exit(&mut second.child.0, "the standby after a clean shutdown");
+    assert!(st.success(), "standby exit: {st:?}");
+    assert!(!read_text(&second.console).contains("counter:"));
+}
+
+/// Forwards TCP between a listener and `to` until `cut`, then drops every
+/// byte while keeping both connections open (a partitioned network).
+fn relay(to: u16, cut: Arc<AtomicBool>) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let (a, _) = listener.accept().unwrap();
+        let b = TcpStream::connect(("127.0.0.1", to)).unwrap();
+        let pump = |mut from: TcpStream, mut to: TcpStream, cut: Arc<AtomicBool>| {
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 1 << 16];
+                loop {
+                    let n = match from.read(&mut buf) {
+                        Ok(0) | Err(_) => {
+                            if cut.load(Ordering::SeqCst) {
+                                // Partitioned: never deliver the close either.
+                                std::thread::sleep(Duration::from_secs(3600));
+                            }
+                            return;
+                        }
+                        Ok(n) => n,
+                    };
+                    if !cut.load(Ordering::SeqCst) && to.write_all(&buf[..n]).is_err() {
+                        return;
+                    }
+                }
+            });
+        };
+        pump(a.try_clone().unwrap(), b.try_clone().unwrap(), cut.clone());
+        pump(b, a, cut);
+    });
+    port
+}
+
+#[test]
+fn cut_sync_link_never_runs_two_copies() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("ft-cut");
+    let net = TapNet::create("c", 34);
+    let port = free_port();
+    let mut standby = spawn_standby(&dir, "standby", port, &net);
+    let cut = Arc::new(AtomicBool::new(false));
+    let via = relay(port, cut.clone());
+    let primary = spawn_vmm(
+        &[
+            "--kernel".into(),
+            guest_elf().display().to_string(),
+            "--memory".into(),
+            "256M".into(),
+            "--cmdline".into(),
+            format!("counter=100 ip={}/24", net.guest_ip()),
+            "--net".into(),
+            format!("tap={}", net.name),
+            "--ft-fence".into(),
+            dir.join("fence").display().to_string(),
+        ],
+        &dir.join("console-primary.log"),
+        &dir.join("api-primary.sock"),
+        &[],
+    );
+    wait_for("guest network up", Duration::from_secs(30), || {
+        read_text(&primary.console).contains("net: up")
+    });
+    ft_start(&primary, &dir, &format!("127.0.0.1:{via}"), &[]);
+    let echo = EchoChecker::start(&net.guest_ip());
+    wait_for("echo under protection", Duration::from_secs(30), || {
+        echo.verified() > 4096
+    });
+    cut.store(true, Ordering::SeqCst);
+    // Both sides notice; the standby may not run the VM while the primary
+    // holds the fence, and ends with an error saying so.
+    let st = wait_exit(&mut standby.child.0, "the standby after the cut");
+    assert!(!st.success());
+    let mut err = String::new();
+    if let Some(e) = standby.child.0.stderr.as_mut() {
+        let _ = e.read_to_string(&mut err);
+    }
+    assert!(err.contains("fence"), "standby error: {err}");
+    assert!(!read_text(&standby.console).contains("counter:"));
+    wait_for(
+        "the primary to run on degraded",
+        Duration::from_millis(TIMEOUT_MS + 1000),
+        || ft_status(&primary)["state"] == "degraded",
+    );
+    let seen = echo.verified();
+    wait_for("the guest to go on", Duration::from_secs(30), || {
+        echo.verified() > seen + 4096
+    });
+    echo.finish();
+    assert!(ctl(&primary.api, &["shutdown"]).status.success());
+}
+
+#[test]
+fn unreachable_or_unauthenticated_standby_is_refused_and_the_vm_runs_on() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("ft-refused");
+    let primary = spawn_vmm(
+        &[
+            "--kernel".into(),
+            guest_elf().display().to_string(),
+            "--memory".into(),
+            "64M".into(),
+            "--cmdline".into(),
+            "counter=50".into(),
+        ],
+        &dir.join("console-primary.log"),
+        &dir.join("api-primary.sock"),
+        &[],
+    );
+    wait_for("counting", Duration::from_secs(30), || {
+        counters(&primary.console).len() >= 2
+    });
+    let key = key_file(&dir);
+    let nobody = format!("127.0.0.1:{}", free_port());
+    let out = ctl(
+        &primary.api,
+        &[
+            "ft",
+            "start",
+            "--peer",
+            &nobody,
+            "--key-file",
+            key.to_str().unwrap(),
+        ],
+    );
+    assert!(!out.status.success());
+    // A standby with another key.
+    let port = free_port();
+    let other = dir.join("other-key");
+    std::fs::write(&other, "another-key-entirely-0000000000\n").unwrap();
+    let mut standby = spawn_vmm(
+        &[
+            "--ft-standby".into(),
+            format!("127.0.0.1:{port}"),
+            "--migration-key-file".into(),
+            other.display().to_string(),
+        ],
+        &dir.join("console-standby.log"),
+        &dir.join("api-standby.sock"),
+        &[],
+    );
+    wait_for("the standby to listen", Duration::from_secs(10), || {
+        standby.api.exists() && ft_status(&standby)["state"] == "standby"
+    });
+    let out = ctl(
+        &primary.api,
+        &[
+            "ft",
+            "start",
+            "--peer",
+            &format!("127.0.0.1:{port}"),
+            "--key-file",
+            key.to_str().unwrap(),
+        ],
+    );
+    assert!(!out.status.success());
+    let st = ft_status(&primary);
+    assert_eq!(st["state"], "unprotected", "{st}");
+    assert!(st["last_error"].as_str().is_some());
+    let n = counters(&primary.console).len();
+    wait_for("the guest to go on", Duration::from_secs(10), || {
+        counters(&primary.console).len() > n + 2
+    });
+    let _ = standby.child.0.kill();
+    assert!(ctl(&primary.api, &["shutdown"]).status.success());
+}
