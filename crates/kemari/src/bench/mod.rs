@@ -10,6 +10,7 @@
 
 pub mod availability;
 pub mod console;
+pub mod ft;
 pub mod ops;
 pub mod procs;
 pub mod qmp;

@@ -69,6 +69,10 @@ enum Bench {
     /// Whole-VM state: downtime and total time of reboot, snapshot/restore,
     /// warm restart and zero-copy migration, kemari vs QEMU.
     Availability(kemari::bench::availability::AvailabilityArgs),
+    /// Fault tolerance: TCP request/response and stream, O_SYNC-style and
+    /// buffered disk writes, sync pause and link bytes — unprotected vs
+    /// event-driven vs periodic checkpoints, at several memory sizes.
+    Ft(kemari::bench::ft::FtBenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -101,6 +105,13 @@ fn main() -> ExitCode {
                 }
             }
         }
+        Bench::Ft(args) => match kemari::bench::ft::run(&args, sibling("kemari")) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kemari-bench: {e}");
+                ExitCode::from(1)
+            }
+        },
         Bench::Availability(args) => {
             let opts = args.options(sibling("kemari"));
             match kemari::bench::availability::run(&opts) {

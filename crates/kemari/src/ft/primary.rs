@@ -21,7 +21,7 @@ use vmm::memory::GuestMemoryMmap;
 use vmm::output::{OutputEvent, OutputGate, Release};
 use vmm::persist::format;
 
-use super::protocol::FtMessage;
+use super::protocol::{pack_state, FtMessage};
 use super::status::{FtShared, FtState};
 use super::{FtError, SyncMode};
 use crate::migration::tcp::{data_extents, offset_pfn};
@@ -267,6 +267,8 @@ pub struct FtGate {
     mode: SyncMode,
     link: Mutex<Option<Arc<Link>>>,
     epoch: AtomicU64,
+    /// The last acknowledged epoch's state (the next one is sent as a delta).
+    prev_state: Mutex<Vec<u8>>,
     shared: Arc<FtShared>,
 }
 
@@ -333,6 +335,10 @@ impl FtGate {
         resumed?;
         // Encoding needs no paused guest.
         let state = format::encode(&state).map_err(|e| FtError::Protocol(e.to_string()))?;
+        let packed = {
+            let prev = self.prev_state.lock().unwrap_or_else(|p| p.into_inner());
+            pack_state(&state, &prev)
+        };
         let outputs: u64 = batch.iter().map(|e| u64::from(e.requests)).sum();
         let bytes = link.send(|w| {
             for f in &frames {
@@ -343,7 +349,7 @@ impl FtGate {
                 pages,
                 outputs,
             })?;
-            w.send(Kind::Blob, &state)?;
+            w.send(Kind::Blob, &packed)?;
             Ok(())
         })?;
         link.wait("acknowledgement", |m| match m {
@@ -351,6 +357,7 @@ impl FtGate {
             _ => None,
         })?;
         self.epoch.store(epoch, Ordering::SeqCst);
+        *self.prev_state.lock().unwrap_or_else(|p| p.into_inner()) = state;
         self.shared
             .record_sync(epoch, pages, bytes, outputs, pause, started.elapsed());
         Ok(())
@@ -450,6 +457,7 @@ pub fn start(
         period,
     );
     let started = Instant::now();
+    let was_running = machine.state() == RunState::Running;
     let on_lost = Arc::new(OnceLock::new());
     let result = Link::connect(opts, on_lost.clone()).and_then(|link| {
         let r = initial_sync(machine, opts, shared, &link, &on_lost);
@@ -471,8 +479,8 @@ pub fn start(
         }
         Err(e) => {
             let _ = machine.stop_dirty_log();
-            if machine.state() == RunState::Paused {
-                // Paused by us for the first epoch only if it ran before.
+            if was_running && machine.state() == RunState::Paused {
+                // Paused by us for the first epoch.
                 let _ = machine.resume();
             }
             shared.set_error(e.to_string());
@@ -491,11 +499,8 @@ fn initial_sync(
     on_lost: &OnceLock<Weak<FtGate>>,
 ) -> Result<Arc<FtGate>, FtError> {
     let started = Instant::now();
-    if machine.state() != RunState::Running {
-        return Err(FtError::State(
-            "the VM must be running to be protected".into(),
-        ));
-    }
+    // A VM started paused can be protected before it runs at all.
+    let was_running = machine.state() == RunState::Running;
     let mem_size = machine.memory_file().size();
     link.send_json(&FtMessage::Hello {
         config: Box::new(machine.config().clone()),
@@ -547,18 +552,23 @@ fn initial_sync(
     }
 
     // The first epoch: the whole machine at rest.
-    machine.pause()?;
+    if was_running {
+        machine.pause()?;
+    }
     let gate = Arc::new(FtGate {
         core: machine.core(),
         mode: opts.mode,
         link: Mutex::new(Some(link.clone())),
         epoch: AtomicU64::new(0),
+        prev_state: Mutex::new(Vec::new()),
         shared: shared.clone(),
     });
     let _ = on_lost.set(Arc::downgrade(&gate));
     gate.sync_epoch(link, &[], carry)?;
     machine.set_output_gate(gate.clone())?;
-    machine.resume()?;
+    if was_running {
+        machine.resume()?;
+    }
     shared.initial_sync_done(started.elapsed(), link.bytes());
     Ok(gate)
 }

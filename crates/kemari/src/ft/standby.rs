@@ -29,7 +29,7 @@ use vmm::persist::format;
 use vmm::vstate::VmEventSink;
 
 use super::fence::Fence;
-use super::protocol::FtMessage;
+use super::protocol::{unpack_state, FtMessage};
 use super::status::{FtShared, FtState};
 use super::FtError;
 use crate::migration::tcp::pfn_offset;
@@ -271,12 +271,17 @@ fn follow(
                                 replica.epoch
                             ));
                         }
-                        let state = match reader.recv(buf) {
-                            Ok(Kind::Blob) => std::mem::take(buf),
+                        let packed_len = match reader.recv(buf) {
+                            Ok(Kind::Blob) => buf.len(),
                             Ok(k) => {
                                 return Follow::Lost(format!("{k:?} frame where the state was due"))
                             }
                             Err(e) => return Follow::Lost(format!("epoch {epoch} cut off: {e}")),
+                        };
+                        let previous = replica.state.as_deref().unwrap_or(&[]);
+                        let state = match unpack_state(buf, previous) {
+                            Ok(s) => s,
+                            Err(e) => return Follow::Lost(format!("epoch {epoch} state: {e}")),
                         };
                         if let Err(e) = format::verify(&state) {
                             return Follow::Lost(format!("epoch {epoch} state: {e}"));
@@ -297,7 +302,7 @@ fn follow(
                         if applied != pages {
                             tracing::warn!(epoch, applied, pages, "epoch page count differs");
                         }
-                        let bytes = staged_bytes + state.len() as u64;
+                        let bytes = staged_bytes + packed_len as u64;
                         staged_bytes = 0;
                         replica.state = Some(state);
                         replica.epoch = epoch;

@@ -1,0 +1,484 @@
+//! `kemari-bench ft`: what fault tolerance costs the guest, side by side in
+//! one run — the test guest unprotected, under event-driven synchronization
+//! and under periodic checkpoints — at several memory sizes:
+//!
+//! - TCP request/response rate (64-byte ping-pong with the guest's echo
+//!   service) and TCP stream throughput (64 KiB chunks echoed back);
+//! - O_SYNC-style disk writes (each block written then flushed, one at a
+//!   time) and buffered writes (no flush, the guest's full queue depth);
+//! - the guest pause per sync and the output delay per sync (p50/p99);
+//! - sync-link bytes during the buffered-write job.
+//!
+//! Then the goals of issue 7 as ratios.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use super::procs::{wait_path, Scratch, Vmm};
+use crate::api::client::request;
+
+/// Command-line arguments.
+#[derive(Debug, clap::Args)]
+pub struct FtBenchArgs {
+    /// The test guest ELF.
+    #[arg(long, default_value = "target/x86_64-unknown-none/release/guest")]
+    pub kernel: PathBuf,
+    /// Memory sizes.
+    #[arg(long, value_delimiter = ',', default_value = "256M,1G,4G")]
+    pub sizes: Vec<String>,
+    /// Modes: unprotected, event, periodic.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "unprotected,event,periodic"
+    )]
+    pub modes: Vec<String>,
+    /// Checkpoint period of the periodic mode, ms.
+    #[arg(long, default_value_t = 25)]
+    pub period_ms: u64,
+    /// Seconds per network measurement.
+    #[arg(long, default_value_t = 3)]
+    pub seconds: u64,
+    /// Blocks of the O_SYNC-style job.
+    #[arg(long, default_value_t = 100)]
+    pub sync_blocks: u64,
+    /// Blocks of the buffered-write job.
+    #[arg(long, default_value_t = 1000)]
+    pub buffered_blocks: u64,
+    /// Third octet of the TAP subnet 10.202.N.0/24.
+    #[arg(long, default_value_t = 41)]
+    pub subnet: u8,
+}
+
+#[derive(Debug, Default, Clone)]
+struct Row {
+    rr_per_s: f64,
+    stream_mb_s: f64,
+    osync_per_s: f64,
+    buffered_per_s: f64,
+    pause_p50: u64,
+    pause_p99: u64,
+    sync_p50: u64,
+    sync_p99: u64,
+    buffered_link_bytes: u64,
+    buffered_syncs: u64,
+    buffered_pages: u64,
+}
+
+struct Env {
+    kemari: PathBuf,
+    kernel: PathBuf,
+    tap: String,
+    guest_ip: String,
+    key: PathBuf,
+    scratch_root: PathBuf,
+}
+
+/// A TAP with the host end at 10.202.N.1/24, removed on drop.
+struct Tap(String);
+
+impl Tap {
+    fn create(subnet: u8) -> Result<Tap, String> {
+        let name = format!("kbft{}", std::process::id() % 100_000);
+        let ip = |args: &[&str]| -> Result<(), String> {
+            let st = Command::new("ip")
+                .args(args)
+                .status()
+                .map_err(|e| format!("ip: {e}"))?;
+            st.success()
+                .then_some(())
+                .ok_or_else(|| format!("ip {args:?} failed (the benchmark needs root)"))
+        };
+        let _ = Command::new("ip").args(["link", "del", &name]).status();
+        ip(&["tuntap", "add", &name, "mode", "tap"])?;
+        let tap = Tap(name);
+        ip(&[
+            "addr",
+            "add",
+            &format!("10.202.{subnet}.1/24"),
+            "dev",
+            &tap.0,
+        ])?;
+        ip(&["link", "set", &tap.0, "up"])?;
+        Ok(tap)
+    }
+}
+
+impl Drop for Tap {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["link", "del", &self.0]).status();
+    }
+}
+
+fn api(socket: &Path, method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
+    request(socket, method, path, body.as_ref()).map_err(|e| format!("{path}: {e}"))
+}
+
+/// A primary (and its standby, when protected) for one measurement.
+struct Setup {
+    primary: Vmm,
+    _standby: Option<Vmm>,
+    api: PathBuf,
+    _scratch: Scratch,
+}
+
+fn start(
+    env: &Env,
+    seq: usize,
+    size: &str,
+    mode: &str,
+    period_ms: u64,
+    cmdline: &str,
+    disk: bool,
+) -> Result<Setup, String> {
+    let scratch = Scratch::create(&env.scratch_root, seq).map_err(|e| e.to_string())?;
+    let api_sock = scratch.path("primary.sock");
+    let mut standby = None;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| e.to_string())?
+        .port();
+    if mode != "unprotected" {
+        let mut cmd = Command::new(&env.kemari);
+        cmd.args(["--ft-standby", &format!("127.0.0.1:{port}")])
+            .arg("--migration-key-file")
+            .arg(&env.key)
+            .args(["--net", &format!("tap={}", env.tap), "--serial", "null"])
+            .arg("--api-socket")
+            .arg(scratch.path("standby.sock"));
+        let s = Vmm::spawn("standby", cmd).map_err(|e| e.to_string())?;
+        if !wait_path(&scratch.path("standby.sock"), Duration::from_secs(10)) {
+            return Err(format!("the standby did not start: {}", s.tail()));
+        }
+        standby = Some(s);
+    }
+    let mut cmd = Command::new(&env.kemari);
+    cmd.arg("--kernel")
+        .arg(&env.kernel)
+        .args(["--memory", size, "--cmdline", cmdline])
+        .args([
+            "--net",
+            &format!("tap={}", env.tap),
+            "--serial",
+            "stdout",
+            "--start-paused",
+        ])
+        .arg("--api-socket")
+        .arg(&api_sock);
+    if disk {
+        let img = scratch.path("disk.img");
+        std::fs::File::create(&img)
+            .and_then(|f| f.set_len(256 << 20))
+            .map_err(|e| e.to_string())?;
+        cmd.arg("--disk").arg(img);
+    }
+    let primary = Vmm::spawn("primary", cmd).map_err(|e| e.to_string())?;
+    if !wait_path(&api_sock, Duration::from_secs(30)) {
+        return Err(format!("the primary did not start: {}", primary.tail()));
+    }
+    if mode != "unprotected" {
+        let mut body = serde_json::json!({
+            "peer": format!("127.0.0.1:{port}"),
+            "key_file": env.key,
+            "timeout_ms": 5000,
+        });
+        if mode == "periodic" {
+            body["periodic_ms"] = period_ms.into();
+        }
+        let r = api(&api_sock, "PUT", "/vm/ft/start", Some(body))?;
+        if r["state"] != "protected" {
+            return Err(format!("ft start: {r}"));
+        }
+    }
+    api(&api_sock, "PUT", "/vm/resume", None)?;
+    Ok(Setup {
+        primary,
+        _standby: standby,
+        api: api_sock,
+        _scratch: scratch,
+    })
+}
+
+fn ft_status(setup: &Setup) -> Value {
+    api(&setup.api, "GET", "/vm/ft", None).unwrap_or(Value::Null)
+}
+
+fn connect_echo(ip: &str) -> Result<TcpStream, String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match TcpStream::connect_timeout(
+            &format!("{ip}:7").parse().map_err(|e| format!("{e}"))?,
+            Duration::from_secs(2),
+        ) {
+            Ok(s) => {
+                s.set_nodelay(true).map_err(|e| e.to_string())?;
+                s.set_read_timeout(Some(Duration::from_secs(10)))
+                    .map_err(|e| e.to_string())?;
+                return Ok(s);
+            }
+            Err(e) if Instant::now() > deadline => return Err(format!("echo service: {e}")),
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+/// 64-byte request/response exchanges per second.
+fn request_response(ip: &str, secs: u64) -> Result<f64, String> {
+    let mut s = connect_echo(ip)?;
+    let msg = [0x5au8; 64];
+    let mut back = [0u8; 64];
+    let started = Instant::now();
+    let mut n = 0u64;
+    while started.elapsed() < Duration::from_secs(secs) {
+        s.write_all(&msg).map_err(|e| e.to_string())?;
+        s.read_exact(&mut back).map_err(|e| e.to_string())?;
+        if back != msg {
+            return Err("echo differs".into());
+        }
+        n += 1;
+    }
+    Ok(n as f64 / started.elapsed().as_secs_f64())
+}
+
+/// Bytes echoed per second with 64 KiB chunks in flight.
+fn stream(ip: &str, secs: u64) -> Result<f64, String> {
+    let s = connect_echo(ip)?;
+    let mut writer = s.try_clone().map_err(|e| e.to_string())?;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let st = stop.clone();
+    let sender = std::thread::spawn(move || {
+        let chunk = vec![0xa5u8; 64 << 10];
+        while !st.load(std::sync::atomic::Ordering::SeqCst) {
+            if writer.write_all(&chunk).is_err() {
+                return;
+            }
+        }
+    });
+    let mut reader = s;
+    let mut buf = vec![0u8; 64 << 10];
+    let started = Instant::now();
+    let mut bytes = 0u64;
+    while started.elapsed() < Duration::from_secs(secs) {
+        match reader.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => bytes += n as u64,
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    let rate = bytes as f64 / started.elapsed().as_secs_f64();
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let _ = reader.shutdown(std::net::Shutdown::Both);
+    let _ = sender.join();
+    Ok(rate)
+}
+
+/// Runs a disk job to completion; blocks per second as the guest measured.
+fn disk_job(setup: &Setup) -> Result<f64, String> {
+    let found = setup
+        .primary
+        .console
+        .wait_for(Duration::from_secs(600), |lines| {
+            lines.iter().find_map(|l| {
+                let rest = l.text.strip_prefix("disk: job took ms=")?;
+                rest.split("blocks_per_s=")
+                    .nth(1)?
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+            })
+        });
+    found.ok_or_else(|| format!("the disk job did not finish: {}", setup.primary.tail()))
+}
+
+fn finish(setup: Setup) {
+    let _ = api(&setup.api, "PUT", "/vm/shutdown", None);
+    let mut s = setup;
+    let _ = s.primary.wait_exit(Duration::from_secs(10));
+}
+
+fn measure(
+    env: &Env,
+    args: &FtBenchArgs,
+    seq: &mut usize,
+    size: &str,
+    mode: &str,
+) -> Result<Row, String> {
+    let mut row = Row::default();
+    let ip = env.guest_ip.clone();
+    // Network.
+    *seq += 1;
+    let s = start(
+        env,
+        *seq,
+        size,
+        mode,
+        args.period_ms,
+        &format!("ip={ip}/24"),
+        false,
+    )?;
+    s.primary
+        .console
+        .wait_for(Duration::from_secs(30), |l| {
+            l.iter().any(|l| l.text.contains("net: up")).then_some(())
+        })
+        .ok_or_else(|| format!("guest network: {}", s.primary.tail()))?;
+    row.rr_per_s = request_response(&ip, args.seconds)?;
+    let st = ft_status(&s);
+    row.pause_p50 = st["pause_us_p50"].as_u64().unwrap_or(0);
+    row.pause_p99 = st["pause_us_p99"].as_u64().unwrap_or(0);
+    row.sync_p50 = st["sync_us_p50"].as_u64().unwrap_or(0);
+    row.sync_p99 = st["sync_us_p99"].as_u64().unwrap_or(0);
+    row.stream_mb_s = stream(&ip, args.seconds)? / 1e6;
+    finish(s);
+    // O_SYNC-style writes.
+    *seq += 1;
+    let s = start(
+        env,
+        *seq,
+        size,
+        mode,
+        args.period_ms,
+        &format!("disk=write,{},seq,flush", args.sync_blocks),
+        true,
+    )?;
+    row.osync_per_s = disk_job(&s)?;
+    finish(s);
+    // Buffered writes, and the link bytes they cost.
+    *seq += 1;
+    let s = start(
+        env,
+        *seq,
+        size,
+        mode,
+        args.period_ms,
+        &format!("disk=write,{},seq", args.buffered_blocks),
+        true,
+    )?;
+    let before = ft_status(&s);
+    row.buffered_per_s = disk_job(&s)?;
+    let after = ft_status(&s);
+    let delta = |k: &str| {
+        after[k]
+            .as_u64()
+            .unwrap_or(0)
+            .saturating_sub(before[k].as_u64().unwrap_or(0))
+    };
+    row.buffered_link_bytes = delta("link_bytes");
+    row.buffered_syncs = delta("syncs");
+    row.buffered_pages = delta("pages");
+    finish(s);
+    Ok(row)
+}
+
+/// Runs the benchmark and prints the table and the goals.
+pub fn run(args: &FtBenchArgs, kemari: PathBuf) -> Result<(), String> {
+    if !args.kernel.exists() {
+        return Err(format!(
+            "the test guest {} is missing (cargo build -p guest --target x86_64-unknown-none --release)",
+            args.kernel.display()
+        ));
+    }
+    let tap = Tap::create(args.subnet)?;
+    let root = std::env::temp_dir();
+    let key = root.join(format!("kemari-bench-ft-key-{}", std::process::id()));
+    std::fs::write(&key, "kemari-bench-fault-tolerance-key\n").map_err(|e| e.to_string())?;
+    let env = Env {
+        kemari,
+        kernel: args.kernel.clone(),
+        tap: tap.0.clone(),
+        guest_ip: format!("10.202.{}.2", args.subnet),
+        key: key.clone(),
+        scratch_root: root,
+    };
+    println!(
+        "fault tolerance: test guest, TCP echo (rr 64 B, stream 64 KiB), disk jobs \
+         ({} O_SYNC-style blocks, {} buffered), periodic = every {} ms, {} s per network figure",
+        args.sync_blocks, args.buffered_blocks, args.period_ms, args.seconds
+    );
+    println!(
+        "{:<6} {:<12} {:>9} {:>11} {:>10} {:>12} {:>16} {:>16} {:>12} {:>16}",
+        "size",
+        "mode",
+        "rr/s",
+        "stream MB/s",
+        "osync w/s",
+        "buffered w/s",
+        "pause p50/p99us",
+        "sync p50/p99us",
+        "link MB(buf)",
+        "syncs/pages(buf)"
+    );
+    let mut results = Vec::new();
+    let mut seq = 0;
+    for size in &args.sizes {
+        for mode in &args.modes {
+            let row = measure(&env, args, &mut seq, size, mode);
+            match &row {
+                Ok(r) => println!(
+                    "{:<6} {:<12} {:>9.0} {:>11.2} {:>10.1} {:>12.1} {:>16} {:>16} {:>12.2} {:>16}",
+                    size,
+                    mode,
+                    r.rr_per_s,
+                    r.stream_mb_s,
+                    r.osync_per_s,
+                    r.buffered_per_s,
+                    format!("{}/{}", r.pause_p50, r.pause_p99),
+                    format!("{}/{}", r.sync_p50, r.sync_p99),
+                    r.buffered_link_bytes as f64 / 1e6,
+                    format!("{}/{}", r.buffered_syncs, r.buffered_pages)
+                ),
+                Err(e) => println!("{size:<6} {mode:<12} failed: {e}"),
+            }
+            results.push((size.clone(), mode.clone(), row.ok()));
+        }
+    }
+    let _ = std::fs::remove_file(&key);
+    let get = |size: &str, mode: &str| {
+        results
+            .iter()
+            .find(|(s, m, _)| s == size && m == mode)
+            .and_then(|(_, _, r)| r.clone())
+    };
+    println!("goals:");
+    for size in &args.sizes {
+        if let (Some(a), Some(b)) = (get(size, "unprotected"), get(size, "event")) {
+            let r = b.rr_per_s / a.rr_per_s.max(1e-9);
+            println!(
+                "  {size}: event-driven rr = {:.2} of unprotected (goal >= 0.33): {}",
+                r,
+                if r >= 1.0 / 3.0 { "met" } else { "missed" }
+            );
+        }
+        if let (Some(b), Some(c)) = (get(size, "event"), get(size, "periodic")) {
+            let w = b.buffered_per_s / c.buffered_per_s.max(1e-9);
+            let bytes = b.buffered_link_bytes as f64 / (c.buffered_link_bytes.max(1) as f64);
+            println!(
+                "  {size}: buffered writes event/periodic = {:.2}x (goal >= 1.6x): {}; link bytes event/periodic = {:.2} (goal <= 0.70): {}",
+                w,
+                if w >= 1.6 { "met" } else { "missed" },
+                bytes,
+                if bytes <= 0.70 { "met" } else { "missed" }
+            );
+        }
+    }
+    if let (Some(first), Some(last)) = (args.sizes.first(), args.sizes.last()) {
+        if let (Some(s), Some(l)) = (get(first, "event"), get(last, "event")) {
+            let r = l.rr_per_s / s.rr_per_s.max(1e-9);
+            println!(
+                "  event-driven rr {last} vs {first} = {:.2} (goal: no decline, >= 0.9): {}",
+                r,
+                if r >= 0.9 { "met" } else { "missed" }
+            );
+            println!(
+                "  sync pause p50 {last} vs {first}: {} vs {} us",
+                l.pause_p50, s.pause_p50
+            );
+        }
+    }
+    Ok(())
+}
