@@ -53,6 +53,8 @@ class GuestSpec:
     # An NBD URL (nbd://HOST:PORT/EXPORT) instead of a private copy of the disk.
     disk_url: str | None = None
     net: bool = True
+    # kemari's --log-level; with it, --log-json (log lines in the console file, see vmm_log).
+    log_level: str | None = None
     ip: str = field(init=False)
     mac: str = field(init=False)
     tap: str = field(init=False)
@@ -111,7 +113,29 @@ class GuestSpec:
             cmd += f" --disk {self.disk_arg}"
         if self.net:
             cmd += f" --net tap={self.tap},mac={self.mac}"
-        return cmd
+        return cmd + self.log_args
+
+    @property
+    def log_args(self) -> str:
+        """kemari's logging flags (JSON lines on stderr, into the console file)."""
+        return f" --log-level {self.log_level} --log-json" if self.log_level and self.vmm == "kemari" else ""
+
+
+def vmm_log(console: str, message: str | None = None) -> list[dict[str, Any]]:
+    """kemari's JSON log lines in a console text (GuestSpec.log_level set), each
+    as {"timestamp", "level", "fields": {"message", …}, "target"}; only those
+    whose message is `message`, if given."""
+    events = []
+    for line in console.splitlines():
+        if not line.startswith('{"timestamp"'):
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # a guest console byte interleaved with the log line
+        if message is None or event.get("fields", {}).get("message") == message:
+            events.append(event)
+    return events
 
 
 def check_memory(host: str, want_mb: int, mem_kb: int) -> None:

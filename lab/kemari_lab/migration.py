@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kemari_lab.errors import LabError
-from kemari_lab.guests import EXIT_RE, Guest
+from kemari_lab.guests import EXIT_RE, Guest, vmm_log
 from kemari_lab.vhost import VirtualHost
 
 MIGRATION_PORT = 7777
@@ -59,7 +59,7 @@ def start_incoming(guest: Guest, dest: VirtualHost, port: int = MIGRATION_PORT, 
     )
     if s.net:
         cmd += f" --net tap={s.tap}"
-    guest.launch(dest, cmd)
+    guest.launch(dest, cmd + s.log_args)
     deadline = time.monotonic() + timeout
     while not _listening(dest, port):
         console = dest.run(f"cat {guest.console}", timeout=30).output
@@ -80,7 +80,9 @@ def live_migrate(
 ) -> dict[str, Any]:
     """Moves `guest` to `dest` by pre-copy live migration; returns kemari's
     report (downtime_ms, total_ms, bytes_sent, pages_sent, round, stop_reason,
-    rate_mb_s …) plus ``wall_s`` as the harness saw it. Checks that the source
+    rate_mb_s …) plus ``wall_s`` as the harness saw it and, if the guest logs
+    at info level, the source's ``final_pages`` and the destination's
+    ``restore_ms`` (from kemari's "live migration committed" log line). Checks that the source
     kemari exited 0 and that the destination's answers ``kemarictl info`` as
     running; afterwards ``guest.host`` is `dest`."""
     source = guest.host
@@ -104,6 +106,8 @@ def live_migrate(
     status = guest.wait_exit(timeout=60)  # the source kemari; keeps its console in the run dir
     if status != 0:
         raise LabError(f"{source.name}: kemari exited with status {status} after migrating out")
+    for event in vmm_log(guest.console_text(), "live migration committed"):
+        report.update({k: event["fields"][k] for k in ("final_pages", "restore_ms") if k in event["fields"]})
     guest.host = dest
     info = guest.info()
     if info.get("state") != "running":

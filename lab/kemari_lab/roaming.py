@@ -122,7 +122,15 @@ def roaming_guest(
     conn: LongConnection | None = None
     try:
         install_key(lab.hosts)
-        spec = GuestSpec(name=name, vmm="kemari", host_index=home, memory_mb=memory_mb, vcpus=vcpus, disk_url=disk.url)
+        spec = GuestSpec(
+            name=name,
+            vmm="kemari",
+            host_index=home,
+            memory_mb=memory_mb,
+            vcpus=vcpus,
+            disk_url=disk.url,
+            log_level="info",  # kemari's state changes (paused, committed, restore_ms) in the console
+        )
         guest = Guest(lab.hosts[home], spec)
         guest.start()
         guest.check_boot(guest.wait_ready())

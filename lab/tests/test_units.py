@@ -17,7 +17,7 @@ import pytest
 from kemari_lab import cleanup
 from kemari_lab.cpio import CpioWriter, read_names
 from kemari_lab.errors import LabError
-from kemari_lab.guests import GuestSpec
+from kemari_lab.guests import GuestSpec, vmm_log
 from kemari_lab.netns import guest_ip, host_ip
 
 
@@ -152,3 +152,13 @@ def test_echo_client_fails_when_it_cannot_connect() -> None:
     assert proc.returncode == 1
     reply = json.loads(proc.stdout)
     assert reply["connected"] is False and "cannot connect" in reply["error"]
+
+
+def test_kemari_log_lines_are_found_in_a_console() -> None:
+    spec = GuestSpec(name="r", vmm="kemari", log_level="info")
+    assert spec.vmm_command().endswith(" --log-level info --log-json")
+    assert "--log-level" not in GuestSpec(name="q", log_level="info").vmm_command()
+    committed = '{"timestamp":"t","level":"INFO","fields":{"message":"live migration committed","restore_ms":402}}'
+    console = f"KLAB-GUEST-READY ip=x\n{committed}\n" + '{"timestamp":"t","level":"INFO","fie\nguest text\n'
+    assert [e["fields"]["restore_ms"] for e in vmm_log(console, "live migration committed")] == [402]
+    assert len(vmm_log(console)) == 1
