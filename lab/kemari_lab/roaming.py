@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kemari_lab.connection import LongConnection
-from kemari_lab.errors import LabError
+from kemari_lab.errors import LabError, step
 from kemari_lab.guests import Guest, GuestSpec
 from kemari_lab.lab import Lab
 from kemari_lab.migration import install_key, live_migrate
@@ -118,24 +118,28 @@ def roaming_guest(
     """Starts the shared disk, the guest on virtual host `home` and the client
     connection; on exit (normal or not) stops the client and the disk server.
     The guest's IP and MAC are those of guest 0 of `home` wherever it moves."""
-    disk = SharedDisk(lab).start()
+    host = lab.hosts[home]
+    with step(f"setting up the shared disk for a guest on {host.name}"):
+        disk = SharedDisk(lab).start()
     conn: LongConnection | None = None
     try:
-        install_key(lab.hosts)
-        spec = GuestSpec(
-            name=name,
-            vmm="kemari",
-            host_index=home,
-            memory_mb=memory_mb,
-            vcpus=vcpus,
-            disk_url=disk.url,
-            log_level="info",  # kemari's state changes (paused, committed, restore_ms) in the console
-        )
-        guest = Guest(lab.hosts[home], spec)
-        guest.start()
-        guest.check_boot(guest.wait_ready())
-        conn = LongConnection(lab, spec.ip).open()
-        conn.expect_progress(10)
+        with step(f"starting the roaming guest {name} on {host.name} and its client connection"):
+            install_key(lab.hosts)
+            spec = GuestSpec(
+                name=name,
+                vmm="kemari",
+                host_index=home,
+                memory_mb=memory_mb,
+                vcpus=vcpus,
+                disk_url=disk.url,
+                log_level="info",  # kemari's state changes (paused, committed, restore_ms) in the console
+            )
+            guest = Guest(host, spec)
+            guest.start()
+            guest.check_boot(guest.wait_ready())
+            conn = LongConnection(lab, spec.ip)
+            conn.open()
+            conn.expect_progress(10)
         rg = RoamingGuest(lab, disk, guest, conn)
         rg.measures["guest_ready_s"] = guest.ready_seconds or 0.0
         yield rg

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kemari_lab import images
-from kemari_lab.errors import LabError
+from kemari_lab.errors import LabError, step
 from kemari_lab.guests import BOOTED_RE, Guest, GuestSpec, check_memory
 from kemari_lab.lab import Lab
 from kemari_lab.roaming import roaming_guest
@@ -113,23 +113,27 @@ def live_migration(lab: Lab, vmm: str) -> dict[str, float]:
     if vmm != "kemari":
         raise LabError(f"live-migration is a kemari scenario (--vmm kemari), not {vmm}")
     with roaming_guest(lab, home=0) as rg:
-        rg.check_disk("before")
-        before = rg.conn.expect_progress(20)
-        report = rg.migrate_to(1)
+        with step("before the migration"):
+            rg.check_disk("before")
+            before = rg.conn.expect_progress(20)
+        with step("migrating vh0 -> vh1"):
+            report = rg.migrate_to(1)
         images.log("migration report: " + json.dumps(report, sort_keys=True))
-        during = rg.conn.check()
-        if during["exchanges"] <= before["exchanges"]:
-            raise LabError(f"{rg.conn}: no echo verified while the guest was migrating ({during})")
-        after = rg.conn.expect_progress(20)
-        source = lab.hosts[0]
-        still = source.run("pidof kemari", check=False)
-        if still.ok:
-            raise LabError(f"{source.name}: kemari still runs after migrating out (pids {still.output.strip()})")
-        # Nothing of the guest is left on the source: cutting its power must not
-        # disturb the connection (what a failover test will do to a primary).
-        source.power_fail()
-        rg.conn.expect_progress(20)
-        rg.check_disk("after")
+        with step("after the migration to vh1"):
+            during = rg.conn.check()
+            if during["exchanges"] <= before["exchanges"]:
+                raise LabError(f"{rg.conn}: no echo verified while the guest was migrating ({during})")
+            after = rg.conn.expect_progress(20)
+            source = lab.hosts[0]
+            still = source.run("pidof kemari", check=False)
+            if still.ok:
+                raise LabError(f"{source.name}: kemari still runs after migrating out (pids {still.output.strip()})")
+        with step("after the power failure of vh0"):
+            # Nothing of the guest is left on the source: cutting its power must
+            # not disturb the connection (what a failover test does to a primary).
+            source.power_fail()
+            rg.conn.expect_progress(20)
+            rg.check_disk("after")
         times = dict(rg.measures)
         times.update(
             migration_wall_s=report["wall_s"],
@@ -143,7 +147,8 @@ def live_migration(lab: Lab, vmm: str) -> dict[str, float]:
             client_echoes_during_migration=float(during["exchanges"] - before["exchanges"]),
             client_echoes_after_migration=float(after["exchanges"] - during["exchanges"]),
         )
-        times.update(rg.finish())
+        with step("closing the connection, powering off on vh1"):
+            times.update(rg.finish())
     return times
 
 
