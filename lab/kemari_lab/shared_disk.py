@@ -19,7 +19,6 @@ reads what the guest wrote straight from the image with ``debugfs``.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import time
 
@@ -56,7 +55,9 @@ class SharedDisk:
         if binary is None:
             raise LabError("no kemari-nbd binary: run lab/setup.sh --kemari (cargo build --release -p kemari-nbd)")
         assert self.lab.images is not None
-        shutil.copyfile(self.lab.images.guest_disk, self.image)
+        # Sparse: the run directory keeps the image (what the guest wrote) for
+        # KEEP_RUNS runs; its holes need not take space.
+        images.run(["cp", "--sparse=always", str(self.lab.images.guest_disk), str(self.image)])
         cmd = self.lab.network.in_lab(
             [str(binary), "serve", "--export", f"{self.export}={self.image}", "--listen", f"{BRIDGE_IP}:{self.port}"]
         )
