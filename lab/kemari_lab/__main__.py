@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kemari_lab", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("setup", help="fetch packages and build the images (idempotent)")
-    s.add_argument("--kemari", action="store_true", help="also cargo build --release the kemari binary")
+    s.add_argument("--kemari", action="store_true", help="also cargo build --release kemari, kemarictl and kemari-nbd")
     r = sub.add_parser("run", help="run one scenario")
     r.add_argument("scenario", choices=sorted(SCENARIOS))
     r.add_argument("--vmm", choices=list(VMMS), default="qemu")

@@ -5,13 +5,22 @@ kernel, the guest initramfs, a fresh copy of the ext4 disk) with the same
 command line, a virtio-blk disk and a virtio-net device on a TAP in the
 virtual host's br0. The guest's console goes to /tmp/<name>.console in the
 virtual host; when the VMM exits, ``KLAB-VMM-EXIT=<status>`` is appended.
+
+The disk is a private copy in the virtual host, or (``GuestSpec.disk_url``)
+an NBD export every virtual host reaches, such as the lab's shared disk
+(kemari_lab/shared_disk.py) — what a guest that moves between hosts needs.
+kemari guests serve their API on /tmp/<name>.sock (:meth:`Guest.ctl` runs
+kemarictl there). :attr:`Guest.host` is where the guest runs now: a live
+migration (kemari_lab/migration.py) moves it.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kemari_lab.errors import LabError
 from kemari_lab.netns import PREFIX_LEN, guest_ip
@@ -41,7 +50,11 @@ class GuestSpec:
     index: int = 0
     extra_cmdline: str = ""
     disk: bool = True
+    # An NBD URL (nbd://HOST:PORT/EXPORT) instead of a private copy of the disk.
+    disk_url: str | None = None
     net: bool = True
+    # kemari's --log-level; with it, --log-json (log lines in the console file, see vmm_log).
+    log_level: str | None = None
     ip: str = field(init=False)
     mac: str = field(init=False)
     tap: str = field(init=False)
@@ -61,6 +74,16 @@ class GuestSpec:
     def disk_path(self) -> str:
         return f"/tmp/{self.name}.disk"
 
+    @property
+    def disk_arg(self) -> str:
+        """What the VMM opens: the NBD export, or the private copy."""
+        return self.disk_url or self.disk_path
+
+    @property
+    def api_socket(self) -> str:
+        """kemari's API socket in the virtual host."""
+        return f"/tmp/{self.name}.sock"
+
     def vmm_command(self) -> str:
         """The VMM's shell command line inside the virtual host."""
         if self.vmm.startswith("qemu"):
@@ -73,7 +96,7 @@ class GuestSpec:
                 f" -kernel {GUEST_DIR}/vmlinuz -initrd {GUEST_DIR}/initrd.cpio -append '{self.cmdline}'"
             )
             if self.disk:
-                cmd += f" -drive file={self.disk_path},format=raw,if=none,id=d0 -device virtio-blk-{bus},drive=d0"
+                cmd += f" -drive file={self.disk_arg},format=raw,if=none,id=d0 -device virtio-blk-{bus},drive=d0"
             if self.net:
                 rom = "" if microvm else ",romfile="
                 cmd += (
@@ -84,12 +107,41 @@ class GuestSpec:
         cmd = (
             f"kemari --kernel {GUEST_DIR}/vmlinuz --initramfs {GUEST_DIR}/initrd.cpio"
             f" --cmdline '{self.cmdline}' --memory {self.memory_mb}M --vcpus {self.vcpus} --serial stdout"
+            f" --api-socket {self.api_socket}"
         )
         if self.disk:
-            cmd += f" --disk {self.disk_path}"
+            cmd += f" --disk {self.disk_arg}"
         if self.net:
             cmd += f" --net tap={self.tap},mac={self.mac}"
-        return cmd
+        return cmd + self.log_args
+
+    @property
+    def log_args(self) -> str:
+        """kemari's logging flags (JSON lines on stderr, into the console file)."""
+        return f" --log-level {self.log_level} --log-json" if self.log_level and self.vmm == "kemari" else ""
+
+
+def vmm_log(console: str, message: str | None = None) -> list[dict[str, Any]]:
+    """kemari's JSON log lines in a console text (GuestSpec.log_level set), each
+    as {"timestamp", "level", "fields": {"message", …}, "target"}; only those
+    whose message is `message`, if given."""
+    events = []
+    for line in console.splitlines():
+        if not line.startswith('{"timestamp"'):
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # a guest console byte interleaved with the log line
+        if message is None or event.get("fields", {}).get("message") == message:
+            events.append(event)
+    return events
+
+
+def check_memory(host: str, want_mb: int, mem_kb: int) -> None:
+    """MemTotal is a little below the VM's RAM (kernel, reserved areas)."""
+    if not want_mb * 0.8 < mem_kb / 1024 <= want_mb:
+        raise LabError(f"{host}: guest reports {mem_kb // 1024} MiB of memory, expected about {want_mb}")
 
 
 class Guest:
@@ -107,14 +159,42 @@ class Guest:
         h = self.host
         if s.vmm == "kemari" and not h.run("command -v kemari", check=False).ok:
             raise LabError(f"{h.name}: kemari is not in the virtual host image (run the set-up with --kemari)")
-        if s.disk:
+        if s.disk and not s.disk_url:
             h.run(f"cp {GUEST_DIR}/disk.ext4 {s.disk_path}")
-        if s.net:
-            h.run(f"/sbin/ip tuntap add {s.tap} mode tap && /sbin/ip link set {s.tap} master br0 up")
+        self.add_tap(h)
         self.started_at = time.monotonic()
-        h.run(
-            f"( {s.vmm_command()} > {self.console} 2>&1; echo KLAB-VMM-EXIT=$? >> {self.console} ) >/dev/null 2>&1 &"
-        )
+        self.launch(h, s.vmm_command())
+
+    def add_tap(self, host: VirtualHost) -> None:
+        """The guest's TAP in `host`'s br0 (where the guest starts, or may move to)."""
+        if self.spec.net:
+            t = self.spec.tap
+            host.run(f"/sbin/ip tuntap add {t} mode tap && /sbin/ip link set {t} master br0 up")
+
+    def launch(self, host: VirtualHost, command: str) -> None:
+        """Runs a VMM command in the background on `host`, its output in the
+        guest's console file there, followed by KLAB-VMM-EXIT=<status>."""
+        host.run(f"( {command} > {self.console} 2>&1; echo KLAB-VMM-EXIT=$? >> {self.console} ) >/dev/null 2>&1 &")
+
+    def ctl(self, args: str, timeout: float = 60, host: VirtualHost | None = None) -> dict[str, Any]:
+        """`kemarictl <args>` against the guest's kemari (on `host`, by default
+        where the guest runs); returns its JSON answer, raises with kemarictl's
+        message on failure."""
+        h = host or self.host
+        if self.spec.vmm != "kemari":
+            raise LabError(f"{h.name}: kemarictl needs a kemari guest, not {self.spec.vmm}")
+        res = h.run(f"kemarictl -s {self.spec.api_socket} {args}", timeout=timeout, check=False)
+        if not res.ok:
+            raise LabError(f"{h.name}: kemarictl {args} failed (status {res.status}): {res.output.strip()}")
+        try:
+            answer: dict[str, Any] = json.loads(res.output[res.output.index("{") :])
+        except ValueError:
+            raise LabError(f"{h.name}: kemarictl {args} printed no JSON: {res.output!r}") from None
+        return answer
+
+    def info(self) -> dict[str, Any]:
+        """`kemarictl info` where the guest runs: state, vCPUs, memory, uptime, pid."""
+        return self.ctl("info")
 
     def console_text(self) -> str:
         """The guest's console so far (also saved beside the virtual host's log)."""
@@ -133,6 +213,19 @@ class Guest:
             )
         self.ready_seconds = time.monotonic() - self.started_at
         return self.console_text()
+
+    def check_boot(self, console: str) -> None:
+        """Checks the guest's boot report: CPUs, memory, disk and network."""
+        name = self.host.name
+        booted = BOOTED_RE.search(console)
+        if booted is None or int(booted.group(1)) != self.spec.vcpus:
+            raise LabError(f"{name}: guest did not report {self.spec.vcpus} CPUs:\n{console[-2000:]}")
+        check_memory(name, self.spec.memory_mb, int(booted.group(2)))
+        checks = [(NET_RE, "network")] + ([(DISK_RE, "disk")] if self.spec.disk else [])
+        for regex, what in checks:
+            m = regex.search(console)
+            if m is None or m.group(1) != "OK":
+                raise LabError(f"{name}: guest {what} check failed: {m.group(0) if m else 'no report'}")
 
     def wait_exit(self, timeout: float = 120) -> int:
         """Waits for the VMM to exit and returns its exit status."""

@@ -62,7 +62,10 @@ QEMU_FIRMWARE = [
 ]
 
 GUEST_DISK_SIZE_MB = 32
-KEMARI_BINARIES = ["kemari"]
+# Binaries copied into each virtual host (kemarictl drives migrations there).
+KEMARI_BINARIES = ["kemari", "kemarictl"]
+# Runs on this machine, in the lab namespace: the shared-disk NBD server.
+KEMARI_NBD_BINARY = "kemari-nbd"
 
 _INIT_DIR = Path(__file__).resolve().parent / "init"
 
@@ -355,12 +358,21 @@ def kemari_binaries() -> list[Path]:
     return [rel / b for b in KEMARI_BINARIES if (rel / b).exists()]
 
 
+def kemari_nbd_binary() -> Path | None:
+    """The kemari-nbd binary from `cargo build --release`, if built."""
+    path = paths.REPO_DIR / "target" / "release" / KEMARI_NBD_BINARY
+    return path if path.exists() else None
+
+
 def build_kemari() -> None:
-    """cargo build --release of the kemari binary (used inside virtual hosts)."""
-    log("cargo build --release -p kemari")
-    proc = subprocess.run(["cargo", "build", "--release", "-p", "kemari"], cwd=paths.REPO_DIR, check=False)
+    """cargo build --release of kemari and kemarictl (used inside virtual hosts)
+    and of kemari-nbd (the lab's shared-disk server)."""
+    log("cargo build --release -p kemari -p kemari-nbd")
+    proc = subprocess.run(
+        ["cargo", "build", "--release", "-p", "kemari", "-p", "kemari-nbd"], cwd=paths.REPO_DIR, check=False
+    )
     if proc.returncode != 0:
-        raise LabError("cargo build --release -p kemari failed")
+        raise LabError("cargo build --release -p kemari -p kemari-nbd failed")
 
 
 def host_initrd(tree: KernelTree) -> Path:
@@ -398,6 +410,8 @@ class Images:
     vmlinuz: Path
     host_initrd: Path
     has_kemari: bool
+    # The guest's ext4 image on this machine (the shared disk is a copy of it).
+    guest_disk: Path
 
 
 def setup(with_kemari: bool = False) -> Images:
@@ -409,4 +423,9 @@ def setup(with_kemari: bool = False) -> Images:
     if with_kemari:
         build_kemari()
     initrd = host_initrd(tree)
-    return Images(vmlinuz=tree.vmlinuz, host_initrd=initrd, has_kemari=bool(kemari_binaries()))
+    return Images(
+        vmlinuz=tree.vmlinuz,
+        host_initrd=initrd,
+        has_kemari=bool(kemari_binaries()),
+        guest_disk=build_guest_disk(),
+    )

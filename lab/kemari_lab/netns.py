@@ -44,6 +44,9 @@ def guest_ip(host_index: int, guest_index: int) -> str:
 
 
 CLIENT_IP = f"{SUBNET_PREFIX}.2"
+# The lab bridge's own address: services the lab runs on this machine, inside
+# the lab namespace (the shared-disk NBD server), listen here.
+BRIDGE_IP = f"{SUBNET_PREFIX}.1"
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -123,7 +126,7 @@ class LabNetwork:
         _ip("netns", "add", self.client_ns)
         _ip("-n", self.ns, "link", "set", "lo", "up")
         _ip("-n", self.ns, "link", "add", BRIDGE, "type", "bridge", "forward_delay", "0", "stp_state", "0")
-        _ip("-n", self.ns, "addr", "add", f"{SUBNET_PREFIX}.1/{PREFIX_LEN}", "dev", BRIDGE)
+        _ip("-n", self.ns, "addr", "add", f"{BRIDGE_IP}/{PREFIX_LEN}", "dev", BRIDGE)
         _ip("-n", self.ns, "link", "set", BRIDGE, "up")
         _ip("-n", self.ns, "link", "add", CLIENT_IF, "type", "veth", "peer", "name", CLIENT_IF, "netns", self.client_ns)
         _ip("-n", self.ns, "link", "set", CLIENT_IF, "master", BRIDGE, "up")
@@ -147,11 +150,19 @@ class LabNetwork:
         delete_namespace(self.client_ns)
         delete_namespace(self.ns)
 
+    def in_lab(self, cmd: list[str]) -> list[str]:
+        """`cmd` prefixed to run inside the lab namespace (on the lab bridge)."""
+        return ["ip", "netns", "exec", self.ns, *cmd]
+
+    def in_client(self, cmd: list[str]) -> list[str]:
+        """`cmd` prefixed to run inside the client namespace."""
+        return ["ip", "netns", "exec", self.client_ns, *cmd]
+
     def client_run(self, cmd: list[str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
         """Runs `cmd` in the client namespace (never raises on a non-zero exit)."""
         try:
             return subprocess.run(
-                ["ip", "netns", "exec", self.client_ns, *cmd], capture_output=True, text=True, check=False, timeout=timeout
+                self.in_client(cmd), capture_output=True, text=True, check=False, timeout=timeout
             )
         except subprocess.TimeoutExpired as e:
             raise LabError(f"client command timed out after {timeout}s: {' '.join(cmd)}") from e

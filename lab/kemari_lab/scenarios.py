@@ -7,13 +7,16 @@ To add one, write a function here taking ``(lab, vmm)`` and add it to
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kemari_lab.errors import LabError
-from kemari_lab.guests import BOOTED_RE, DISK_RE, NET_RE, Guest, GuestSpec
+from kemari_lab import images
+from kemari_lab.errors import LabError, step
+from kemari_lab.guests import BOOTED_RE, Guest, GuestSpec, check_memory
 from kemari_lab.lab import Lab
+from kemari_lab.roaming import roaming_guest
 
 
 @dataclass
@@ -26,26 +29,12 @@ class Scenario:
     doc: str
 
 
-def _check_memory(host: str, want_mb: int, mem_kb: int) -> None:
-    """MemTotal is a little below the VM's RAM (kernel, reserved areas)."""
-    if not want_mb * 0.8 < mem_kb / 1024 <= want_mb:
-        raise LabError(f"{host}: guest reports {mem_kb // 1024} MiB of memory, expected about {want_mb}")
-
-
 def _boot_checked_guest(lab: Lab, host_index: int, vmm: str) -> tuple[Guest, dict[str, float]]:
     """Starts a 2-vCPU 512 MiB guest and checks CPUs, memory, disk and network."""
     host = lab.hosts[host_index]
     guest = Guest(host, GuestSpec(name=f"{vmm}{host_index}", vmm=vmm, host_index=host_index))
     guest.start()
-    console = guest.wait_ready()
-    booted = BOOTED_RE.search(console)
-    if booted is None or int(booted.group(1)) != guest.spec.vcpus:
-        raise LabError(f"{host.name}: guest did not report {guest.spec.vcpus} CPUs:\n{console[-2000:]}")
-    _check_memory(host.name, guest.spec.memory_mb, int(booted.group(2)))
-    for regex, what in ((DISK_RE, "disk"), (NET_RE, "network")):
-        m = regex.search(console)
-        if m is None or m.group(1) != "OK":
-            raise LabError(f"{host.name}: guest {what} check failed: {m.group(0) if m else 'no report'}")
+    guest.check_boot(guest.wait_ready())
     return guest, {"guest_ready_s": guest.ready_seconds or 0.0}
 
 
@@ -102,7 +91,7 @@ def boot_poweroff(lab: Lab, vmm: str, action: str = "poweroff") -> dict[str, flo
         raise LabError(f"{host.name}: the guest never reached its init under {vmm}:\n{console[-3000:]}")
     if int(booted.group(1)) != guest.spec.vcpus:
         raise LabError(f"{host.name}: guest saw {booted.group(1)} CPUs, expected {guest.spec.vcpus}")
-    _check_memory(host.name, guest.spec.memory_mb, int(booted.group(2)))
+    check_memory(host.name, guest.spec.memory_mb, int(booted.group(2)))
     if marker not in console or status != 0:
         raise LabError(
             f"{host.name}: {vmm} exited with status {status} after the guest's {action} "
@@ -117,6 +106,52 @@ def boot_reboot(lab: Lab, vmm: str) -> dict[str, float]:
     return boot_poweroff(lab, vmm, action="reboot")
 
 
+def live_migration(lab: Lab, vmm: str) -> dict[str, float]:
+    """A kemari guest (shared NBD disk) migrates live from vh0 to vh1 while the
+    client keeps one TCP connection to it, byte-checked before, during and after;
+    then vh0 loses power and the connection carries on."""
+    if vmm != "kemari":
+        raise LabError(f"live-migration is a kemari scenario (--vmm kemari), not {vmm}")
+    with roaming_guest(lab, home=0) as rg:
+        with step("before the migration"):
+            rg.check_disk("before")
+            before = rg.conn.expect_progress(20)
+        with step("migrating vh0 -> vh1"):
+            report = rg.migrate_to(1)
+        images.log("migration report: " + json.dumps(report, sort_keys=True))
+        with step("after the migration to vh1"):
+            during = rg.conn.check()
+            if during["exchanges"] <= before["exchanges"]:
+                raise LabError(f"{rg.conn}: no echo verified while the guest was migrating ({during})")
+            after = rg.conn.expect_progress(20)
+            source = lab.hosts[0]
+            still = source.run("pidof kemari", check=False)
+            if still.ok:
+                raise LabError(f"{source.name}: kemari still runs after migrating out (pids {still.output.strip()})")
+        with step("after the power failure of vh0"):
+            # Nothing of the guest is left on the source: cutting its power must
+            # not disturb the connection (what a failover test does to a primary).
+            source.power_fail()
+            rg.conn.expect_progress(20)
+            rg.check_disk("after")
+        times = dict(rg.measures)
+        times.update(
+            migration_wall_s=report["wall_s"],
+            migration_total_ms=float(report["total_ms"]),
+            migration_downtime_ms=float(report["downtime_ms"]),
+            migration_rounds=float(report["round"]),
+            migration_mb=report["bytes_sent"] / 1e6,
+            migration_rate_mb_s=float(report["rate_mb_s"]),
+            migration_final_pages=float(report.get("final_pages", -1)),
+            migration_restore_ms=float(report.get("restore_ms", -1)),
+            client_echoes_during_migration=float(during["exchanges"] - before["exchanges"]),
+            client_echoes_after_migration=float(after["exchanges"] - during["exchanges"]),
+        )
+        with step("closing the connection, powering off on vh1"):
+            times.update(rg.finish())
+    return times
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -124,5 +159,6 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("two-hosts", 2, two_hosts, two_hosts.__doc__ or ""),
         Scenario("boot-poweroff", 1, boot_poweroff, (boot_poweroff.__doc__ or "").split(".")[0]),
         Scenario("boot-reboot", 1, boot_reboot, (boot_reboot.__doc__ or "").split(":")[0]),
+        Scenario("live-migration", 2, live_migration, (live_migration.__doc__ or "").split(",")[0]),
     )
 }

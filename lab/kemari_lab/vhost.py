@@ -124,6 +124,20 @@ class VirtualHost:
         if m.group(3) != "yes":
             raise LabError(f"{self.name}: booted without /dev/kvm (kvm-amd did not load); see {self.console_log}")
 
+    def power_fail(self) -> float:
+        """A power failure: SIGKILL to this virtual host's QEMU, at once, with
+        no warning to anything inside (guests, VMMs, connections). Returns the
+        time.monotonic() of the kill. The harness forgets the host afterwards
+        (its console stays logged); :meth:`run` on it raises LabError."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            raise LabError(f"{self.name}: cannot cut the power: the virtual host is not running")
+        killed_at = time.monotonic()
+        proc.kill()
+        proc.wait(timeout=10)
+        self.kill()  # closes the console pipe, joins the reader, forgets the cleanup action
+        return killed_at
+
     def kill(self) -> None:
         """Powers the virtual host off hard (SIGTERM, then SIGKILL)."""
         proc = self._proc

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import io
+import json
 import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from kemari_lab import cleanup
 from kemari_lab.cpio import CpioWriter, read_names
 from kemari_lab.errors import LabError
-from kemari_lab.guests import GuestSpec
+from kemari_lab.guests import GuestSpec, vmm_log
 from kemari_lab.netns import guest_ip, host_ip
 
 
@@ -61,3 +68,97 @@ def test_addresses_and_guest_specs() -> None:
     assert "-enable-kvm" in GuestSpec(name="q").vmm_command()
     with pytest.raises(LabError):
         GuestSpec(name="x", vmm="firecracker")
+
+
+def test_guest_spec_shared_disk_and_api_socket() -> None:
+    spec = GuestSpec(name="roam", vmm="kemari", disk_url="nbd://10.77.0.1:10809/disk")
+    cmd = spec.vmm_command()
+    assert "--disk nbd://10.77.0.1:10809/disk" in cmd and "/tmp/roam.disk" not in cmd
+    assert "--api-socket /tmp/roam.sock" in cmd
+    assert "--disk /tmp/g.disk" in GuestSpec(name="g", vmm="kemari").vmm_command()
+    assert "file=nbd://h:1/e,format=raw" in GuestSpec(name="q", disk_url="nbd://h:1/e").vmm_command()
+
+
+class _EchoServer:
+    """A local TCP echo server for echo_client.py; `corrupt_after` flips one
+    echoed byte once that many bytes have gone through."""
+
+    def __init__(self, corrupt_after: int | None = None) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.corrupt_after = corrupt_after
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        seen = 0
+        with conn:
+            while data := conn.recv(65536):
+                out = bytearray(data)
+                if self.corrupt_after is not None and seen <= self.corrupt_after < seen + len(out):
+                    out[self.corrupt_after - seen] ^= 0xFF
+                seen += len(out)
+                conn.sendall(out)
+
+
+def _echo_client(port: int) -> subprocess.Popen[str]:
+    script = Path(__file__).resolve().parent.parent / "kemari_lab" / "echo_client.py"
+    return subprocess.Popen(
+        [sys.executable, str(script), "127.0.0.1", str(port), "--interval", "0.01", "--stall-limit", "5"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_echo_client_verifies_echoes_on_one_connection() -> None:
+    server = _EchoServer()
+    proc = _echo_client(server.port)
+    assert proc.stdout is not None
+    first = json.loads(proc.stdout.readline())
+    assert first["connected"] and first["local"].startswith("127.0.0.1:")
+    time.sleep(0.5)
+    out, _ = proc.communicate("stats\nstop\n", timeout=30)
+    stats, final = (json.loads(line) for line in out.splitlines())
+    assert proc.returncode == 0
+    assert stats["error"] is None and stats["exchanges"] > 5 and stats["bytes"] > 0
+    assert final["exchanges"] >= stats["exchanges"] and final["error"] is None
+
+
+def test_echo_client_reports_a_corrupted_echo() -> None:
+    server = _EchoServer(corrupt_after=20000)
+    proc = _echo_client(server.port)
+    assert proc.stdout is not None
+    assert json.loads(proc.stdout.readline())["connected"]
+    time.sleep(1.0)
+    out, _ = proc.communicate("stop\n", timeout=30)
+    final = json.loads(out.splitlines()[-1])
+    assert proc.returncode == 1
+    assert "differs from what was sent" in final["error"]
+
+
+def test_echo_client_fails_when_it_cannot_connect() -> None:
+    free = socket.create_server(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    script = Path(__file__).resolve().parent.parent / "kemari_lab" / "echo_client.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "127.0.0.1", str(port), "--connect-timeout", "0"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 1
+    reply = json.loads(proc.stdout)
+    assert reply["connected"] is False and "cannot connect" in reply["error"]
+
+
+def test_kemari_log_lines_are_found_in_a_console() -> None:
+    spec = GuestSpec(name="r", vmm="kemari", log_level="info")
+    assert spec.vmm_command().endswith(" --log-level info --log-json")
+    assert "--log-level" not in GuestSpec(name="q", log_level="info").vmm_command()
+    committed = '{"timestamp":"t","level":"INFO","fields":{"message":"live migration committed","restore_ms":402}}'
+    console = f"KLAB-GUEST-READY ip=x\n{committed}\n" + '{"timestamp":"t","level":"INFO","fie\nguest text\n'
+    assert [e["fields"]["restore_ms"] for e in vmm_log(console, "live migration committed")] == [402]
+    assert len(vmm_log(console)) == 1

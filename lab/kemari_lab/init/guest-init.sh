@@ -5,6 +5,7 @@
 #   KLAB-DISK-OK / KLAB-DISK-FAIL  /dev/vda mounted, written, read back
 #   KLAB-NET-OK / KLAB-NET-FAIL    eth0 configured
 #   KLAB-GUEST-READY ip=...      httpd (port 80) and nc echo (port 7) running
+# GET /cgi-bin/disk?TOKEN writes TOKEN to /mnt/klab-token.txt and reads it back;
 # GET /cgi-bin/poweroff makes the guest unmount its disk and power off;
 # klab.poweroff=1 on the command line makes it power off right after READY,
 # klab.poweroff=reboot makes it reboot instead.
@@ -58,9 +59,24 @@ echo
 echo "powering off"
 ( sleep 1; umount /mnt; echo KLAB-GUEST-POWEROFF > /dev/console; poweroff -f ) >/dev/null 2>&1 </dev/null &
 CGI
-chmod +x /www/cgi-bin/poweroff
+cat > /www/cgi-bin/disk <<'CGI'
+#!/bin/sh
+# GET /cgi-bin/disk?TOKEN: write TOKEN to /mnt/klab-token.txt, sync, drop the
+# page cache and read it back from the disk.
+echo "Content-Type: text/plain"
+echo
+token=$(echo "$QUERY_STRING" | tr -cd 'A-Za-z0-9-')
+if [ -n "$token" ] && echo "$token" > /mnt/klab-token.txt && sync && echo 3 > /proc/sys/vm/drop_caches \
+    && [ "$(cat /mnt/klab-token.txt)" = "$token" ]; then
+    echo "KLAB-DISK-OK $token"
+else
+    echo "KLAB-DISK-FAIL $token"
+fi
+CGI
+chmod +x /www/cgi-bin/poweroff /www/cgi-bin/disk
 httpd -p 80 -h /www
-nc -lk -p 7 -e cat >/dev/null 2>&1 &
+# Debian's busybox nc has no -k: -ll with -e is its persistent server.
+nc -ll -p 7 -e cat >/dev/null 2>&1 &
 echo "KLAB-GUEST-READY ip=$ip"
 if [ "$poweroff_when_ready" = poweroff ]; then
     umount /mnt 2>/dev/null
