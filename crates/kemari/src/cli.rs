@@ -84,6 +84,13 @@ pub struct Args {
     /// brain). Give both ends the same path (a file they can both lock).
     #[arg(long)]
     pub ft_fence: Option<PathBuf>,
+    /// Fault-tolerance fence across hosts (STONITH-style): a command the
+    /// standby runs before it runs the VM, which must make sure the primary
+    /// is off (power it off, cut its disk and network) and exit 0; any other
+    /// outcome and the standby does not fail over. Run by `sh -c`, with
+    /// KEMARI_FT_PEER set to the primary's address.
+    #[arg(long)]
+    pub ft_fence_cmd: Option<String>,
     /// Pre-shared key (a file of at least 16 bytes) that authenticates the
     /// live-migration stream; both ends need the same key.
     #[arg(long)]

@@ -267,6 +267,7 @@ fn standby(
         listen: listen.to_owned(),
         key: tcp::read_key(key_file)?,
         fence: args.ft_fence.clone(),
+        fence_cmd: args.ft_fence_cmd.clone(),
     };
     let mut overrides = Ok(());
     let outcome = ft::standby::run(

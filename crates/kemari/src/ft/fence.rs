@@ -29,6 +29,46 @@ pub enum FenceError {
         "fence {0} is held by another process (the primary is alive): not running the VM here"
     )]
     Held(PathBuf),
+    /// The fence command did not confirm the primary is off.
+    #[error("fence command `{command}` did not confirm the primary is off ({outcome}): not running the VM here")]
+    Command {
+        /// The command.
+        command: String,
+        /// Its exit status or why it could not run.
+        outcome: String,
+    },
+}
+
+/// Runs the STONITH-style fence command (`sh -c`), waiting up to `patience`;
+/// Ok only if it exited 0.
+pub fn run_fence_command(command: &str, peer: &str, patience: Duration) -> Result<(), FenceError> {
+    let fail = |outcome: String| FenceError::Command {
+        command: command.to_owned(),
+        outcome,
+    };
+    let mut child = std::process::Command::new("sh")
+        .args(["-c", command])
+        .env("KEMARI_FT_PEER", peer)
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .map_err(|e| fail(e.to_string()))?;
+    let deadline = Instant::now() + patience;
+    loop {
+        match child.try_wait() {
+            Ok(Some(st)) if st.success() => return Ok(()),
+            Ok(Some(st)) => return Err(fail(st.to_string())),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(fail(format!(
+                    "no answer within {} ms",
+                    patience.as_millis()
+                )));
+            }
+            Err(e) => return Err(fail(e.to_string())),
+        }
+    }
 }
 
 /// A held fence; dropping it (or the process ending) releases it.
@@ -97,5 +137,16 @@ mod tests {
         assert_eq!(again.path(), p);
         drop(again);
         std::fs::remove_file(p).unwrap();
+    }
+
+    #[test]
+    fn fence_command_must_succeed_in_time() {
+        let t = Duration::from_secs(5);
+        run_fence_command("test \"$KEMARI_FT_PEER\" = h:1", "h:1", t).unwrap();
+        assert!(matches!(
+            run_fence_command("exit 3", "h:1", t),
+            Err(FenceError::Command { .. })
+        ));
+        assert!(run_fence_command("sleep 5", "h:1", Duration::from_millis(100)).is_err());
     }
 }

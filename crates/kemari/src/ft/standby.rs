@@ -44,6 +44,8 @@ pub struct StandbyOptions {
     pub key: Vec<u8>,
     /// The fence to take before running the VM.
     pub fence: Option<PathBuf>,
+    /// The STONITH-style command to run before running the VM.
+    pub fence_cmd: Option<String>,
 }
 
 /// How standing by ended.
@@ -202,7 +204,16 @@ pub fn run(
     };
     let _ = socket.shutdown(std::net::Shutdown::Both);
     shared.set_error(why.clone());
-    failover(opts, replica, events, shared, &why, detected, timeout)
+    failover(
+        opts,
+        replica,
+        events,
+        shared,
+        &why,
+        &peer.to_string(),
+        detected,
+        timeout,
+    )
 }
 
 enum Follow {
@@ -323,12 +334,14 @@ fn follow(
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn failover(
     opts: &StandbyOptions,
     replica: Replica,
     events: VmEventSink,
     shared: &FtShared,
     why: &str,
+    peer: &str,
     detected: Instant,
     timeout: Duration,
 ) -> Result<StandbyOutcome, FtError> {
@@ -356,6 +369,16 @@ fn failover(
         },
         None => None,
     };
+    if let Some(cmd) = &opts.fence_cmd {
+        if let Err(e) =
+            super::fence::run_fence_command(cmd, peer, timeout.max(Duration::from_secs(10)))
+        {
+            shared.set_state(FtState::Standby);
+            shared.set_error(e.to_string());
+            tracing::error!(error = %e, "not failing over: the primary could not be fenced");
+            return Err(e.into());
+        }
+    }
     let mut state = format::decode(&state_bytes).map_err(|e| FtError::Protocol(e.to_string()))?;
     state.config.serial = replica.config.serial.clone();
     state.config.nets = replica.config.nets.clone();
