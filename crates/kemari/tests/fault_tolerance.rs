@@ -50,8 +50,15 @@ fn key_file(dir: &Path) -> PathBuf {
     k
 }
 
+/// Waits until a standby listens for its primary.
+fn wait_listening(standby: &Vmm) {
+    wait_for("the standby to listen", Duration::from_secs(20), || {
+        standby.api.exists() && ft_status(standby)["state"] == "standby"
+    });
+}
+
 fn spawn_standby(dir: &Path, tag: &str, port: u16, net: &TapNet) -> Vmm {
-    spawn_vmm(
+    let vmm = spawn_vmm(
         &[
             "--ft-standby".into(),
             format!("127.0.0.1:{port}"),
@@ -65,7 +72,9 @@ fn spawn_standby(dir: &Path, tag: &str, port: u16, net: &TapNet) -> Vmm {
         &dir.join(format!("console-{tag}.log")),
         &dir.join(format!("api-{tag}.sock")),
         &[],
-    )
+    );
+    wait_listening(&vmm);
+    vmm
 }
 
 fn ft_start(primary: &Vmm, dir: &Path, peer: &str, extra: &[&str]) -> serde_json::Value {
@@ -423,9 +432,7 @@ fn unreachable_or_unauthenticated_standby_is_refused_and_the_vm_runs_on() {
         &dir.join("api-standby.sock"),
         &[],
     );
-    wait_for("the standby to listen", Duration::from_secs(10), || {
-        standby.api.exists() && ft_status(&standby)["state"] == "standby"
-    });
+    wait_listening(&standby);
     let out = ctl(
         &primary.api,
         &[

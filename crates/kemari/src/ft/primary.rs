@@ -8,10 +8,10 @@
 //! is paused only for the capture; the transfer overlaps with its execution,
 //! while the outputs — the only thing the outside world can see — wait.
 
-use std::io::BufWriter;
+use std::io::{BufReader, BufWriter};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -25,7 +25,9 @@ use super::protocol::{pack_state, FtMessage};
 use super::status::{FtShared, FtState};
 use super::{FtError, SyncMode};
 use crate::migration::tcp::{data_extents, offset_pfn};
-use crate::migration::wire::{encode_pages, Channel, Kind, PageData, MAX_PAGES_PER_FRAME, PAGE};
+use crate::migration::wire::{
+    encode_pages, Channel, Kind, PageData, WireError, MAX_PAGES_PER_FRAME, PAGE,
+};
 
 /// What `kemarictl ft start` asks for.
 #[derive(Debug, Clone)]
@@ -47,26 +49,27 @@ const MAX_PRECOPY_ROUNDS: u32 = 5;
 /// Few enough dirty pages to stop pre-copying and pause for the first epoch.
 const PRECOPY_ENOUGH: usize = 512;
 
-enum Incoming {
-    Ready,
-    Ack(u64),
-    Failed(String),
-    Lost(String),
-}
-
-/// The primary's end of the sync link.
+/// The primary's end of the sync link. No thread sits in a read: whoever
+/// waits for an answer (the sync on the device event loop, the initial
+/// synchronization) reads the socket itself — an acknowledgement costs no
+/// extra thread wake-up — and the heartbeat thread drains what arrived while
+/// nobody waited, which is how a silent standby is noticed between syncs.
 struct Link {
     writer: Mutex<Channel<BufWriter<TcpStream>>>,
-    incoming: Mutex<Receiver<Incoming>>,
+    reader: Mutex<(Channel<BufReader<TcpStream>>, Vec<u8>)>,
     socket: TcpStream,
     closed: AtomicBool,
     last_sent: Mutex<Instant>,
+    last_heard: Mutex<Instant>,
+    /// Answers read so far, by whichever thread read them.
+    ready: AtomicBool,
+    acked: AtomicU64,
     timeout: Duration,
 }
 
 impl Link {
-    /// Connects and starts the reader and heartbeat threads; `on_lost` runs
-    /// (on the reader thread) when the standby stops answering.
+    /// Connects and starts the heartbeat thread; `on_lost` is told when the
+    /// standby stops answering while no sync waits for it.
     fn connect(
         opts: &FtStartOptions,
         on_lost: Arc<OnceLock<Weak<FtGate>>>,
@@ -86,34 +89,30 @@ impl Link {
         stream.set_write_timeout(Some(opts.timeout)).map_err(io)?;
         let socket = stream.try_clone().map_err(io)?;
         let channel = Channel::connect(stream, &opts.key)?;
-        let (mut reader, writer) = channel
-            .split(|s| Ok((s.try_clone()?, BufWriter::with_capacity(1 << 20, s))))
+        let (reader, writer) = channel
+            .split(|s| {
+                Ok((
+                    BufReader::with_capacity(64 << 10, s.try_clone()?),
+                    BufWriter::with_capacity(1 << 20, s),
+                ))
+            })
             .map_err(io)?;
-        let (tx, rx) = channel_pair();
         let link = Arc::new(Link {
             writer: Mutex::new(writer),
-            incoming: Mutex::new(rx),
+            reader: Mutex::new((reader, Vec::new())),
             socket,
             closed: AtomicBool::new(false),
             last_sent: Mutex::new(Instant::now()),
+            last_heard: Mutex::new(Instant::now()),
+            ready: AtomicBool::new(false),
+            acked: AtomicU64::new(0),
             timeout: opts.timeout,
         });
-        let timeout = opts.timeout;
-        std::thread::Builder::new()
-            .name("ft-reader".into())
-            .spawn(move || {
-                let why = read_loop(&mut reader, &tx, timeout);
-                let _ = tx.send(Incoming::Lost(why.clone()));
-                if let Some(gate) = on_lost.get().and_then(Weak::upgrade) {
-                    gate.degrade(&why);
-                }
-            })
-            .map_err(io)?;
         let beat = Arc::downgrade(&link);
         let every = opts.heartbeat;
         std::thread::Builder::new()
             .name("ft-heartbeat".into())
-            .spawn(move || heartbeat_loop(&beat, every))
+            .spawn(move || heartbeat_loop(&beat, every, &on_lost))
             .map_err(io)?;
         Ok(link)
     }
@@ -134,33 +133,78 @@ impl Link {
         self.send(|w| Ok(w.send_json(msg)?))
     }
 
-    /// Waits for the standby's answer `want` picks, up to the timeout.
-    fn wait<T>(&self, what: &str, want: impl Fn(&Incoming) -> Option<T>) -> Result<T, FtError> {
-        let rx = self.incoming.lock().unwrap_or_else(|p| p.into_inner());
+    /// Reads one frame (the lock is held); heartbeats only refresh
+    /// `last_heard`.
+    fn read_one(
+        &self,
+        reader: &mut (Channel<BufReader<TcpStream>>, Vec<u8>),
+    ) -> Result<(), FtError> {
+        let (ch, buf) = reader;
+        let msg: FtMessage = match ch.recv_json(buf) {
+            Ok(m) => m,
+            Err(WireError::Io(e))
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(FtError::Protocol(format!(
+                    "no frame from the standby for {} ms",
+                    self.timeout.as_millis()
+                )))
+            }
+            Err(e) => return Err(e.into()),
+        };
+        *self.last_heard.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+        match msg {
+            FtMessage::Ready => {
+                self.ready.store(true, Ordering::SeqCst);
+                Ok(())
+            }
+            FtMessage::Ack { epoch } => {
+                self.acked.fetch_max(epoch, Ordering::SeqCst);
+                Ok(())
+            }
+            FtMessage::Heartbeat => Ok(()),
+            FtMessage::Failed { reason } => Err(FtError::Refused(reason)),
+            other => Err(FtError::Protocol(format!(
+                "unexpected message from the standby: {other:?}"
+            ))),
+        }
+    }
+
+    /// Waits until the standby's answers satisfy `done`, up to the timeout
+    /// (answers the heartbeat thread read meanwhile count too).
+    fn wait(&self, what: &str, done: impl Fn(&Link) -> bool) -> Result<(), FtError> {
+        let mut reader = self.reader.lock().unwrap_or_else(|p| p.into_inner());
         let deadline = Instant::now() + self.timeout;
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let msg = match rx.recv_timeout(left) {
-                Ok(m) => m,
-                Err(RecvTimeoutError::Timeout) => {
-                    return Err(FtError::Protocol(format!(
-                        "no {what} from the standby within {} ms",
-                        self.timeout.as_millis()
-                    )))
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(FtError::Protocol("the sync link is closed".into()))
-                }
-            };
-            if let Some(v) = want(&msg) {
-                return Ok(v);
+            if done(self) {
+                return Ok(());
             }
-            match msg {
-                Incoming::Failed(reason) => return Err(FtError::Refused(reason)),
-                Incoming::Lost(reason) => return Err(FtError::Protocol(reason)),
-                _ => {}
+            if self.closed.load(Ordering::SeqCst) {
+                return Err(FtError::Protocol("the sync link is closed".into()));
+            }
+            self.read_one(&mut reader)?;
+            if Instant::now() >= deadline {
+                return Err(FtError::Protocol(format!(
+                    "no {what} from the standby within {} ms",
+                    self.timeout.as_millis()
+                )));
             }
         }
+    }
+
+    /// Reads whatever complete frames wait, without blocking for more
+    /// (unless a sync is reading: then it hears the standby itself).
+    fn drain(&self) -> Result<(), FtError> {
+        let Ok(mut reader) = self.reader.try_lock() else {
+            return Ok(());
+        };
+        while !reader.0.stream().buffer().is_empty() || bytes_waiting(&self.socket) > 0 {
+            self.read_one(&mut reader)?;
+        }
+        Ok(())
     }
 
     fn close(&self) {
@@ -174,40 +218,22 @@ impl Link {
     }
 }
 
-fn channel_pair() -> (Sender<Incoming>, Receiver<Incoming>) {
-    channel()
-}
-
-/// Reads the standby's frames until the link fails; returns why.
-fn read_loop(reader: &mut Channel<TcpStream>, tx: &Sender<Incoming>, timeout: Duration) -> String {
-    let mut buf = Vec::new();
-    loop {
-        let msg: FtMessage = match reader.recv_json(&mut buf) {
-            Ok(m) => m,
-            Err(crate::migration::wire::WireError::Io(e))
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) =>
-            {
-                return format!("no frame from the standby for {} ms", timeout.as_millis())
-            }
-            Err(e) => return format!("sync link: {e}"),
-        };
-        let sent = match msg {
-            FtMessage::Ready => tx.send(Incoming::Ready),
-            FtMessage::Ack { epoch } => tx.send(Incoming::Ack(epoch)),
-            FtMessage::Failed { reason } => tx.send(Incoming::Failed(reason)),
-            FtMessage::Heartbeat => Ok(()),
-            other => return format!("unexpected message from the standby: {other:?}"),
-        };
-        if sent.is_err() {
-            return "the primary stopped listening".into();
-        }
+/// Bytes readable on `socket` right now.
+fn bytes_waiting(socket: &TcpStream) -> usize {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one c_int to the pointer we pass, which points to
+    // a live local.
+    let rc = unsafe { libc::ioctl(socket.as_raw_fd(), libc::FIONREAD, &mut n) };
+    if rc < 0 {
+        0
+    } else {
+        n.max(0) as usize
     }
 }
 
-fn heartbeat_loop(link: &Weak<Link>, every: Duration) {
+/// Sends heartbeats when the link is idle and notices a standby that went
+/// silent between syncs.
+fn heartbeat_loop(link: &Weak<Link>, every: Duration, on_lost: &OnceLock<Weak<FtGate>>) {
     loop {
         std::thread::sleep(every);
         let Some(link) = link.upgrade() else { return };
@@ -219,7 +245,34 @@ fn heartbeat_loop(link: &Weak<Link>, every: Duration) {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .elapsed();
-        if idle >= every && link.send_json(&FtMessage::Heartbeat).is_err() {
+        let mut lost = None;
+        if idle >= every {
+            if let Err(e) = link.send_json(&FtMessage::Heartbeat) {
+                lost = Some(e.to_string());
+            }
+        }
+        if lost.is_none() {
+            if let Err(e) = link.drain() {
+                lost = Some(e.to_string());
+            }
+        }
+        let silent = link
+            .last_heard
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .elapsed();
+        if lost.is_none() && silent > link.timeout && link.reader.try_lock().is_ok() {
+            lost = Some(format!(
+                "no frame from the standby for {} ms",
+                silent.as_millis()
+            ));
+        }
+        if let Some(why) = lost {
+            match on_lost.get().and_then(Weak::upgrade) {
+                Some(gate) => gate.degrade(&why),
+                // Still in the initial synchronization: it fails by itself.
+                None => link.close(),
+            }
             return;
         }
     }
@@ -269,6 +322,9 @@ pub struct FtGate {
     epoch: AtomicU64,
     /// The last acknowledged epoch's state (the next one is sent as a delta).
     prev_state: Mutex<Vec<u8>>,
+    /// Keep the vCPUs paused until the standby acknowledged (the paper's
+    /// way) instead of resuming them once the epoch is captured.
+    hold_vcpus: bool,
     shared: Arc<FtShared>,
 }
 
@@ -329,10 +385,34 @@ impl FtGate {
             );
             Ok((pfns.len() as u64, frames, state))
         })();
-        let resumed = self.core.resume_vcpus();
+        let hold = self.hold_vcpus && captured.is_ok();
+        let resumed = if hold {
+            Ok(())
+        } else {
+            self.core.resume_vcpus()
+        };
         let pause = started.elapsed();
         let (pages, frames, state) = captured?;
         resumed?;
+        let result = self.send_epoch(link, epoch, batch, pages, frames, state, started, pause);
+        if hold {
+            self.core.resume_vcpus()?;
+        }
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn send_epoch(
+        &self,
+        link: &Link,
+        epoch: u64,
+        batch: &[OutputEvent],
+        pages: u64,
+        frames: Vec<Vec<u8>>,
+        state: vmm::persist::VmState,
+        started: Instant,
+        pause: Duration,
+    ) -> Result<(), FtError> {
         // Encoding needs no paused guest.
         let state = format::encode(&state).map_err(|e| FtError::Protocol(e.to_string()))?;
         let packed = {
@@ -352,10 +432,19 @@ impl FtGate {
             w.send(Kind::Blob, &packed)?;
             Ok(())
         })?;
-        link.wait("acknowledgement", |m| match m {
-            Incoming::Ack(e) if *e == epoch => Some(()),
-            _ => None,
+        let t_sent = started.elapsed();
+        link.wait("acknowledgement", |l| {
+            l.acked.load(Ordering::SeqCst) >= epoch
         })?;
+        tracing::debug!(
+            epoch,
+            pause_us = pause.as_micros() as u64,
+            sent_us = t_sent.as_micros() as u64,
+            acked_us = started.elapsed().as_micros() as u64,
+            state_bytes = state.len(),
+            packed_bytes = packed.len(),
+            "sync done"
+        );
         self.epoch.store(epoch, Ordering::SeqCst);
         *self.prev_state.lock().unwrap_or_else(|p| p.into_inner()) = state;
         self.shared
@@ -510,7 +599,7 @@ fn initial_sync(
         timeout_ms: opts.timeout.as_millis() as u64,
     })?;
     // The standby creates memory and its VM first; allow for that.
-    link.wait("Ready", |m| matches!(m, Incoming::Ready).then_some(()))?;
+    link.wait("Ready", |l| l.ready.load(Ordering::SeqCst))?;
     machine.start_dirty_log()?;
 
     // Round 1: every page that ever held data, the guest running.
@@ -561,6 +650,7 @@ fn initial_sync(
         link: Mutex::new(Some(link.clone())),
         epoch: AtomicU64::new(0),
         prev_state: Mutex::new(Vec::new()),
+        hold_vcpus: std::env::var_os("KEMARI_FT_HOLD_VCPUS").is_some(),
         shared: shared.clone(),
     });
     let _ = on_lost.set(Arc::downgrade(&gate));

@@ -13,7 +13,7 @@
 //! configured; see [`super::fence`]), restores the VM into the memory and KVM
 //! VM it prepared at the start, announces the guest's MACs and runs it.
 
-use std::io::BufWriter;
+use std::io::{BufReader, BufWriter};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
@@ -114,7 +114,12 @@ pub fn run(
     let socket = stream.try_clone().map_err(io)?;
     let channel = Channel::accept(stream, &opts.key)?;
     let (mut reader, writer) = channel
-        .split(|s| Ok((s.try_clone()?, BufWriter::with_capacity(64 << 10, s))))
+        .split(|s| {
+            Ok((
+                BufReader::with_capacity(1 << 20, s.try_clone()?),
+                BufWriter::with_capacity(64 << 10, s),
+            ))
+        })
         .map_err(io)?;
     let writer: Writer = Arc::new(Mutex::new(writer));
     let mut buf = Vec::new();
@@ -223,7 +228,7 @@ enum Follow {
 
 /// Receives epochs until the primary stops or is lost.
 fn follow(
-    reader: &mut Channel<TcpStream>,
+    reader: &mut Channel<BufReader<TcpStream>>,
     writer: &Writer,
     replica: &mut Replica,
     shared: &FtShared,
