@@ -206,6 +206,14 @@ pub fn run(
             return Ok(StandbyOutcome::PrimaryStopped(reason));
         }
         Follow::Lost(why) => why,
+        Follow::Broken(why) => {
+            shared.set_state(FtState::Unprotected);
+            shared.set_error(why.clone());
+            let _ = socket.shutdown(std::net::Shutdown::Both);
+            return Err(FtError::State(format!(
+                "standby replica broken, it cannot take over: {why}"
+            )));
+        }
     };
     let _ = socket.shutdown(std::net::Shutdown::Both);
     shared.set_error(why.clone());
@@ -224,6 +232,8 @@ pub fn run(
 enum Follow {
     Stopped(String),
     Lost(String),
+    /// The replica can no longer be trusted (an epoch half applied).
+    Broken(String),
 }
 
 /// Receives epochs until the primary stops or is lost.
@@ -302,6 +312,22 @@ fn follow(
                         if let Err(e) = format::verify(&state) {
                             return Follow::Lost(format!("epoch {epoch} state: {e}"));
                         }
+                        // Every page must land inside guest memory before the
+                        // epoch is acknowledged: applying may then only fail
+                        // on I/O.
+                        let size = replica.memory.size();
+                        for frame in &staged {
+                            let check = decode_pages(frame, |pfn, _| {
+                                pfn_offset(size, pfn).map(|_| ()).ok_or_else(|| {
+                                    WireError::Malformed(format!(
+                                        "page {pfn:#x} is outside guest memory"
+                                    ))
+                                })
+                            });
+                            if let Err(e) = check {
+                                return Follow::Lost(format!("epoch {epoch} pages: {e}"));
+                            }
+                        }
                         // Complete: acknowledge, then apply.
                         if let Err(e) = send(writer, &FtMessage::Ack { epoch }) {
                             // The primary will not release the outputs; the
@@ -312,7 +338,9 @@ fn follow(
                         for frame in staged.drain(..) {
                             match apply_pages(&replica.memory, &frame) {
                                 Ok(n) => applied += n,
-                                Err(e) => return Follow::Lost(format!("epoch {epoch} pages: {e}")),
+                                Err(e) => {
+                                    return Follow::Broken(format!("epoch {epoch} pages: {e}"))
+                                }
                             }
                         }
                         if applied != pages {
