@@ -11,4 +11,6 @@ runs="${1:-50}"
 scripts/setup.sh
 cargo build -p guest --target x86_64-unknown-none --release
 KEMARI_FT_KILLS="$runs" cargo test -p kemari --test fault_tolerance \
-  primary_killed_at_random_moments -- --nocapture 2>&1 | grep -E "^run |failover after|test result|panicked|FAILED"
+  primary_killed_at_random_moments -- --nocapture 2>&1 |
+  grep --line-buffered -E -A3 "^run |failover after|test result|panicked|FAILED" |
+  grep --line-buffered -vE "^(--|note:|stack backtrace)"

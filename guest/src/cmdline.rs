@@ -39,14 +39,24 @@ pub enum Order {
 /// One `disk=` job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DiskJob {
-    /// `disk=write,<blocks>,seq|rand[,flush]`
+    /// `disk=write,<blocks>,seq|rand[,flush][,burst=<n>/<ms>]`: with
+    /// `burst`, `n` blocks are written every `ms` milliseconds (the way an
+    /// OS writes its file cache back), otherwise as fast as the disk goes.
     Write {
         blocks: u64,
         order: Order,
         flush: bool,
+        burst: Option<Burst>,
     },
     /// `disk=verify,<blocks>`: checks blocks 0..blocks.
     Verify { blocks: u64 },
+}
+
+/// Paced writing: `blocks` blocks every `period_ms` milliseconds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Burst {
+    pub blocks: u64,
+    pub period_ms: u64,
 }
 
 /// An IPv4 address with its prefix length, `a.b.c.d/prefix`.
@@ -140,7 +150,8 @@ pub fn parse(cmdline: &str) -> Result<Config, CmdlineError<'_>> {
                 );
             }
             "disk" => {
-                const WANT: &str = "expected write,<blocks>,seq|rand[,flush] or verify,<blocks>";
+                const WANT: &str =
+                    "expected write,<blocks>,seq|rand[,flush][,burst=<n>/<ms>] or verify,<blocks>";
                 let job = parse_disk(value).ok_or(err(WANT))?;
                 push(&mut cfg.disk_jobs, job).ok_or(err("too many disk jobs"))?;
             }
@@ -229,15 +240,26 @@ fn parse_disk(value: &str) -> Option<DiskJob> {
                 "rand" => Order::Random,
                 _ => return None,
             };
-            let flush = match parts.next() {
-                None => false,
-                Some("flush") => true,
-                Some(_) => return None,
-            };
+            let mut flush = false;
+            let mut burst = None;
+            for opt in parts.by_ref() {
+                match opt {
+                    "flush" if !flush => flush = true,
+                    _ if burst.is_none() => {
+                        let (n, ms) = opt.strip_prefix("burst=")?.split_once('/')?;
+                        burst = Some(Burst {
+                            blocks: parse_u64(n).filter(|&b| b > 0)?,
+                            period_ms: parse_u64(ms).filter(|&m| m > 0)?,
+                        });
+                    }
+                    _ => return None,
+                }
+            }
             DiskJob::Write {
                 blocks,
                 order,
                 flush,
+                burst,
             }
         }
         "verify" => DiskJob::Verify { blocks },
@@ -342,7 +364,8 @@ mod tests {
                 DiskJob::Write {
                     blocks: 10000,
                     order: Order::Random,
-                    flush: true
+                    flush: true,
+                    burst: None,
                 },
                 DiskJob::Verify { blocks: 10000 }
             ]
@@ -379,6 +402,11 @@ mod tests {
             "disk=write,10",
             "disk=write,10,sideways",
             "disk=write,10,seq,flush,extra",
+            "disk=write,10,seq,flush,flush",
+            "disk=write,10,seq,burst=0/10",
+            "disk=write,10,seq,burst=4/0",
+            "disk=write,10,seq,burst=4",
+            "disk=write,10,seq,burst=4/10,burst=4/10",
             "disk=verify",
             "disk=verify,0",
             "disk=erase,10",
@@ -396,6 +424,35 @@ mod tests {
         ] {
             assert!(parse(bad).is_err(), "{bad} should be rejected");
         }
+    }
+
+    #[test]
+    fn paced_writes() {
+        let cfg =
+            parse("disk=write,100,seq,burst=16/250 disk=write,5,rand,burst=1/1,flush").unwrap();
+        assert_eq!(
+            cfg.disk_jobs().collect::<Vec<_>>(),
+            [
+                DiskJob::Write {
+                    blocks: 100,
+                    order: Order::Sequential,
+                    flush: false,
+                    burst: Some(Burst {
+                        blocks: 16,
+                        period_ms: 250
+                    }),
+                },
+                DiskJob::Write {
+                    blocks: 5,
+                    order: Order::Random,
+                    flush: true,
+                    burst: Some(Burst {
+                        blocks: 1,
+                        period_ms: 1
+                    }),
+                },
+            ]
+        );
     }
 
     #[test]

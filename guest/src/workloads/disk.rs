@@ -1,11 +1,12 @@
-//! `disk=write,<blocks>,seq|rand[,flush]` and `disk=verify,<blocks>`: the
-//! basis of "no acknowledged write lost" tests.
+//! `disk=write,<blocks>,seq|rand[,flush][,burst=<n>/<ms>]` and
+//! `disk=verify,<blocks>`: the basis of "no acknowledged write lost" tests.
 //!
 //! `write` writes blocks 0..n in the self-checking format of
 //! `guest::blockfmt`, sequentially or in a pseudo-random permutation, up to
 //! `blk::DEPTH` requests in flight — or, with `flush`, one at a time, each
 //! write followed by a flush and counted as acknowledged only when the flush
-//! completed. Every 1000 acknowledged writes it prints
+//! completed. With `burst`, writes go out `n` at a time every `ms`
+//! milliseconds, like an OS writing its file cache back. Every 1000 acknowledged writes it prints
 //! `disk: acked=<n> last_block=<b>`, then `disk: write done blocks=<n>`.
 //! `verify` reads blocks 0..n back and prints `disk: verify ok blocks=<n>` or
 //! `disk: verify FAILED missing=<m> corrupt=<c>` (the first bad blocks are
@@ -42,6 +43,10 @@ pub struct DiskRunner {
     failed: bool,
     warned_no_flush: bool,
     continue_on_error: bool,
+    /// Paced jobs: blocks the current burst may still issue, and when the
+    /// next burst starts.
+    burst_left: u64,
+    next_burst_ms: u64,
 }
 
 impl DiskRunner {
@@ -72,6 +77,8 @@ impl DiskRunner {
             failed: false,
             warned_no_flush: false,
             continue_on_error: cfg.disk_errors_continue,
+            burst_left: 0,
+            next_burst_ms: now_ms,
         };
         runner.announce();
         runner
@@ -97,6 +104,7 @@ impl DiskRunner {
                 blocks,
                 order,
                 flush,
+                ..
             }) => say!(
                 "disk: write start blocks={} order={} flush={}",
                 blocks,
@@ -122,9 +130,19 @@ impl DiskRunner {
         };
 
         // Submit.
+        let burst = match job {
+            DiskJob::Write { burst, .. } => burst,
+            DiskJob::Verify { .. } => None,
+        };
+        if let Some(b) = burst {
+            if self.burst_left == 0 && now_ms >= self.next_burst_ms {
+                self.burst_left = b.blocks;
+                self.next_burst_ms = now_ms + b.period_ms;
+            }
+        }
         let mut submitted = false;
         for slot in 0..in_flight_max {
-            if self.issued >= blocks {
+            if self.issued >= blocks || (burst.is_some() && self.burst_left == 0) {
                 break;
             }
             if self.slots[slot] != Slot::Idle {
@@ -147,6 +165,7 @@ impl DiskRunner {
             }
             self.slots[slot] = next.1;
             self.issued += 1;
+            self.burst_left = self.burst_left.saturating_sub(1);
             submitted = true;
         }
         if submitted {
@@ -257,6 +276,8 @@ impl DiskRunner {
         self.missing = 0;
         self.corrupt = 0;
         self.started_ms = now_ms;
+        self.burst_left = 0;
+        self.next_burst_ms = now_ms;
         self.announce();
     }
 }

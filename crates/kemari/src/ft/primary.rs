@@ -413,13 +413,11 @@ impl FtGate {
         started: Instant,
         pause: Duration,
     ) -> Result<(), FtError> {
-        // Encoding needs no paused guest.
-        let state = format::encode(&state).map_err(|e| FtError::Protocol(e.to_string()))?;
-        let packed = {
-            let prev = self.prev_state.lock().unwrap_or_else(|p| p.into_inner());
-            pack_state(&state, &prev)
-        };
         let outputs: u64 = batch.iter().map(|e| u64::from(e.requests)).sum();
+        // The pages go first: the standby takes them in while the state is
+        // encoded (which needs no paused guest). One writer lock for the
+        // whole epoch: no heartbeat may come between its frames.
+        let mut encoded = None;
         let bytes = link.send(|w| {
             for f in &frames {
                 w.send(Kind::Pages, f)?;
@@ -429,9 +427,18 @@ impl FtGate {
                 pages,
                 outputs,
             })?;
+            w.flush()?;
+            let state = format::encode(&state).map_err(|e| FtError::Protocol(e.to_string()))?;
+            let packed = {
+                let prev = self.prev_state.lock().unwrap_or_else(|p| p.into_inner());
+                pack_state(&state, &prev)
+            };
             w.send(Kind::Blob, &packed)?;
+            encoded = Some((state, packed.len()));
             Ok(())
         })?;
+        let (state, packed_len) =
+            encoded.ok_or_else(|| FtError::Protocol("state not sent".into()))?;
         let t_sent = started.elapsed();
         link.wait("acknowledgement", |l| {
             l.acked.load(Ordering::SeqCst) >= epoch
@@ -442,7 +449,7 @@ impl FtGate {
             sent_us = t_sent.as_micros() as u64,
             acked_us = started.elapsed().as_micros() as u64,
             state_bytes = state.len(),
-            packed_bytes = packed.len(),
+            packed_bytes = packed_len,
             "sync done"
         );
         self.epoch.store(epoch, Ordering::SeqCst);

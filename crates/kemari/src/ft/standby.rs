@@ -260,8 +260,12 @@ fn follow(
             Err(e) => return Follow::Lost(format!("sync link: {e}")),
         };
         match kind {
-            Kind::Pages if replica.state.is_none() => {
-                // Live pre-copy: no complete image exists yet.
+            // Epoch 0 (the frame's first word): the live pre-copy, applied at
+            // once — only before the first complete epoch exists.
+            Kind::Pages if buf.get(..4) == Some(&[0, 0, 0, 0]) => {
+                if replica.state.is_some() {
+                    return Follow::Lost("pre-copy pages after the first epoch".into());
+                }
                 shared.add_link_bytes(buf.len() as u64);
                 if let Err(e) = apply_pages(&replica.memory, buf) {
                     return Follow::Lost(format!("bad pre-copy pages: {e}"));
