@@ -210,12 +210,13 @@ fn start(
         if mode == "periodic" {
             body["periodic_ms"] = period_ms.into();
         }
-        let r = api(&api_sock, "PUT", "/vm/ft/start", Some(body))?;
+        let r = api(&api_sock, "PUT", "/vm/ft/start", Some(body))
+            .map_err(|e| format!("{e}: {}", primary.tail()))?;
         if r["state"] != "protected" {
             return Err(format!("ft start: {r}"));
         }
     }
-    api(&api_sock, "PUT", "/vm/resume", None)?;
+    api(&api_sock, "PUT", "/vm/resume", None).map_err(|e| format!("{e}: {}", primary.tail()))?;
     Ok(Setup {
         primary,
         _standby: standby,
