@@ -63,6 +63,7 @@ pub fn run_kemari(
     )?;
     let dirty_seen = wait_steady(&src, w)?;
     let mut reported = None;
+    let mut bytes = None;
     // A migration destination is ready before the clock starts.
     let incoming = scratch.path("incoming.sock");
     let mut pre_dst = None;
@@ -149,6 +150,7 @@ pub fn run_kemari(
             t_done = Instant::now();
             mark("request answered");
             reported = r["downtime_ms"].as_f64();
+            bytes = r["bytes_sent"].as_u64();
             wait_exit(&mut src)?;
             mark("old VMM exited");
             match pre_dst.take() {
@@ -171,6 +173,7 @@ pub fn run_kemari(
         total: t_first.max(t_done) - t0,
         dirty_seen,
         reported_downtime_ms: reported,
+        bytes,
         phases,
     })
 }
