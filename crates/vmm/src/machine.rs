@@ -152,14 +152,6 @@ pub struct PreparedVm {
     vm: Vm,
 }
 
-impl PreparedVm {
-    /// The guest memory mapping (an incoming migration writes pages through
-    /// it before the restore).
-    pub fn guest_memory(&self) -> &GuestMemoryMmap {
-        &self.guest_memory
-    }
-}
-
 /// What is built besides memory slots, before the vCPUs start.
 struct Setup {
     serial: Arc<Mutex<SerialDevice>>,

@@ -707,21 +707,31 @@ fn receive_vm(
     adjust(&mut config);
     let memory = GuestMemoryFile::create(memory_size, &MemoryBacking::Memfd)
         .map_err(|e| MigrationError::Memory(e.to_string()))?;
-    let t = Instant::now();
-    let prepared = Machine::prepare(memory.clone())?;
-    tracing::debug!(
-        ms = t.elapsed().as_secs_f64() * 1000.0,
-        "migration: VM and memory prepared"
-    );
+    // Pages go in through a mapping of our own at once; the KVM VM and its
+    // memory slots (milliseconds, more on a busy host) are built meanwhile,
+    // off the transfer's path, as QEMU's -incoming has its VM ready.
+    let incoming = memory
+        .map()
+        .map_err(|e| MigrationError::Memory(e.to_string()))?;
+    let for_vm = memory.clone();
+    let preparing = std::thread::Builder::new()
+        .name("vm-prepare".into())
+        .spawn(move || {
+            let t = Instant::now();
+            let prepared = Machine::prepare(for_vm);
+            tracing::debug!(
+                ms = t.elapsed().as_secs_f64() * 1000.0,
+                "migration: VM and memory slots prepared"
+            );
+            prepared
+        })
+        .map_err(|e| MigrationError::Protocol(format!("cannot start a thread: {e}")))?;
     ch.send_control(&Control::Ready)?;
     let state = loop {
         match ch.recv(&mut buf)? {
             Kind::Pages => {
-                // Straight into the mapping the VM will use (dirty tracking is
-                // off here, so nothing records these writes).
-                decode_pages(&buf, |pfn, data| {
-                    write_page(prepared.guest_memory(), pfn, data)
-                })?;
+                // Straight into guest memory (no dirty tracking runs here).
+                decode_pages(&buf, |pfn, data| write_page(&incoming, pfn, data))?;
             }
             Kind::State => break std::mem::take(&mut buf),
             Kind::Control => {
@@ -751,6 +761,10 @@ fn receive_vm(
         std::thread::sleep(Duration::from_millis(ms));
     }
     let started = Instant::now();
+    drop(incoming);
+    let prepared = preparing
+        .join()
+        .map_err(|_| MigrationError::Protocol("preparing the VM panicked".into()))??;
     let mut state = format::decode(&state).map_err(|e| MigrationError::Protocol(e.to_string()))?;
     state.config.serial = config.serial.clone();
     state.config.nets = config.nets.clone();

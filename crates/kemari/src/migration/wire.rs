@@ -10,7 +10,7 @@
 //!   key = BLAKE3-derive("kemari migration v1", psk ‖ nonce_s ‖ nonce_d)
 //!   every later frame: [len u32][kind u8][payload][tag 32B]
 //!   tag = BLAKE3-keyed(key, direction ‖ sequence ‖ kind ‖ payload)
-//!   Config{config, memory size} ─────────────────────▶ prepare memory + VM
+//!   Config{config, memory size} ─────────────────────▶ memory (+ VM, in a thread)
 //!   ◀─────────────────────────────────────────── Ready
 //!   Pages{round, pages…} … RoundEnd{round} ─────────▶ write the pages
 //!   ◀─────────────────────────────────── RoundAck{round} (repeated: pre-copy)
@@ -80,7 +80,7 @@ pub enum Control {
         /// Guest memory size.
         memory_size: u64,
     },
-    /// Destination: memory and VM prepared.
+    /// Destination: memory ready for pages (the VM is built meanwhile).
     Ready,
     /// Source: end of a pre-copy round.
     RoundEnd {
