@@ -226,9 +226,9 @@ pub fn is_zero(data: &[u8]) -> bool {
 
 /// Decodes a page batch, calling `f(pfn, Some(bytes) | None for zero)` per page.
 /// Checks every length before use.
-pub fn decode_pages(
-    payload: &[u8],
-    mut f: impl FnMut(u64, Option<&[u8]>) -> Result<(), WireError>,
+pub fn decode_pages<'p>(
+    payload: &'p [u8],
+    mut f: impl FnMut(u64, Option<&'p [u8]>) -> Result<(), WireError>,
 ) -> Result<(u32, u32), WireError> {
     let bad = |m: &str| WireError::Malformed(m.to_owned());
     if payload.len() < 8 {
