@@ -253,7 +253,6 @@ const SOCKET_BUFFER: libc::c_int = 4 << 20;
 
 /// Sets `SO_SNDBUF` or `SO_RCVBUF`; a refusal only costs speed.
 fn socket_buffer(stream: &TcpStream, option: libc::c_int) {
-    use std::os::fd::AsRawFd;
     let size = SOCKET_BUFFER;
     // SAFETY: setsockopt reads an int from a valid pointer for its size.
     let rc = unsafe {
@@ -304,7 +303,6 @@ fn will_visit(ahead: &[(u64, u64)], cursor: u64, pfn: u64) -> bool {
 
 /// Data extents of the memory file (never-touched memory is a hole).
 fn data_extents(file: &std::fs::File, size: u64) -> Vec<(u64, u64)> {
-    use std::os::fd::AsRawFd;
     let fd = file.as_raw_fd();
     let mut out = Vec::new();
     let mut pos: i64 = 0;
@@ -513,15 +511,17 @@ fn migrate_out_inner(
     let mut send_time = Duration::ZERO;
 
     // Round 1: every non-zero page of the memory file's data extents, in
-    // ascending page order. Every few MiB the tracker is harvested: a page
-    // dirtied ahead of the cursor is read by this round after that write
-    // anyway, so only the others wait for round 2.
+    // ascending page order. Every few MiB the tracker is harvested (what it
+    // has, without waiting for the vCPUs): a page dirtied ahead of the
+    // cursor is read by this round after that write anyway, so only the
+    // others wait for round 2.
     let mut round = 1u32;
     let t_round = Instant::now();
     let visit = round1_ranges(&data_extents(memory.file(), mem_size), mem_size);
     let mut early: Vec<u64> = Vec::new();
     let mut since_harvest = 0usize;
     let mut skipped = 0usize;
+    let mut harvest_time = Duration::ZERO;
     for (i, &(first, end)) in visit.iter().enumerate() {
         for pfn in first..end {
             sender.page(&mut ch, round, pfn, true)?;
@@ -529,7 +529,14 @@ fn migrate_out_inner(
             if since_harvest == ROUND1_HARVEST_PAGES {
                 since_harvest = 0;
                 let ahead = &visit[i..];
-                let got = machine.harvest_dirty()?;
+                // Without kicking the vCPUs: a page still in a CPU buffer
+                // is merely reported later, and resent then.
+                let th = Instant::now();
+                let got = machine
+                    .dirty_tracker()
+                    .harvest()
+                    .map_err(MachineError::from)?;
+                harvest_time += th.elapsed();
                 let n = got.len();
                 let before = early.len();
                 early.extend(got.into_iter().filter(|&p| !will_visit(ahead, pfn, p)));
@@ -542,7 +549,8 @@ fn migrate_out_inner(
     end_round(&mut ch, &mut buf, round, sender.pages)?;
     tracing::debug!(
         skipped,
-        "round 1: pages dirtied ahead of the cursor, not resent"
+        harvest_ms = harvest_time.as_secs_f64() * 1000.0,
+        "round 1: pages dirtied ahead of the cursor, not resent; time in harvests"
     );
     let mut sent_last_round = sender.pages;
     note_round(round, sent_last_round, ch.bytes_sent, t_round.elapsed());
