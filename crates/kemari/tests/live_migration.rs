@@ -11,7 +11,7 @@ use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::scenario::*;
@@ -332,13 +332,25 @@ fn source_killed_mid_migration_leaves_nothing_half_made() {
 }
 
 /// A TCP relay the test can cut: forwards both ways until `cut` is set.
-fn relay(listen: u16, to: String, cut: Arc<AtomicBool>, moved: Arc<AtomicU64>) {
+/// Returns its two sockets, so that a cut takes effect at once (shut them
+/// down) rather than when the next bytes arrive.
+fn relay(
+    listen: u16,
+    to: String,
+    cut: Arc<AtomicBool>,
+    moved: Arc<AtomicU64>,
+) -> Arc<Mutex<Vec<TcpStream>>> {
     let l = TcpListener::bind(("127.0.0.1", listen)).unwrap();
+    let sockets = Arc::new(Mutex::new(Vec::new()));
+    let held = sockets.clone();
     std::thread::spawn(move || {
         let Ok((a, _)) = l.accept() else { return };
         let Ok(b) = TcpStream::connect(&to) else {
             return;
         };
+        held.lock()
+            .unwrap()
+            .extend([a.try_clone().unwrap(), b.try_clone().unwrap()]);
         let pipe = |mut from: TcpStream,
                     mut to: TcpStream,
                     cut: Arc<AtomicBool>,
@@ -374,6 +386,7 @@ fn relay(listen: u16, to: String, cut: Arc<AtomicBool>, moved: Arc<AtomicU64>) {
         );
         let _ = pipe(b, a, cut, moved);
     });
+    sockets
 }
 
 #[test]
@@ -399,7 +412,7 @@ fn link_cut_mid_migration_leaves_the_source_running() {
     let cut = Arc::new(AtomicBool::new(false));
     let moved = Arc::new(AtomicU64::new(0));
     let relay_port = port(2) + 2000;
-    relay(relay_port, real, cut.clone(), moved.clone());
+    let sockets = relay(relay_port, real, cut.clone(), moved.clone());
     let api = src.api.clone();
     let key2 = key.clone();
     let m =
@@ -411,6 +424,9 @@ fn link_cut_mid_migration_leaves_the_source_running() {
     );
     std::thread::sleep(Duration::from_millis(500));
     cut.store(true, Ordering::SeqCst);
+    for s in sockets.lock().unwrap().iter() {
+        let _ = s.shutdown(Shutdown::Both);
+    }
     let out = m.join().unwrap();
     assert!(
         !out.status.success(),

@@ -97,6 +97,16 @@ impl Results {
                 .collect(),
         )
     }
+    fn bytes(&self, c: Cell) -> Option<u64> {
+        let mut v: Vec<u64> = self
+            .samples
+            .get(&c)?
+            .iter()
+            .filter_map(|s| s.bytes)
+            .collect();
+        v.sort_unstable();
+        v.get(v.len().checked_sub(1)? / 2).copied()
+    }
     fn dirty_seen(&self, c: Cell) -> Option<u64> {
         self.samples
             .get(&c)?
@@ -313,6 +323,34 @@ fn print_tables(
             }
         }
     }
+    let mut bytes_rows = Vec::new();
+    for &op in &opts.ops {
+        let op_rates: &[u64] = if op.takes_dirty_rates() { rates } else { &[0] };
+        for &rate in op_rates {
+            let mut row = format!("{:<40} {:>7}", label(op, local_mode), rate);
+            let mut any = false;
+            for mem in 0..opts.memory.len() {
+                let text = match r.bytes(Cell { op, rate, mem }) {
+                    Some(b) => {
+                        any = true;
+                        format!("{:.1}", b as f64 / 1e6)
+                    }
+                    None => "-".into(),
+                };
+                row.push_str(&format!(" {text:>19}"));
+            }
+            if any {
+                bytes_rows.push(row);
+            }
+        }
+    }
+    if !bytes_rows.is_empty() {
+        println!();
+        println!("bytes sent, MB (median): kemari = bytes_sent of its report (pages, markers, state); QEMU = query-migrate ram.transferred");
+        for row in bytes_rows {
+            println!("{row}");
+        }
+    }
     let mut seen = Vec::new();
     for (c, _) in r.samples.iter().filter(|(c, _)| c.rate > 0) {
         if let Some(d) = r.dirty_seen(*c) {
@@ -490,6 +528,21 @@ fn print_goals(opts: &Options, rates: &[u64], r: &Results, local_mode: QemuLocal
                     Duration::from_micros(1),
                     1.0,
                     false,
+                );
+                let (kb, qb) = (r.bytes(c(Op::Precopy)), r.bytes(c(Op::QemuLocalCopy)));
+                let text = match (kb, qb) {
+                    (Some(k), Some(q)) if q > 0 => format!("{:.2}x", k as f64 / q as f64),
+                    _ => "n/a".into(),
+                };
+                let figures = match (kb, qb) {
+                    (Some(k), Some(q)) => {
+                        format!(" ({:.1} / {:.1} MB)", k as f64 / 1e6, q as f64 / 1e6)
+                    }
+                    _ => String::new(),
+                };
+                println!(
+                    "  kemari pre-copy vs qemu copying migration: bytes, {name}, dirty {rate}/s: {text}{figures}, goal <= 1.1x: {}",
+                    verdict(&text, 1.1, false)
                 );
             }
         }

@@ -144,6 +144,33 @@ impl Drop for Scratch {
     }
 }
 
+/// Waits until something listens on TCP port `port` of 127.0.0.1 (read from
+/// /proc/net/tcp: connecting to probe would be taken for the real client).
+pub fn wait_listening(port: u16, timeout: Duration) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(table) = std::fs::read_to_string("/proc/net/tcp") {
+            if listening(&table, port) {
+                return true;
+            }
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Whether a /proc/net/tcp table has a socket listening on 127.0.0.1:`port`.
+fn listening(table: &str, port: u16) -> bool {
+    let local = format!("0100007F:{port:04X}");
+    table.lines().skip(1).any(|l| {
+        let mut f = l.split_whitespace().skip(1);
+        let (addr, st) = (f.next(), f.nth(1));
+        addr == Some(local.as_str()) && st == Some("0A")
+    })
+}
+
 /// Waits until `path` exists.
 pub fn wait_path(path: &Path, timeout: Duration) -> bool {
     let deadline = Instant::now() + timeout;
@@ -154,4 +181,19 @@ pub fn wait_path(path: &Path, timeout: Duration) -> bool {
         std::thread::sleep(Duration::from_millis(1));
     }
     true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_listening_sockets() {
+        let table = "  sl  local_address rem_address   st tx_queue rx_queue\n   \
+            0: 0100007F:7530 00000000:0000 0A 00000000:00000000\n   \
+            1: 0100007F:7531 0100007F:9C40 01 00000000:00000000\n";
+        assert!(listening(table, 30000));
+        assert!(!listening(table, 30001), "established, not listening");
+        assert!(!listening(table, 30002));
+    }
 }

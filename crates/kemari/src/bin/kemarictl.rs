@@ -58,7 +58,8 @@ enum Command {
         /// Pre-shared key file (the destination's --migration-key-file).
         #[arg(long)]
         key_file: PathBuf,
-        /// Pause the guest once the rest can move within this many ms (default 300).
+        /// Downtime limit in ms (default 300): pause once the rest can move
+        /// within it and rounds stop shrinking it (docs/migration-protocol.md).
         #[arg(long)]
         max_downtime_ms: Option<u64>,
         /// Pause the guest after this many rounds whatever remains (default 30).

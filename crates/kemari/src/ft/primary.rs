@@ -25,9 +25,7 @@ use super::protocol::{pack_state, FtMessage};
 use super::status::{FtShared, FtState};
 use super::{FtError, SyncMode};
 use crate::migration::tcp::{data_extents, offset_pfn};
-use crate::migration::wire::{
-    encode_pages, Channel, Kind, PageData, WireError, MAX_PAGES_PER_FRAME, PAGE,
-};
+use crate::migration::wire::{Channel, Kind, PageFrame, WireError, MAX_PAGES_PER_FRAME, PAGE};
 
 /// What `kemarictl ft start` asks for.
 #[derive(Debug, Clone)]
@@ -279,37 +277,25 @@ fn heartbeat_loop(link: &Weak<Link>, every: Duration, on_lost: &OnceLock<Weak<Ft
 }
 
 /// Reads pages `pfns` from guest memory into page frames of epoch `epoch`
-/// (zero pages as markers). Returns the frames.
+/// (zero pages as markers), each page copied once, straight into its frame.
 fn page_frames(mem: &GuestMemoryMmap, pfns: &[u64], epoch: u64) -> Result<Vec<Vec<u8>>, FtError> {
-    static ZERO: [u8; PAGE] = [0; PAGE];
     let mut frames = Vec::with_capacity(pfns.len().div_ceil(MAX_PAGES_PER_FRAME));
-    let mut scratch = vec![0u8; MAX_PAGES_PER_FRAME * PAGE];
-    for chunk in pfns.chunks(MAX_PAGES_PER_FRAME) {
-        for (k, pfn) in chunk.iter().enumerate() {
+    let mut frame = PageFrame::new();
+    for &pfn in pfns {
+        frame.push_with(pfn, false, |data| {
             let addr = pfn
                 .checked_mul(PAGE as u64)
                 .ok_or_else(|| FtError::Memory(format!("page {pfn:#x}")))?;
-            mem.read_slice(&mut scratch[k * PAGE..(k + 1) * PAGE], GuestAddress(addr))
-                .map_err(|e| FtError::Memory(format!("page {pfn:#x}: {e}")))?;
+            mem.read_slice(data, GuestAddress(addr))
+                .map_err(|e| FtError::Memory(format!("page {pfn:#x}: {e}")))
+        })?;
+        if frame.is_full() {
+            frames.push(frame.payload(epoch as u32).to_vec());
+            frame.clear();
         }
-        let pages: Vec<(u64, PageData<'_>)> = chunk
-            .iter()
-            .enumerate()
-            .map(|(k, &pfn)| {
-                let data = &scratch[k * PAGE..(k + 1) * PAGE];
-                (
-                    pfn,
-                    if data == ZERO {
-                        PageData::Zero
-                    } else {
-                        PageData::Data(data)
-                    },
-                )
-            })
-            .collect();
-        let mut frame = Vec::new();
-        encode_pages(epoch as u32, &pages, &mut frame);
-        frames.push(frame);
+    }
+    if frame.count() > 0 {
+        frames.push(frame.payload(epoch as u32).to_vec());
     }
     Ok(frames)
 }
@@ -433,7 +419,7 @@ impl FtGate {
                 let prev = self.prev_state.lock().unwrap_or_else(|p| p.into_inner());
                 pack_state(&state, &prev)
             };
-            w.send(Kind::Blob, &packed)?;
+            w.send(Kind::State, &packed)?;
             encoded = Some((state, packed.len()));
             Ok(())
         })?;

@@ -6,7 +6,7 @@
 //!   Hello{config, memory size, mode, heartbeat, timeout} ──▶ memory + VM prepared
 //!   ◀──────────────────────────────────────────────── Ready
 //!   Pages{epoch 0}… (live pre-copy, applied at once) ─────▶
-//!   Pages{epoch n}… EpochEnd{n, pages} Blob(state) ───────▶ staged
+//!   Pages{epoch n}… EpochEnd{n, pages} State(delta) ──────▶ staged
 //!   ◀──────────────────────────────────────────────── Ack{n}   (then applied)
 //!   Heartbeat (both ways, every heartbeat interval when idle)
 //!   Stop{reason} ─────────────────────────────────────────▶ standby exits

@@ -15,7 +15,6 @@
 
 use std::io::{BufReader, BufWriter};
 use std::net::{TcpListener, TcpStream};
-use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -32,8 +31,8 @@ use super::fence::Fence;
 use super::protocol::{unpack_state, FtMessage};
 use super::status::{FtShared, FtState};
 use super::FtError;
-use crate::migration::tcp::pfn_offset;
-use crate::migration::wire::{decode_pages, Channel, Kind, WireError, PAGE};
+use crate::migration::tcp::{pfn_offset, write_frame};
+use crate::migration::wire::{decode_pages, Channel, Kind, WireError};
 
 /// How the standby is set up (`kemari --ft-standby`).
 #[derive(Debug, Clone)]
@@ -64,19 +63,12 @@ fn send(writer: &Writer, msg: &FtMessage) -> Result<(), WireError> {
     w.flush()
 }
 
-/// Writes a page batch into guest memory.
+/// Writes a page batch into guest memory; returns how many pages it held.
 fn apply_pages(memory: &GuestMemoryFile, payload: &[u8]) -> Result<u64, WireError> {
-    static ZERO: [u8; PAGE] = [0; PAGE];
-    let size = memory.size();
-    let (_, count) = decode_pages(payload, |pfn, data| {
-        let off = pfn_offset(size, pfn).ok_or_else(|| {
-            WireError::Malformed(format!("page {pfn:#x} is outside guest memory"))
-        })?;
-        memory
-            .file()
-            .write_all_at(data.unwrap_or(&ZERO), off)
-            .map_err(WireError::Io)
-    })?;
+    let count = payload
+        .get(4..8)
+        .map_or(0, |c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+    write_frame(memory.file(), memory.size(), payload)?;
     Ok(u64::from(count))
 }
 
@@ -275,7 +267,7 @@ fn follow(
                 staged_bytes += buf.len() as u64;
                 staged.push(std::mem::take(buf));
             }
-            Kind::Blob => return Follow::Lost("a state blob outside an epoch".into()),
+            Kind::State => return Follow::Lost("a state blob outside an epoch".into()),
             Kind::Control => {
                 let msg: FtMessage = match serde_json::from_slice(buf) {
                     Ok(m) => m,
@@ -302,7 +294,7 @@ fn follow(
                             ));
                         }
                         let packed_len = match reader.recv(buf) {
-                            Ok(Kind::Blob) => buf.len(),
+                            Ok(Kind::State) => buf.len(),
                             Ok(k) => {
                                 return Follow::Lost(format!("{k:?} frame where the state was due"))
                             }

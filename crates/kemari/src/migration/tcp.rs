@@ -2,32 +2,33 @@
 //!
 //! Source: send every non-zero page while the guest runs (round 1), then, round
 //! after round, the pages dirtied meanwhile (the O(dirty) tracker: KVM's dirty
-//! ring plus the VMM's own writes), until the estimated downtime — remaining
-//! pages over measured bandwidth — fits the limit or the round limit is hit;
-//! then pause, send the last pages and the state, and commit once the
-//! destination has restored. Until `Commit` the source owns the VM and resumes
+//! ring plus the VMM's own writes), each round acknowledged by the
+//! destination, until the estimated downtime — remaining pages over the
+//! bandwidth measured end to end over the whole transfer — is a millisecond,
+//! or fits the limit and stops shrinking, or the round limit is hit; then
+//! pause, send the last pages and the state, and commit once the destination
+//! has restored. Until `Commit` the source owns the VM and resumes
 //! it on any failure; the destination discards a partial VM.
 
+use std::io::IoSlice;
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
-use std::os::unix::fs::FileExt;
+use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
+use vm_memory::{Bytes, GuestAddress};
 use vmm::config::MachineConfig;
 use vmm::layout;
-use vmm::machine::{Machine, MachineError, RunState};
-use vmm::memory::{GuestMemoryFile, MemoryBacking};
+use vmm::machine::{Machine, MachineError, PreparedVm, RunState};
+use vmm::memory::{GuestMemoryFile, GuestMemoryMmap, MemoryBacking};
 use vmm::output::PassThroughGate;
 use vmm::persist::format;
 use vmm::vstate::VmEventSink;
 
-use super::wire::{
-    decode_pages, encode_pages, Channel, Control, Kind, PageData, WireError, MAX_PAGES_PER_FRAME,
-    PAGE,
-};
+use super::wire::{decode_pages, Channel, Control, Kind, PageFrame, WireError, PAGE};
 
 /// Errors of a live migration.
 #[derive(Debug, thiserror::Error)]
@@ -82,6 +83,10 @@ pub struct MigrationLimits {
     pub max_downtime: Duration,
     /// Pause the guest after this many pre-copy rounds whatever remains.
     pub max_rounds: u32,
+    /// Pause at once when the remaining pages are estimated to move within
+    /// this time (capped at `max_downtime`): another round could not make
+    /// the pause noticeably shorter.
+    pub settle: Duration,
 }
 
 impl Default for MigrationLimits {
@@ -89,6 +94,7 @@ impl Default for MigrationLimits {
         MigrationLimits {
             max_downtime: Duration::from_millis(300),
             max_rounds: 30,
+            settle: Duration::from_millis(1),
         }
     }
 }
@@ -106,9 +112,9 @@ pub struct MigrationProgress {
     pub bytes_sent: u64,
     /// Pages sent so far.
     pub pages_sent: u64,
-    /// Bandwidth of the last round, MB/s.
+    /// Bandwidth measured over the whole transfer so far, MB/s.
     pub rate_mb_s: f64,
-    /// Pages dirtied per second during the last round.
+    /// Pages dirtied per second since the harvest before the last one.
     pub dirty_pages_per_s: f64,
     /// Pages still to send (last harvest).
     pub remaining_pages: u64,
@@ -154,7 +160,7 @@ pub(crate) fn pfn_offset(mem_size: u64, pfn: u64) -> Option<u64> {
     let gpa = pfn.checked_mul(PAGE as u64)?;
     layout::ram_ranges(mem_size)
         .into_iter()
-        .find(|&(base, len, _)| gpa >= base && gpa < base + len)
+        .find(|&(base, len, _)| gpa >= base && gpa - base < len)
         .map(|(base, _, off)| gpa - base + off)
 }
 
@@ -162,13 +168,162 @@ pub(crate) fn pfn_offset(mem_size: u64, pfn: u64) -> Option<u64> {
 pub(crate) fn offset_pfn(mem_size: u64, off: u64) -> Option<u64> {
     layout::ram_ranges(mem_size)
         .into_iter()
-        .find(|&(_, len, foff)| off >= foff && off < foff + len)
+        .find(|&(_, len, foff)| off >= foff && off - foff < len)
         .map(|(base, _, foff)| (base + off - foff) / PAGE as u64)
+}
+
+/// Writes a received frame's pages into the memory file: runs of pages at
+/// consecutive file offsets go in one `pwritev` each. Writing the file (not
+/// a mapping) allocates each new page without a page fault and without
+/// zeroing it first, since it is fully overwritten.
+struct PageWriter<'a> {
+    file: &'a std::fs::File,
+    ram: Vec<(u64, u64, u64)>,
+    iov: Vec<IoSlice<'a>>,
+    run_start: u64,
+}
+
+const ZERO_PAGE: [u8; PAGE] = [0; PAGE];
+
+/// Most pages in one `pwritev` (the kernel takes at most 1024 buffers).
+const MAX_RUN: usize = 1024;
+
+impl<'a> PageWriter<'a> {
+    fn new(file: &'a std::fs::File, mem_size: u64) -> Self {
+        PageWriter {
+            file,
+            ram: layout::ram_ranges(mem_size),
+            iov: Vec::with_capacity(MAX_RUN),
+            run_start: 0,
+        }
+    }
+
+    /// Offset in the memory file of page `pfn`, if it is guest RAM.
+    fn offset(&self, pfn: u64) -> Option<u64> {
+        let gpa = pfn.checked_mul(PAGE as u64)?;
+        self.ram
+            .iter()
+            .find(|&&(base, len, _)| gpa >= base && gpa - base < len)
+            .map(|&(base, _, off)| gpa - base + off)
+    }
+
+    /// Queues page `pfn` (`None`: zeros); a page outside guest RAM is
+    /// refused.
+    fn page(&mut self, pfn: u64, data: Option<&'a [u8]>) -> Result<(), WireError> {
+        let off = self.offset(pfn).ok_or_else(|| {
+            WireError::Malformed(format!("page {pfn:#x} is outside guest memory"))
+        })?;
+        let next = self.run_start + (self.iov.len() * PAGE) as u64;
+        if !self.iov.is_empty() && (off != next || self.iov.len() == MAX_RUN) {
+            self.flush()?;
+        }
+        if self.iov.is_empty() {
+            self.run_start = off;
+        }
+        self.iov.push(IoSlice::new(data.unwrap_or(&ZERO_PAGE)));
+        Ok(())
+    }
+
+    fn flush(&mut self) -> Result<(), WireError> {
+        let mut off = self.run_start;
+        let mut bufs = &mut self.iov[..];
+        while !bufs.is_empty() {
+            // SAFETY: IoSlice is ABI-compatible with iovec; the buffers are
+            // valid for their lengths for the call; the fd is ours.
+            let n = unsafe {
+                libc::pwritev(
+                    self.file.as_raw_fd(),
+                    bufs.as_ptr().cast(),
+                    bufs.len() as libc::c_int,
+                    off as libc::off_t,
+                )
+            };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(WireError::Io(e));
+            }
+            if n == 0 {
+                return Err(WireError::Io(std::io::ErrorKind::WriteZero.into()));
+            }
+            off += n as u64;
+            IoSlice::advance_slices(&mut bufs, n as usize);
+        }
+        self.iov.clear();
+        Ok(())
+    }
+}
+
+/// Writes one `Pages` frame into the memory file.
+pub(crate) fn write_frame(
+    file: &std::fs::File,
+    mem_size: u64,
+    frame: &[u8],
+) -> Result<(), WireError> {
+    let mut w = PageWriter::new(file, mem_size);
+    decode_pages(frame, |pfn, data| w.page(pfn, data))?;
+    w.flush()
+}
+
+/// Socket buffer asked for on each end: several 1 MiB frames in flight, so
+/// that neither end waits for the other to be scheduled after every few
+/// hundred KiB (the kernel caps it at net.core.[rw]mem_max).
+const SOCKET_BUFFER: libc::c_int = 4 << 20;
+
+/// Sets `SO_SNDBUF` or `SO_RCVBUF`; a refusal only costs speed.
+fn socket_buffer(stream: &TcpStream, option: libc::c_int) {
+    let size = SOCKET_BUFFER;
+    // SAFETY: setsockopt reads an int from a valid pointer for its size.
+    let rc = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            option,
+            (&size as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc < 0 {
+        tracing::debug!(error = %std::io::Error::last_os_error(), "cannot size the socket buffer");
+    }
+}
+
+/// Pages round 1 sends between two harvests of the dirty tracker (8 MiB).
+const ROUND1_HARVEST_PAGES: usize = 2048;
+
+/// The guest page ranges `[first, end)` behind the memory file's data
+/// extents, ascending.
+fn round1_ranges(extents: &[(u64, u64)], mem_size: u64) -> Vec<(u64, u64)> {
+    let page = PAGE as u64;
+    let mut out = Vec::new();
+    for &(start, end) in extents {
+        for (base, len, foff) in layout::ram_ranges(mem_size) {
+            let (lo, hi) = (start.max(foff), end.min(foff + len));
+            if lo < hi {
+                let first = (base + lo - foff) / page;
+                let last = (base + hi - foff).div_ceil(page);
+                out.push((first, last));
+            }
+        }
+    }
+    out.sort_unstable();
+    out
+}
+
+/// Whether round 1, now at page `cursor` (sent) of the ranges `ahead`, will
+/// still send page `pfn`.
+fn will_visit(ahead: &[(u64, u64)], cursor: u64, pfn: u64) -> bool {
+    if pfn <= cursor {
+        return false;
+    }
+    let i = ahead.partition_point(|&(_, end)| end <= pfn);
+    ahead.get(i).is_some_and(|&(first, _)| first <= pfn)
 }
 
 /// Data extents of the memory file (never-touched memory is a hole).
 pub(crate) fn data_extents(file: &std::fs::File, size: u64) -> Vec<(u64, u64)> {
-    use std::os::fd::AsRawFd;
     let fd = file.as_raw_fd();
     let mut out = Vec::new();
     let mut pos: i64 = 0;
@@ -190,19 +345,19 @@ pub(crate) fn data_extents(file: &std::fs::File, size: u64) -> Vec<(u64, u64)> {
     out
 }
 
+/// Sends pages read straight from the guest's memory mapping into a frame
+/// that is built in place (one copy per page, no allocation per page).
 struct PageSender<'a> {
-    memory: &'a GuestMemoryFile,
-    batch: Vec<(u64, Vec<u8>)>,
-    frame: Vec<u8>,
+    memory: &'a GuestMemoryMmap,
+    frame: PageFrame,
     pages: u64,
 }
 
 impl<'a> PageSender<'a> {
-    fn new(memory: &'a GuestMemoryFile) -> Self {
+    fn new(memory: &'a GuestMemoryMmap) -> Self {
         PageSender {
             memory,
-            batch: Vec::with_capacity(MAX_PAGES_PER_FRAME),
-            frame: Vec::new(),
+            frame: PageFrame::new(),
             pages: 0,
         }
     }
@@ -216,50 +371,67 @@ impl<'a> PageSender<'a> {
         pfn: u64,
         skip_zero: bool,
     ) -> Result<(), MigrationError> {
-        let off = pfn_offset(self.memory.size(), pfn)
+        let memory = self.memory;
+        let gpa = pfn
+            .checked_mul(PAGE as u64)
             .ok_or_else(|| MigrationError::Memory(format!("page {pfn:#x} is not RAM")))?;
-        let mut data = vec![0u8; PAGE];
-        self.memory
-            .file()
-            .read_exact_at(&mut data, off)
-            .map_err(|e| MigrationError::Memory(e.to_string()))?;
-        let zero = data.iter().all(|&b| b == 0);
-        if zero && skip_zero {
-            return Ok(());
-        }
-        if zero {
-            data.clear();
-        }
-        self.batch.push((pfn, data));
-        if self.batch.len() == MAX_PAGES_PER_FRAME {
+        // The guest may be writing this page right now: what is read here
+        // is at least as new as the write that made it dirty, and any later
+        // write is harvested and sent again.
+        self.frame.push_with(pfn, skip_zero, |data| {
+            memory
+                .read_slice(data, GuestAddress(gpa))
+                .map_err(|e| MigrationError::Memory(format!("page {pfn:#x}: {e}")))
+        })?;
+        if self.frame.is_full() {
             self.flush(ch, round)?;
         }
         Ok(())
     }
 
     fn flush(&mut self, ch: &mut Channel<TcpStream>, round: u32) -> Result<(), MigrationError> {
-        if self.batch.is_empty() {
+        if self.frame.count() == 0 {
             return Ok(());
         }
-        let pages: Vec<_> = self
-            .batch
-            .iter()
-            .map(|(pfn, d)| {
-                (
-                    *pfn,
-                    if d.is_empty() {
-                        PageData::Zero
-                    } else {
-                        PageData::Data(d)
-                    },
-                )
-            })
-            .collect();
-        encode_pages(round, &pages, &mut self.frame);
-        ch.send(Kind::Pages, &self.frame)?;
-        self.pages += self.batch.len() as u64;
-        self.batch.clear();
+        let n = self.frame.count() as u64;
+        ch.send(Kind::Pages, self.frame.payload(round))?;
+        self.frame.clear();
+        self.pages += n;
         Ok(())
+    }
+}
+
+/// When to pause the guest, decided after each harvest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Decision {
+    /// Send the dirty pages while the guest runs, then harvest again.
+    Iterate,
+    /// Pause now ("converged").
+    Converged,
+    /// Pause now ("round limit").
+    RoundLimit,
+}
+
+/// The convergence rule (docs/migration-protocol.md): pause when the pages
+/// still dirty would move within `settle` (so little that another round
+/// cannot gain anything), or when they fit `max_downtime` and the last round
+/// did not shrink the dirty set by a quarter (more rounds would not make the
+/// pause shorter); otherwise iterate, up to the round limit.
+fn decide(
+    limits: &MigrationLimits,
+    round: u32,
+    estimate: Duration,
+    remaining: u64,
+    sent_last_round: u64,
+) -> Decision {
+    let settle = limits.settle.min(limits.max_downtime);
+    let not_shrinking = remaining.saturating_mul(4) >= sent_last_round.saturating_mul(3);
+    if estimate <= settle || (estimate <= limits.max_downtime && not_shrinking) {
+        Decision::Converged
+    } else if round >= limits.max_rounds {
+        Decision::RoundLimit
+    } else {
+        Decision::Iterate
     }
 }
 
@@ -323,6 +495,7 @@ fn migrate_out_inner(
         .ok_or_else(|| MigrationError::Protocol(format!("address {to} resolves to nothing")))?;
     let stream = TcpStream::connect_timeout(&addr, Duration::from_secs(10))
         .map_err(|e| MigrationError::Wire(WireError::Io(e)))?;
+    socket_buffer(&stream, libc::SO_SNDBUF);
     stream
         .set_nodelay(true)
         .map_err(|e| MigrationError::Wire(WireError::Io(e)))?;
@@ -337,39 +510,87 @@ fn migrate_out_inner(
         memory_size: mem_size,
     })?;
     expect(&mut ch, &mut buf, "Ready", |c| matches!(c, Control::Ready))?;
+    tracing::debug!(
+        ms = started.elapsed().as_secs_f64() * 1000.0,
+        "migration: destination ready"
+    );
 
     // Track from before round 1, so nothing written during it is missed.
+    let t = Instant::now();
     machine.start_dirty_log()?;
+    tracing::debug!(
+        ms = t.elapsed().as_secs_f64() * 1000.0,
+        "migration: dirty logging on"
+    );
     let memory = machine.memory_file().clone();
-    let mut sender = PageSender::new(&memory);
+    let guest_memory = machine.guest_memory().clone();
+    let mut sender = PageSender::new(&guest_memory);
+    // Bandwidth is measured over the whole transfer (every round's bytes
+    // over every round's time), not over the last round alone: a small last
+    // round is dominated by fixed costs and would understate it.
+    let mut send_bytes = 0u64;
+    let mut send_time = Duration::ZERO;
 
-    // Round 1: every non-zero page.
+    // Round 1: every non-zero page of the memory file's data extents, in
+    // ascending page order. Every few MiB the tracker is harvested (what it
+    // has, without waiting for the vCPUs): a page dirtied ahead of the
+    // cursor is read by this round after that write anyway, so only the
+    // others wait for round 2.
     let mut round = 1u32;
-    let mut t_round = Instant::now();
-    for (start, end) in data_extents(memory.file(), mem_size) {
-        let mut off = start & !(PAGE as u64 - 1);
-        while off < end {
-            if let Some(pfn) = offset_pfn(mem_size, off) {
-                sender.page(&mut ch, round, pfn, true)?;
+    let t_round = Instant::now();
+    let visit = round1_ranges(&data_extents(memory.file(), mem_size), mem_size);
+    let mut early: Vec<u64> = Vec::new();
+    let mut since_harvest = 0usize;
+    let mut skipped = 0usize;
+    let mut harvest_time = Duration::ZERO;
+    for (i, &(first, end)) in visit.iter().enumerate() {
+        for pfn in first..end {
+            sender.page(&mut ch, round, pfn, true)?;
+            since_harvest += 1;
+            if since_harvest == ROUND1_HARVEST_PAGES {
+                since_harvest = 0;
+                let ahead = &visit[i..];
+                // Without kicking the vCPUs: a page still in a CPU buffer
+                // is merely reported later, and resent then.
+                let th = Instant::now();
+                let got = machine
+                    .dirty_tracker()
+                    .harvest()
+                    .map_err(MachineError::from)?;
+                harvest_time += th.elapsed();
+                let n = got.len();
+                let before = early.len();
+                early.extend(got.into_iter().filter(|&p| !will_visit(ahead, pfn, p)));
+                skipped += n - (early.len() - before);
+                check_cancel(shared)?;
             }
-            off += PAGE as u64;
         }
-        check_cancel(shared)?;
     }
     sender.flush(&mut ch, round)?;
-    ch.send_control(&Control::RoundEnd {
-        round,
-        pages: sender.pages,
-    })?;
-    let mut last_bytes = ch.bytes_sent;
-    let mut elapsed = t_round.elapsed();
+    end_round(&mut ch, &mut buf, round, sender.pages)?;
+    tracing::debug!(
+        skipped,
+        harvest_ms = harvest_time.as_secs_f64() * 1000.0,
+        "round 1: pages dirtied ahead of the cursor, not resent; time in harvests"
+    );
+    let mut sent_last_round = sender.pages;
+    note_round(round, sent_last_round, ch.bytes_sent, t_round.elapsed());
+    send_bytes += ch.bytes_sent;
+    send_time += t_round.elapsed();
     let stop_reason;
     let mut carry: Vec<u64>;
+    let mut last_harvest = t_round;
     // Pre-copy rounds.
     loop {
-        let dirty = machine.harvest_dirty()?;
-        let bw = (last_bytes.max(1) as f64) / elapsed.as_secs_f64().max(1e-6);
-        let dirty_rate = dirty.len() as f64 / elapsed.as_secs_f64().max(1e-6);
+        let mut dirty = machine.harvest_dirty()?;
+        if !early.is_empty() {
+            dirty.append(&mut early);
+            dirty.sort_unstable();
+            dirty.dedup();
+        }
+        let dirty_rate = dirty.len() as f64 / last_harvest.elapsed().as_secs_f64().max(1e-6);
+        last_harvest = Instant::now();
+        let bw = send_bytes.max(1) as f64 / send_time.as_secs_f64().max(1e-6);
         let estimate = Duration::from_secs_f64(dirty.len() as f64 * PAGE as f64 / bw);
         shared.update(|p| {
             p.round = round;
@@ -382,30 +603,39 @@ fn migrate_out_inner(
             p.elapsed_ms = started.elapsed().as_millis() as u64;
         });
         check_cancel(shared)?;
-        if estimate <= limits.max_downtime {
-            stop_reason = "converged";
-            // These pages go in the final round, with the guest paused.
-            carry = dirty;
-            break;
-        }
-        if round >= limits.max_rounds {
-            stop_reason = "round limit";
-            carry = dirty;
-            break;
+        match decide(
+            &limits,
+            round,
+            estimate,
+            dirty.len() as u64,
+            sent_last_round,
+        ) {
+            Decision::Converged => {
+                stop_reason = "converged";
+                // These pages go in the final round, with the guest paused.
+                carry = dirty;
+                break;
+            }
+            Decision::RoundLimit => {
+                stop_reason = "round limit";
+                carry = dirty;
+                break;
+            }
+            Decision::Iterate => {}
         }
         round += 1;
-        t_round = Instant::now();
-        let before = ch.bytes_sent;
+        let t_round = Instant::now();
+        let (before, pages_before) = (ch.bytes_sent, sender.pages);
         for pfn in dirty {
             sender.page(&mut ch, round, pfn, false)?;
         }
         sender.flush(&mut ch, round)?;
-        ch.send_control(&Control::RoundEnd {
-            round,
-            pages: sender.pages,
-        })?;
-        last_bytes = ch.bytes_sent - before;
-        elapsed = t_round.elapsed();
+        end_round(&mut ch, &mut buf, round, sender.pages)?;
+        sent_last_round = sender.pages - pages_before;
+        let took = t_round.elapsed();
+        note_round(round, sent_last_round, ch.bytes_sent - before, took);
+        send_bytes += ch.bytes_sent - before;
+        send_time += took;
     }
 
     // Final round with the guest paused.
@@ -413,8 +643,10 @@ fn migrate_out_inner(
     if machine.state() == RunState::Running {
         machine.pause()?;
     }
+    let t_paused = paused_at.elapsed();
     round += 1;
     let mut dirty = machine.harvest_dirty()?;
+    let t_harvested = paused_at.elapsed();
     dirty.append(&mut carry);
     dirty.sort_unstable();
     dirty.dedup();
@@ -423,9 +655,12 @@ fn migrate_out_inner(
         sender.page(&mut ch, round, pfn, false)?;
     }
     sender.flush(&mut ch, round)?;
+    let t_pages = paused_at.elapsed();
     let state = machine.save_state()?;
     let state = format::encode(&state).map_err(|e| MigrationError::Protocol(e.to_string()))?;
-    ch.send_control(&Control::State { state })?;
+    let t_saved = paused_at.elapsed();
+    ch.send(Kind::State, &state)?;
+    let t_state_sent = paused_at.elapsed();
     let restore_ms = match ch.recv_control(&mut buf)? {
         Control::Restored { restore_ms } => restore_ms,
         Control::Failed { reason } => return Err(MigrationError::Refused(reason)),
@@ -438,6 +673,16 @@ fn migrate_out_inner(
     // Point of no return.
     ch.send_control(&Control::Commit)?;
     let downtime = paused_at.elapsed();
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    tracing::debug!(
+        paused = ms(t_paused),
+        harvested = ms(t_harvested),
+        pages_sent = ms(t_pages),
+        state_saved = ms(t_saved),
+        state_sent = ms(t_state_sent),
+        committed = ms(downtime),
+        "migration: final round timing (ms from the pause)"
+    );
     shared.update(|p| {
         p.round = round;
         p.bytes_sent = ch.bytes_sent;
@@ -456,6 +701,47 @@ fn migrate_out_inner(
         "live migration committed"
     );
     Ok(())
+}
+
+/// Ends a pre-copy round and waits until the destination has every page of
+/// it in memory.
+fn end_round(
+    ch: &mut Channel<TcpStream>,
+    buf: &mut Vec<u8>,
+    round: u32,
+    pages: u64,
+) -> Result<(), MigrationError> {
+    ch.send_control(&Control::RoundEnd { round, pages })?;
+    expect(
+        ch,
+        buf,
+        "RoundAck",
+        |c| matches!(c, Control::RoundAck { round: r } if *r == round),
+    )
+}
+
+/// CPU time this thread has used, ms (for the debug log).
+fn thread_cpu_ms() -> f64 {
+    // SAFETY: getrusage fills the zeroed struct we own.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; RUSAGE_THREAD reads the calling thread's counters.
+    if unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) } != 0 {
+        return 0.0;
+    }
+    let tv = |t: libc::timeval| t.tv_sec as f64 * 1000.0 + t.tv_usec as f64 / 1000.0;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+fn note_round(round: u32, pages: u64, bytes: u64, took: Duration) {
+    tracing::debug!(
+        round,
+        pages,
+        bytes,
+        cpu_ms = thread_cpu_ms(),
+        ms = took.as_secs_f64() * 1000.0,
+        mb_s = bytes as f64 / took.as_secs_f64().max(1e-6) / 1e6,
+        "migration round sent"
+    );
 }
 
 fn check_cancel(shared: &MigrationShared) -> Result<(), MigrationError> {
@@ -481,6 +767,13 @@ fn expect(
     }
 }
 
+fn join_prepare(
+    t: std::thread::JoinHandle<Result<PreparedVm, MachineError>>,
+) -> Result<PreparedVm, MigrationError> {
+    Ok(t.join()
+        .map_err(|_| MigrationError::Protocol("preparing the VM panicked".into()))??)
+}
+
 /// Destination side: listens on `listen`, takes one VM over and returns it
 /// running. `adjust` may change the received configuration (this host's TAP
 /// names, serial output). On any failure nothing of the VM runs here.
@@ -498,6 +791,7 @@ pub fn migrate_in(
         .map_err(|e| MigrationError::Wire(WireError::Io(e)))?;
     drop(listener);
     tracing::info!(%peer, "incoming live migration");
+    socket_buffer(&stream, libc::SO_RCVBUF);
     stream
         .set_nodelay(true)
         .map_err(|e| MigrationError::Wire(WireError::Io(e)))?;
@@ -544,35 +838,49 @@ fn receive_vm(
     adjust(&mut config);
     let memory = GuestMemoryFile::create(memory_size, &MemoryBacking::Memfd)
         .map_err(|e| MigrationError::Memory(e.to_string()))?;
-    let prepared = Machine::prepare(memory.clone())?;
+    // Pages go into the memory file at once; the KVM VM and its memory
+    // slots (milliseconds, more on a busy host) are built meanwhile, off the
+    // transfer's path, as QEMU's -incoming has its VM ready.
+    let for_vm = memory.clone();
+    let preparing = std::thread::Builder::new()
+        .name("vm-prepare".into())
+        .spawn(move || {
+            let t = Instant::now();
+            let prepared = Machine::prepare(for_vm);
+            tracing::debug!(
+                ms = t.elapsed().as_secs_f64() * 1000.0,
+                "migration: VM and memory slots prepared"
+            );
+            prepared
+        })
+        .map_err(|e| MigrationError::Protocol(format!("cannot start a thread: {e}")))?;
+    let mut preparing = Some(preparing);
+    let mut prepared = None;
     ch.send_control(&Control::Ready)?;
-    let zero = vec![0u8; PAGE];
     let state = loop {
         match ch.recv(&mut buf)? {
             Kind::Pages => {
-                decode_pages(&buf, |pfn, data| {
-                    let off = pfn_offset(memory_size, pfn).ok_or_else(|| {
-                        WireError::Malformed(format!("page {pfn:#x} is outside guest memory"))
-                    })?;
-                    memory
-                        .file()
-                        .write_all_at(data.unwrap_or(&zero), off)
-                        .map_err(WireError::Io)
-                })?;
+                write_frame(memory.file(), memory_size, &buf)?;
             }
-            Kind::Blob => {
-                return Err(MigrationError::Protocol(
-                    "unexpected binary frame during memory transfer".into(),
-                ))
-            }
+            Kind::State => break std::mem::take(&mut buf),
             Kind::Control => {
                 match serde_json::from_slice(&buf)
                     .map_err(|e| WireError::Malformed(e.to_string()))?
                 {
                     Control::RoundEnd { round, pages } => {
-                        tracing::debug!(round, pages, "migration round received");
+                        tracing::debug!(
+                            round,
+                            pages,
+                            cpu_ms = thread_cpu_ms(),
+                            "migration round received"
+                        );
+                        // The first acknowledgement also says the VM is
+                        // built: the source never pauses before it is.
+                        if let Some(t) = preparing.take() {
+                            prepared = Some(join_prepare(t)?);
+                        }
+                        ch.send_control(&Control::RoundAck { round })?;
                     }
-                    Control::State { state } => break state,
                     Control::Failed { reason } => return Err(MigrationError::Refused(reason)),
                     other => {
                         return Err(MigrationError::Protocol(format!(
@@ -592,6 +900,11 @@ fn receive_vm(
         std::thread::sleep(Duration::from_millis(ms));
     }
     let started = Instant::now();
+    let prepared = match (prepared, preparing) {
+        (Some(p), _) => p,
+        (None, Some(t)) => join_prepare(t)?,
+        (None, None) => return Err(MigrationError::Protocol("no VM was prepared".into())),
+    };
     let mut state = format::decode(&state).map_err(|e| MigrationError::Protocol(e.to_string()))?;
     state.config.serial = config.serial.clone();
     state.config.nets = config.nets.clone();
@@ -628,15 +941,100 @@ mod tests {
     use super::*;
 
     #[test]
-    fn page_offsets_skip_the_mmio_gap() {
+    fn received_pages_land_at_their_offsets_and_outside_ram_is_refused() {
+        use super::super::wire::{encode_pages, PageData};
+        use std::os::unix::fs::FileExt;
         let size = 4u64 << 30;
-        assert_eq!(pfn_offset(size, 5), Some(5 * 4096));
-        assert_eq!(pfn_offset(size, layout::MMIO_GAP_START / 4096), None);
+        let file = GuestMemoryFile::create(size, &MemoryBacking::Memfd).unwrap();
+        let (a, b) = ([3u8; PAGE], [4u8; PAGE]);
         let high = layout::MMIO_GAP_END / 4096;
-        assert_eq!(pfn_offset(size, high), Some(layout::MMIO_GAP_START));
-        assert_eq!(offset_pfn(size, layout::MMIO_GAP_START), Some(high));
-        assert_eq!(pfn_offset(size, u64::MAX), None);
-        assert_eq!(pfn_offset(256 << 20, (256 << 20) / 4096), None);
+        let low_end = layout::MMIO_GAP_START / 4096 - 1;
+        let mut frame = Vec::new();
+        // A run across the MMIO gap (contiguous in the file), a zero page
+        // over an earlier write, a lone page.
+        encode_pages(
+            1,
+            &[
+                (5, PageData::Data(&a)),
+                (7, PageData::Data(&a)),
+                (7, PageData::Zero),
+                (low_end, PageData::Data(&a)),
+                (high, PageData::Data(&b)),
+                (high + 1, PageData::Data(&a)),
+            ],
+            &mut frame,
+        );
+        write_frame(file.file(), size, &frame).unwrap();
+        let byte = |off: u64| {
+            let mut x = [0u8; 1];
+            file.file().read_exact_at(&mut x, off).unwrap();
+            x[0]
+        };
+        assert_eq!(byte(5 * 4096 + 9), 3);
+        assert_eq!(byte(6 * 4096), 0);
+        assert_eq!(byte(7 * 4096 + 1), 0);
+        assert_eq!(byte(low_end * 4096), 3);
+        assert_eq!(byte(layout::MMIO_GAP_START), 4);
+        assert_eq!(byte(layout::MMIO_GAP_START + 4096 + 4095), 3);
+        for pfn in [layout::MMIO_GAP_START / 4096, high + (1 << 20), u64::MAX] {
+            encode_pages(1, &[(pfn, PageData::Data(&a))], &mut frame);
+            assert!(matches!(
+                write_frame(file.file(), size, &frame),
+                Err(WireError::Malformed(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn round1_visits_extents_in_page_order() {
+        let size = 4u64 << 30;
+        let gap = layout::MMIO_GAP_START;
+        let high = layout::MMIO_GAP_END / 4096;
+        // One extent across the end of low RAM (the file continues with
+        // the RAM above the MMIO gap), one inside the first page.
+        let ranges = round1_ranges(&[(100, 200), (gap - 8192, gap + 4096)], size);
+        assert_eq!(
+            ranges,
+            vec![(0, 1), (gap / 4096 - 2, gap / 4096), (high, high + 1)]
+        );
+        assert!(will_visit(&ranges, 0, high));
+        assert!(will_visit(&ranges, gap / 4096 - 2, gap / 4096 - 1));
+        // Behind the cursor, or in a hole: round 2's.
+        assert!(!will_visit(&ranges, gap / 4096 - 1, gap / 4096 - 2));
+        assert!(!will_visit(&ranges, 0, 5));
+        assert!(!will_visit(&ranges, 0, high + 1));
+    }
+
+    #[test]
+    fn convergence_rule() {
+        let limits = MigrationLimits {
+            max_downtime: Duration::from_millis(300),
+            max_rounds: 5,
+            settle: Duration::from_millis(1),
+        };
+        let ms = Duration::from_millis;
+        // Little left: pause at once, whatever the trend.
+        assert_eq!(decide(&limits, 1, ms(1), 10, 1), Decision::Converged);
+        // Within the limit but shrinking fast: another round pays.
+        assert_eq!(decide(&limits, 1, ms(10), 1500, 16000), Decision::Iterate);
+        // Within the limit and no longer shrinking: pause.
+        assert_eq!(decide(&limits, 3, ms(10), 1400, 1500), Decision::Converged);
+        // Over the limit: iterate up to the round limit.
+        assert_eq!(decide(&limits, 3, ms(400), 9000, 9000), Decision::Iterate);
+        assert_eq!(
+            decide(&limits, 5, ms(400), 9000, 9000),
+            Decision::RoundLimit
+        );
+        assert_eq!(
+            decide(&limits, 5, ms(10), 1500, 16000),
+            Decision::RoundLimit
+        );
+        // The settle time never exceeds the downtime limit.
+        let tight = MigrationLimits {
+            max_downtime: Duration::from_micros(100),
+            ..limits
+        };
+        assert_eq!(decide(&tight, 1, ms(1), 10, 10000), Decision::Iterate);
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The live-migration wire protocol (version 1): framing, authentication and
+//! The live-migration wire protocol (version 2): framing, authentication and
 //! message encoding. Pure over any `Read`/`Write`, so it is unit-tested and
 //! fuzzed without sockets. The exchange itself is in `tcp.rs` and in
 //! docs/migration-protocol.md.
@@ -10,10 +10,11 @@
 //!   key = BLAKE3-derive("kemari migration v1", psk ‖ nonce_s ‖ nonce_d)
 //!   every later frame: [len u32][kind u8][payload][tag 32B]
 //!   tag = BLAKE3-keyed(key, direction ‖ sequence ‖ kind ‖ payload)
-//!   Config{config, memory size} ─────────────────────▶ prepare memory + VM
+//!   Config{config, memory size} ─────────────────────▶ memory (+ VM, in a thread)
 //!   ◀─────────────────────────────────────────── Ready
-//!   Pages{round, pages…} … RoundEnd{round} ─────────▶ (repeated: pre-copy)
-//!   (pause) Pages… State{container} ──────────────────▶ restore, paused
+//!   Pages{round, pages…} … RoundEnd{round} ─────────▶ write the pages
+//!   ◀─────────────────────────────────── RoundAck{round} (repeated: pre-copy)
+//!   (pause) Pages… State(container, binary) ──────────▶ restore, paused
 //!   ◀─────────────────────────────────────────── Restored
 //!   Commit ──────────────────────────────────────────▶ resume, announce MACs
 //! ```
@@ -22,7 +23,7 @@
 //! reordered frame — the sequence number is in the tag) ends the session with
 //! [`WireError::Authentication`].
 
-use std::io::{Read, Write};
+use std::io::{IoSlice, Read, Write};
 
 use serde::{Deserialize, Serialize};
 use vmm::config::MachineConfig;
@@ -30,7 +31,7 @@ use vmm::config::MachineConfig;
 /// Protocol magic in `Hello`.
 pub const MAGIC: &[u8; 10] = b"KEMARI-MIG";
 /// Protocol version.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Guest page size.
 pub const PAGE: usize = 4096;
 /// Largest frame payload accepted.
@@ -65,8 +66,9 @@ pub enum Kind {
     Control = 1,
     /// Binary page batch.
     Pages = 2,
-    /// Opaque binary payload (a state container in fault tolerance).
-    Blob = 3,
+    /// A VM state: the format.rs container — as it is in migration, packed
+    /// as an LZ4 delta in fault tolerance (ft/protocol.rs).
+    State = 3,
 }
 
 /// Control messages (JSON).
@@ -79,19 +81,22 @@ pub enum Control {
         /// Guest memory size.
         memory_size: u64,
     },
-    /// Destination: memory and VM prepared.
+    /// Destination: memory ready for pages (the VM is built meanwhile).
     Ready,
     /// Source: end of a pre-copy round.
     RoundEnd {
         /// Round number (1 = full copy).
         round: u32,
-        /// Pages sent this round.
+        /// Pages sent so far, all rounds.
         pages: u64,
     },
-    /// Source: the VM state (format.rs container), sent while paused.
-    State {
-        /// The container bytes.
-        state: Vec<u8>,
+    /// Destination: every page up to that round's end is in memory. The
+    /// source waits for it before its next harvest, so its bandwidth figure
+    /// is end to end and no backlog is left in socket buffers when it
+    /// pauses.
+    RoundAck {
+        /// The round.
+        round: u32,
     },
     /// Destination: restored, waiting for `Commit`.
     Restored {
@@ -134,11 +139,97 @@ pub fn encode_pages(round: u32, pages: &[(u64, PageData<'_>)], out: &mut Vec<u8>
     }
 }
 
+/// Bytes of one page entry with data: `[pfn u64][flag u8]` + the page.
+const ENTRY: usize = 9 + PAGE;
+
+/// A `Pages` payload built in place, in the layout of [`encode_pages`]: each
+/// page is copied once, straight from guest memory into the frame, and
+/// checked for zeros there. One buffer, allocated once, for the whole
+/// migration.
+pub struct PageFrame {
+    buf: Vec<u8>,
+    len: usize,
+    count: u32,
+}
+
+impl Default for PageFrame {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PageFrame {
+    /// An empty frame with room for [`MAX_PAGES_PER_FRAME`] pages.
+    pub fn new() -> Self {
+        PageFrame {
+            buf: vec![0; 8 + MAX_PAGES_PER_FRAME * ENTRY],
+            len: 8,
+            count: 0,
+        }
+    }
+
+    /// Pages in the frame.
+    pub fn count(&self) -> usize {
+        self.count as usize
+    }
+
+    /// Whether no more pages fit.
+    pub fn is_full(&self) -> bool {
+        self.count() == MAX_PAGES_PER_FRAME
+    }
+
+    /// Appends page `pfn`, whose 4096 bytes `fill` writes into the frame. A
+    /// page of zeros becomes a zero marker, or, with `drop_zero`, is left
+    /// out. Returns whether the page was all zeros. The frame must not be
+    /// full.
+    pub fn push_with<E>(
+        &mut self,
+        pfn: u64,
+        drop_zero: bool,
+        fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
+    ) -> Result<bool, E> {
+        assert!(!self.is_full(), "page frame overflow");
+        let at = self.len;
+        self.buf[at..at + 8].copy_from_slice(&pfn.to_le_bytes());
+        let data = &mut self.buf[at + 9..at + ENTRY];
+        fill(data)?;
+        let zero = is_zero(data);
+        if zero && drop_zero {
+            return Ok(true);
+        }
+        self.buf[at + 8] = u8::from(!zero);
+        self.len = if zero { at + 9 } else { at + ENTRY };
+        self.count += 1;
+        Ok(zero)
+    }
+
+    /// The payload of the pages pushed so far, as round `round`. Call
+    /// [`clear`](Self::clear) once it is sent.
+    pub fn payload(&mut self, round: u32) -> &[u8] {
+        self.buf[0..4].copy_from_slice(&round.to_le_bytes());
+        self.buf[4..8].copy_from_slice(&self.count.to_le_bytes());
+        &self.buf[..self.len]
+    }
+
+    /// Empties the frame.
+    pub fn clear(&mut self) {
+        self.len = 8;
+        self.count = 0;
+    }
+}
+
+/// Whether `data` is all zeros (OR-reduced in blocks the compiler
+/// vectorizes, stopping at the first non-zero block).
+pub fn is_zero(data: &[u8]) -> bool {
+    data.chunks(512)
+        .all(|block| block.iter().fold(0u8, |acc, &b| acc | b) == 0)
+}
+
 /// Decodes a page batch, calling `f(pfn, Some(bytes) | None for zero)` per page.
 /// Checks every length before use.
-pub fn decode_pages(
-    payload: &[u8],
-    mut f: impl FnMut(u64, Option<&[u8]>) -> Result<(), WireError>,
+pub fn decode_pages<'p>(
+    payload: &'p [u8],
+    mut f: impl FnMut(u64, Option<&'p [u8]>) -> Result<(), WireError>,
 ) -> Result<(u32, u32), WireError> {
     let bad = |m: &str| WireError::Malformed(m.to_owned());
     if payload.len() < 8 {
@@ -240,6 +331,22 @@ fn read_hello(stream: &mut impl Read, peer: &str) -> Result<[u8; 32], WireError>
     Ok(nonce)
 }
 
+fn write_all_vectored(
+    stream: &mut impl Write,
+    mut bufs: &mut [IoSlice<'_>],
+) -> std::io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        match stream.write_vectored(bufs) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 fn random_nonce() -> Result<[u8; 32], WireError> {
     let mut n = [0u8; 32];
     std::fs::File::open("/dev/urandom")?.read_exact(&mut n)?;
@@ -327,9 +434,11 @@ impl<S: Write> Channel<S> {
         let mut head = [0u8; 5];
         head[..4].copy_from_slice(&(payload.len() as u32).to_le_bytes());
         head[4] = kind as u8;
-        self.stream.write_all(&head)?;
-        self.stream.write_all(payload)?;
-        self.stream.write_all(&t)?;
+        // One writev per frame: no small segment for the head on its own.
+        write_all_vectored(
+            &mut self.stream,
+            &mut [IoSlice::new(&head), IoSlice::new(payload), IoSlice::new(&t)],
+        )?;
         self.sent += 1;
         self.bytes_sent += payload.len() as u64;
         Ok(())
@@ -365,13 +474,15 @@ impl<S: Read> Channel<S> {
         let kind = match head[4] {
             1 => Kind::Control,
             2 => Kind::Pages,
-            3 => Kind::Blob,
+            3 => Kind::State,
             k => return Err(WireError::Malformed(format!("frame kind {k}"))),
         };
-        buf.resize(len, 0);
+        // Payload and tag in one read.
+        buf.resize(len + TAG_LEN, 0);
         self.stream.read_exact(buf)?;
         let mut t = [0u8; TAG_LEN];
-        self.stream.read_exact(&mut t)?;
+        t.copy_from_slice(&buf[len..]);
+        buf.truncate(len);
         let peer = match self.me {
             Side::Source => Side::Destination,
             Side::Destination => Side::Source,
@@ -400,9 +511,9 @@ impl<S: Read> Channel<S> {
             Kind::Control => {
                 serde_json::from_slice(buf).map_err(|e| WireError::Malformed(e.to_string()))
             }
-            k => Err(WireError::Malformed(format!(
-                "{k:?} frame where a control message was due"
-            ))),
+            Kind::Pages | Kind::State => Err(WireError::Malformed(
+                "pages or state where a control message was due".into(),
+            )),
         }
     }
 }
@@ -450,6 +561,53 @@ mod tests {
             Channel::accept(b, b"k"),
             Err(WireError::Handshake(_))
         ));
+    }
+
+    #[test]
+    fn page_frame_matches_the_reference_encoding() {
+        let page = vec![7u8; PAGE];
+        let mut reference = Vec::new();
+        encode_pages(
+            4,
+            &[(5, PageData::Data(&page)), (9, PageData::Zero)],
+            &mut reference,
+        );
+        let mut f = PageFrame::new();
+        let fill = |v: u8| {
+            move |d: &mut [u8]| -> Result<(), ()> {
+                d.fill(v);
+                Ok(())
+            }
+        };
+        assert_eq!(f.push_with(5, false, fill(7)), Ok(false));
+        // Dropped: not in the payload.
+        assert_eq!(f.push_with(6, true, fill(0)), Ok(true));
+        assert_eq!(f.push_with(9, false, fill(0)), Ok(true));
+        assert_eq!(f.count(), 2);
+        assert_eq!(f.payload(4), &reference[..]);
+        f.clear();
+        assert_eq!(f.payload(4), &[4, 0, 0, 0, 0, 0, 0, 0]);
+        for pfn in 0..MAX_PAGES_PER_FRAME as u64 {
+            f.push_with(pfn, false, fill(1)).unwrap();
+        }
+        assert!(f.is_full());
+        let (_, count) = decode_pages(f.payload(1), |_, d| {
+            assert_eq!(d.map(|d| d[4095]), Some(1));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(count as usize, MAX_PAGES_PER_FRAME);
+    }
+
+    #[test]
+    fn zero_detection() {
+        let mut p = vec![0u8; PAGE];
+        assert!(is_zero(&p));
+        p[PAGE - 1] = 1;
+        assert!(!is_zero(&p));
+        p[PAGE - 1] = 0;
+        p[0] = 0x80;
+        assert!(!is_zero(&p));
     }
 
     #[test]

@@ -12,7 +12,7 @@ use super::{
     api, continued, outage, show_logs, spawn, timeout, unreachable_op, wait_exit,
     wait_first_counter, wait_more_counters, wait_steady, Env, Op, OpError, Sample, Workload, STEP,
 };
-use crate::bench::procs::{wait_path, Scratch};
+use crate::bench::procs::{wait_listening, wait_path, Scratch};
 
 fn kemari_boot(
     env: &Env,
@@ -63,14 +63,13 @@ pub fn run_kemari(
     )?;
     let dirty_seen = wait_steady(&src, w)?;
     let mut reported = None;
+    let mut bytes = None;
     // A migration destination is ready before the clock starts.
     let incoming = scratch.path("incoming.sock");
     let mut pre_dst = None;
     let key = scratch.path("migration.key");
-    let to = format!(
-        "127.0.0.1:{}",
-        30000 + (std::process::id() % 1000) * 20 + (seq % 20) as u32
-    );
+    let port = 30000 + (std::process::id() % 1000) as u16 * 20 + (seq % 20) as u16;
+    let to = format!("127.0.0.1:{port}");
     if op == Op::ZeroCopy {
         let d = spawn(
             "destination kemari",
@@ -91,9 +90,10 @@ pub fn run_kemari(
             .arg("--api-socket")
             .arg(&api2);
         let d = spawn("destination kemari", c)?;
-        // Probing the port would be taken for the migration: the destination
-        // listens within a few milliseconds of starting.
-        std::thread::sleep(std::time::Duration::from_millis(300));
+        // Not by connecting: that would be taken for the migration.
+        if !wait_listening(port, STEP) {
+            return Err(timeout("the destination to listen", &d));
+        }
         pre_dst = Some(d);
         wait_more_counters(&src, 3)?;
     }
@@ -149,6 +149,7 @@ pub fn run_kemari(
             t_done = Instant::now();
             mark("request answered");
             reported = r["downtime_ms"].as_f64();
+            bytes = r["bytes_sent"].as_u64();
             wait_exit(&mut src)?;
             mark("old VMM exited");
             match pre_dst.take() {
@@ -171,6 +172,7 @@ pub fn run_kemari(
         total: t_first.max(t_done) - t0,
         dirty_seen,
         reported_downtime_ms: reported,
+        bytes,
         phases,
     })
 }

@@ -130,6 +130,9 @@ pub struct Sample {
     pub dirty_seen: Option<u64>,
     /// The VMM's own downtime figure, when it reports one (ms).
     pub reported_downtime_ms: Option<f64>,
+    /// Bytes a migration sent, as the VMM reports them (kemari: `bytes_sent`,
+    /// QEMU: `query-migrate` `ram.transferred`).
+    pub bytes: Option<u64>,
     /// When each step ended, from the request (printed with `--verbose`).
     pub phases: Vec<(&'static str, Duration)>,
 }

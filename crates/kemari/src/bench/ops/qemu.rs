@@ -238,6 +238,9 @@ pub fn run_qemu(
         total: t_first.max(t_done) - t0,
         dirty_seen,
         reported_downtime_ms: st.downtime_ms.map(|d| d as f64),
+        bytes: matches!(op, Op::QemuLocal | Op::QemuLocalCopy)
+            .then_some(st.ram_bytes)
+            .flatten(),
         phases,
     })
 }
