@@ -25,6 +25,7 @@ from kemari_lab.fault_tolerance import (
 from kemari_lab.guests import BOOTED_RE, Guest, GuestSpec, check_memory
 from kemari_lab.lab import Lab
 from kemari_lab.roaming import roaming_guest
+from kemari_lab.vhost import VirtualHost
 
 
 @dataclass
@@ -160,6 +161,19 @@ def live_migration(lab: Lab, vmm: str) -> dict[str, float]:
     return times
 
 
+def time_fence_command(host: VirtualHost, command: str, peer_ip: str) -> float:
+    """Runs the standby's fence command once more on `host` (the primary is off
+    by now: the answer is "already-off") and returns how long it took there, ms."""
+    quoted = "'" + command.replace("'", "'\\''") + "'"
+    # /proc/uptime: this busybox's date has no %N (10 ms resolution is enough).
+    out = host.run(
+        f"read a x < /proc/uptime; KEMARI_FT_PEER={peer_ip}:1 sh -c {quoted}; s=$?; read b x < /proc/uptime; echo $s $a $b"
+    ).output.split()
+    if len(out) != 3 or out[0] != "0":
+        raise LabError(f"{host.name}: the fence command failed when run by hand: {out}")
+    return (float(out[2]) - float(out[1])) * 1000
+
+
 # The sync link's timeout for TCG virtual hosts: a sync (pause, capture, transfer,
 # acknowledgement) takes tens of milliseconds there and a busy TCG vCPU can
 # hold a thread for hundreds; 3 s keeps the primary from degrading spuriously.
@@ -177,7 +191,9 @@ def fault_tolerance(lab: Lab, vmm: str) -> dict[str, float]:
     with roaming_guest(lab, home=0) as rg, FenceService(lab) as fence:
         guest = rg.guest
         with step("before protection"):
+            t = time.monotonic()
             rg.check_disk("before")
+            disk_unprotected_s = time.monotonic() - t
             rg.conn.expect_progress(10)
         with step(f"starting the standby on {standby.name} and protecting the guest"):
             start_standby(guest, standby, fence_cmd=fence.command)
@@ -187,7 +203,11 @@ def fault_tolerance(lab: Lab, vmm: str) -> dict[str, float]:
         with step("under protection"):
             first = ft_status(guest)
             protected_conn = rg.conn.check()
+            t = time.monotonic()
             rg.check_disk("protected")  # disk requests wait for the standby's acknowledgements
+            disk_protected_s = time.monotonic() - t
+            after_disk = ft_status(guest)
+            disk_conn = rg.conn.check()
             rg.conn.expect_progress(30)
             p = ft_status(guest)
             s = ft_status(guest, standby)
@@ -217,6 +237,8 @@ def fault_tolerance(lab: Lab, vmm: str) -> dict[str, float]:
             ).startswith(primary.ip + ":"):
                 raise LabError(f"fence requests: expected one for {primary.ip} (already off), got {fenced}")
             rg.check_disk("after")
+            fence_cmd_ms = time_fence_command(standby, fence.command, primary.ip)
+
         def gap_in(start_s: float, end_s: float) -> float:
             return float(rg.conn.max_gap_in(after, start_s, end_s))
 
@@ -234,17 +256,25 @@ def fault_tolerance(lab: Lab, vmm: str) -> dict[str, float]:
             ft_pause_ms_p99=p["pause_us_p99"] / 1e3,
             ft_sync_ms_p50=p["sync_us_p50"] / 1e3,
             ft_sync_ms_p99=p["sync_us_p99"] / 1e3,
+            # The guest writing, syncing and re-reading a token (GET /cgi-bin/disk),
+            # without and with protection: each disk request waits for one sync.
+            disk_write_unprotected_s=disk_unprotected_s,
+            disk_write_protected_s=disk_protected_s,
+            disk_write_protected_syncs=float(after_disk["syncs"] - first["syncs"]),
+            disk_write_protected_outputs=float(after_disk["outputs"] - first["outputs"]),
             ft_standby_epoch=float(s["epoch"]),
             ft_failover_epoch=float(over["epoch"]),
             ft_failover_ms=float(over.get("failover_ms") or -1),  # kemari: primary declared lost -> VM running
             ft_kill_to_fence_s=fenced[0]["t"] - killed_at,
+            ft_fence_cmd_ms=fence_cmd_ms,
             ft_kill_to_failed_over_seen_s=seen_failed_over_s,
             client_echoes_protected=float(before_kill["exchanges"] - protected_conn["exchanges"]),
             # The client's longest wait for an echo in each phase (gaps over 1 s):
             # while ft start copied the guest, under protection, across the failover.
             client_max_gap_unprotected_s=gap_in(0, unprotected_conn["elapsed_s"]),
             client_max_gap_ft_start_s=gap_in(unprotected_conn["elapsed_s"], protected_conn["elapsed_s"]),
-            client_max_gap_protected_s=gap_in(protected_conn["elapsed_s"], before_kill["elapsed_s"]),
+            client_max_gap_protected_disk_s=gap_in(protected_conn["elapsed_s"], disk_conn["elapsed_s"]),
+            client_max_gap_protected_echo_s=gap_in(disk_conn["elapsed_s"], before_kill["elapsed_s"]),
             client_failover_gap_s=gap_in(before_kill["elapsed_s"], after["elapsed_s"]),
             client_echoes_after_failover=float(after["exchanges"] - before_kill["exchanges"]),
         )

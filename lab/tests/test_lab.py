@@ -112,4 +112,4 @@ def test_fault_tolerance_survives_primary_power_failure(lab_images: images.Image
     # The standby notices within the timeout; fencing and restoring add a little
     # (the margin covers TCG and polling kemarictl through the console).
     assert times["ft_kill_to_fence_s"] < FT_TIMEOUT_MS / 1000 + 5
-    assert times["ft_kill_to_failed_over_seen_s"] < FT_TIMEOUT_MS / 1000 + 20
+    assert times["ft_kill_to_failed_over_seen_s"] < FT_TIMEOUT_MS / 1000 + 10
