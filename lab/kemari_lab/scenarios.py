@@ -180,11 +180,15 @@ def time_fence_command(host: VirtualHost, command: str, peer_ip: str) -> float:
 FT_TIMEOUT_MS = 3000
 
 
-def fault_tolerance(lab: Lab, vmm: str) -> dict[str, float]:
+def fault_tolerance(lab: Lab, vmm: str, failure: str = "power") -> dict[str, float]:
     """A kemari guest on vh0 (shared NBD disk) is protected by a standby on vh1;
     vh0 loses power while the client holds one TCP connection to the guest; the
     standby fences vh0 (the lab's power switch), fails over, and the same
-    connection keeps echoing byte-exact; the disk still works."""
+    connection keeps echoing byte-exact; the disk still works.
+
+    With ``failure="partition"`` vh0 keeps running but loses its network
+    (``ip link set eth0 down``): the standby must power it off through the
+    fence ("killed", not "already-off") before it runs the guest."""
     if vmm != "kemari":
         raise LabError(f"fault-tolerance is a kemari scenario (--vmm kemari), not {vmm}")
     primary, standby = lab.hosts[0], lab.hosts[1]
@@ -220,10 +224,15 @@ def fault_tolerance(lab: Lab, vmm: str) -> dict[str, float]:
             if s.get("state") != "standby" or s.get("epoch", 0) < first["epoch"]:
                 raise LabError(f"{standby.name}: the standby does not follow the primary: {s}")
             before_kill = rg.conn.check()
-        with step(f"power failure of the primary {primary.name}"):
-            killed_at = primary.power_fail()
+        with step(f"{failure} failure of the primary {primary.name}"):
+            if failure == "power":
+                killed_at = primary.power_fail()
+                images.log(f"{primary.name} powered off (SIGKILL to its QEMU)")
+            else:
+                killed_at = time.monotonic()
+                primary.run("/sbin/ip link set eth0 down")
+                images.log(f"{primary.name} cut off the network (eth0 down); it runs on")
             guest.host = standby
-            images.log(f"{primary.name} powered off (SIGKILL to its QEMU)")
             over = wait_ft_state(guest, standby, {"failed_over"}, timeout=FT_TIMEOUT_MS / 1000 + 60)
             log_status(f"standby {standby.name} after the failover", over)
             seen_failed_over_s = over["seen_at"] - killed_at
@@ -232,10 +241,14 @@ def fault_tolerance(lab: Lab, vmm: str) -> dict[str, float]:
             if info.get("state") != "running":
                 raise LabError(f"{standby.name}: the failed-over guest is not running: {info}")
             fenced = fence.events()
-            if len(fenced) != 1 or fenced[0].get("action") != "already-off" or not str(
+            action = "already-off" if failure == "power" else "killed"
+            if len(fenced) != 1 or fenced[0].get("action") != action or not str(
                 fenced[0].get("peer", "")
             ).startswith(primary.ip + ":"):
-                raise LabError(f"fence requests: expected one for {primary.ip} (already off), got {fenced}")
+                raise LabError(f"fence requests: expected one for {primary.ip} ({action}), got {fenced}")
+            if primary.alive():
+                raise LabError(f"{primary.name}: still running after the standby fenced it")
+            primary.kill()  # forgets the fenced host (its console stays logged)
             rg.check_disk("after")
             fence_cmd_ms = time_fence_command(standby, fence.command, primary.ip)
 
@@ -285,6 +298,12 @@ def fault_tolerance(lab: Lab, vmm: str) -> dict[str, float]:
     return times
 
 
+def fault_tolerance_partition(lab: Lab, vmm: str) -> dict[str, float]:
+    """Like fault-tolerance, but vh0 only loses its network; the standby powers
+    it off through the fence before taking over (never two copies)."""
+    return fault_tolerance(lab, vmm, failure="partition")
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -294,5 +313,11 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("boot-reboot", 1, boot_reboot, (boot_reboot.__doc__ or "").split(":")[0]),
         Scenario("live-migration", 2, live_migration, (live_migration.__doc__ or "").split(",")[0]),
         Scenario("fault-tolerance", 2, fault_tolerance, (fault_tolerance.__doc__ or "").split(";")[0]),
+        Scenario(
+            "fault-tolerance-partition",
+            2,
+            fault_tolerance_partition,
+            (fault_tolerance_partition.__doc__ or "").split(";")[0],
+        ),
     )
 }
