@@ -106,7 +106,7 @@ class LongConnection:
         self._proc.stdin.flush()
 
     def stats(self) -> dict[str, Any]:
-        """exchanges, bytes, max_gap_s, max_gap_end_s, since_last_s, elapsed_s, error."""
+        """exchanges, bytes, max_gap_s, max_gap_end_s, gaps, since_last_s, elapsed_s, error."""
         self._send("stats")
         return self._reply(10, "stats")
 
@@ -134,6 +134,12 @@ class LongConnection:
     def expect_progress(self, more: int = 20, timeout: float = 60) -> dict[str, Any]:
         """Waits for `more` further verified echoes on the same connection."""
         return self.wait_exchanges(self.check()["exchanges"] + more, timeout)
+
+    @staticmethod
+    def max_gap_in(stats: dict[str, Any], start_s: float, end_s: float) -> float:
+        """The longest gap between echoes that ended within [start_s, end_s]
+        (seconds since connecting, as ``elapsed_s``), of those over 1 s; 0 if none."""
+        return max((gap for end, gap in stats.get("gaps", []) if start_s <= end <= end_s), default=0.0)
 
     def close(self) -> dict[str, Any]:
         """Ends the exchanges and the connection; returns the final statistics,

@@ -19,8 +19,9 @@ Protocol on stdin/stdout, one JSON line per line of input:
 Statistics: ``exchanges`` (echoes verified), ``bytes`` (each way),
 ``max_gap_s`` (the longest time between two verified echoes — what an outage
 looks like from here, interval included), ``max_gap_end_s`` (when it ended,
-seconds since connecting), ``since_last_s``, ``elapsed_s``, ``error`` (null
-or what went wrong).
+seconds since connecting), ``gaps`` (every gap over 1 s as ``[end_s, gap_s]``,
+the first 100 — to tell one outage from another), ``since_last_s``,
+``elapsed_s``, ``error`` (null or what went wrong).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ import threading
 import time
 
 MAX_BLOCK = 8192
+# Gaps longer than this are listed (when they ended, how long), up to MAX_GAPS.
+LONG_GAP = 1.0
+MAX_GAPS = 100
 
 
 class Exchanger:
@@ -49,6 +53,7 @@ class Exchanger:
         self.bytes = 0
         self.max_gap = 0.0
         self.max_gap_end = 0.0
+        self.gaps: list[list[float]] = []
         self.error: str | None = None
 
     def run(self) -> None:
@@ -73,6 +78,8 @@ class Exchanger:
                     gap = now - self.last_ok
                     if gap > self.max_gap:
                         self.max_gap, self.max_gap_end = gap, now - self.t0
+                    if gap > LONG_GAP and len(self.gaps) < MAX_GAPS:
+                        self.gaps.append([round(now - self.t0, 3), round(gap, 3)])
                     self.last_ok = now
                     self.exchanges += 1
                     self.bytes += len(block)
@@ -90,6 +97,7 @@ class Exchanger:
                 "bytes": self.bytes,
                 "max_gap_s": round(self.max_gap, 3),
                 "max_gap_end_s": round(self.max_gap_end, 3),
+                "gaps": [list(g) for g in self.gaps],
                 "since_last_s": round(now - self.last_ok, 3),
                 "elapsed_s": round(now - self.t0, 3),
                 "error": self.error,

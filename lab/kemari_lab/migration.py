@@ -35,9 +35,10 @@ def install_key(hosts: Iterable[VirtualHost]) -> None:
         h.run(f"umask 077; echo {key} > {KEY_PATH}")
 
 
-def _listening(host: VirtualHost, port: int) -> bool:
-    # /proc/net/tcp rather than a probe connection: kemari --incoming accepts
-    # exactly one connection, which must be the migration.
+def listening(host: VirtualHost, port: int) -> bool:
+    """Whether something listens on TCP `port` on `host`."""
+    # /proc/net/tcp rather than a probe connection: kemari --incoming (and
+    # --ft-standby) accepts exactly one connection, which must be the peer's.
     out = host.run("cat /proc/net/tcp", timeout=30).output
     return any(f":{port:04X} 00000000:0000 0A" in line for line in out.splitlines())
 
@@ -61,7 +62,7 @@ def start_incoming(guest: Guest, dest: VirtualHost, port: int = MIGRATION_PORT, 
         cmd += f" --net tap={s.tap}"
     guest.launch(dest, cmd + s.log_args)
     deadline = time.monotonic() + timeout
-    while not _listening(dest, port):
+    while not listening(dest, port):
         console = dest.run(f"cat {guest.console}", timeout=30).output
         if EXIT_RE.search(console):
             raise LabError(f"{dest.name}: kemari --incoming exited before listening:\n{console[-2000:]}")

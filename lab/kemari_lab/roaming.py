@@ -1,7 +1,7 @@
 """A guest that may run on any virtual host: shared disk, one long-lived client connection.
 
 The common ground of the scenarios in which a guest changes hosts — live
-migration now, failover to a standby later::
+live migration, failover to a standby (kemari_lab/fault_tolerance.py)::
 
     with roaming_guest(lab, home=0) as rg:     # kemari guest on vh0, disk on NBD,
         rg.check_disk("before")                #   client connection open
@@ -21,9 +21,10 @@ What it sets up:
 - :class:`LongConnection`: one TCP connection from the client namespace to
   the guest's echo service, byte-checked, kept open until :meth:`finish`.
 
-A failover test would use the same pieces: ``rg.prepare(1)`` puts the guest's
-TAP on the standby host, ``lab.hosts[0].power_fail()`` is the power failure
-(SIGKILL to the virtual host's QEMU), and ``rg.conn`` must keep echoing.
+The fault-tolerance scenario uses the same pieces: the standby's TAP on
+vh1 (``start_standby`` calls ``guest.add_tap``, like ``rg.prepare(1)``),
+``lab.hosts[0].power_fail()`` as the power failure (SIGKILL to the virtual
+host's QEMU), and ``rg.conn`` must keep echoing.
 """
 
 from __future__ import annotations

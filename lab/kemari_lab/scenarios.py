@@ -14,9 +14,18 @@ from dataclasses import dataclass
 
 from kemari_lab import images
 from kemari_lab.errors import LabError, step
+from kemari_lab.fault_tolerance import (
+    FenceService,
+    ft_status,
+    log_status,
+    protect,
+    start_standby,
+    wait_ft_state,
+)
 from kemari_lab.guests import BOOTED_RE, Guest, GuestSpec, check_memory
 from kemari_lab.lab import Lab
 from kemari_lab.roaming import roaming_guest
+from kemari_lab.vhost import VirtualHost
 
 
 @dataclass
@@ -152,6 +161,149 @@ def live_migration(lab: Lab, vmm: str) -> dict[str, float]:
     return times
 
 
+def time_fence_command(host: VirtualHost, command: str, peer_ip: str) -> float:
+    """Runs the standby's fence command once more on `host` (the primary is off
+    by now: the answer is "already-off") and returns how long it took there, ms."""
+    quoted = "'" + command.replace("'", "'\\''") + "'"
+    # /proc/uptime: this busybox's date has no %N (10 ms resolution is enough).
+    out = host.run(
+        f"read a x < /proc/uptime; KEMARI_FT_PEER={peer_ip}:1 sh -c {quoted}; s=$?; read b x < /proc/uptime; echo $s $a $b"
+    ).output.split()
+    if len(out) != 3 or out[0] != "0":
+        raise LabError(f"{host.name}: the fence command failed when run by hand: {out}")
+    return (float(out[2]) - float(out[1])) * 1000
+
+
+# The sync link's timeout for TCG virtual hosts: a sync (pause, capture, transfer,
+# acknowledgement) takes tens of milliseconds there and a busy TCG vCPU can
+# hold a thread for hundreds; 3 s keeps the primary from degrading spuriously.
+FT_TIMEOUT_MS = 3000
+
+
+def fault_tolerance(lab: Lab, vmm: str, failure: str = "power") -> dict[str, float]:
+    """A kemari guest on vh0 (shared NBD disk) is protected by a standby on vh1;
+    vh0 loses power while the client holds one TCP connection to the guest; the
+    standby fences vh0 (the lab's power switch), fails over, and the same
+    connection keeps echoing byte-exact; the disk still works.
+
+    With ``failure="partition"`` vh0 keeps running but loses its network
+    (``ip link set eth0 down``): the standby must power it off through the
+    fence ("killed", not "already-off") before it runs the guest."""
+    if vmm != "kemari":
+        raise LabError(f"fault-tolerance is a kemari scenario (--vmm kemari), not {vmm}")
+    primary, standby = lab.hosts[0], lab.hosts[1]
+    with roaming_guest(lab, home=0) as rg, FenceService(lab) as fence:
+        guest = rg.guest
+        with step("before protection"):
+            t = time.monotonic()
+            rg.check_disk("before")
+            disk_unprotected_s = time.monotonic() - t
+            rg.conn.expect_progress(10)
+        with step(f"starting the standby on {standby.name} and protecting the guest"):
+            start_standby(guest, standby, fence_cmd=fence.command)
+            unprotected_conn = rg.conn.check()
+            report = protect(guest, standby, timeout_ms=FT_TIMEOUT_MS)
+            log_status("primary after ft start", report)
+        with step("under protection"):
+            first = ft_status(guest)
+            protected_conn = rg.conn.check()
+            t = time.monotonic()
+            rg.check_disk("protected")  # disk requests wait for the standby's acknowledgements
+            disk_protected_s = time.monotonic() - t
+            after_disk = ft_status(guest)
+            disk_conn = rg.conn.check()
+            rg.conn.expect_progress(30)
+            p = ft_status(guest)
+            s = ft_status(guest, standby)
+            log_status(f"primary {primary.name}", p)
+            log_status(f"standby {standby.name}", s)
+            if p.get("state") != "protected" or p.get("role") != "primary":
+                raise LabError(f"{primary.name}: the guest is not protected: {p}")
+            if p["syncs"] <= first["syncs"] or p["epoch"] <= first["epoch"]:
+                raise LabError(f"{primary.name}: no sync while the client echoed and the guest wrote: {first} -> {p}")
+            if s.get("state") != "standby" or s.get("epoch", 0) < first["epoch"]:
+                raise LabError(f"{standby.name}: the standby does not follow the primary: {s}")
+            before_kill = rg.conn.check()
+        with step(f"{failure} failure of the primary {primary.name}"):
+            if failure == "power":
+                killed_at = primary.power_fail()
+                images.log(f"{primary.name} powered off (SIGKILL to its QEMU)")
+            else:
+                killed_at = time.monotonic()
+                primary.run("/sbin/ip link set eth0 down")
+                images.log(f"{primary.name} cut off the network (eth0 down); it runs on")
+            guest.host = standby
+            over = wait_ft_state(guest, standby, {"failed_over"}, timeout=FT_TIMEOUT_MS / 1000 + 60)
+            log_status(f"standby {standby.name} after the failover", over)
+            seen_failed_over_s = over["seen_at"] - killed_at
+            after = rg.conn.expect_progress(20, timeout=120)
+            info = guest.info()
+            if info.get("state") != "running":
+                raise LabError(f"{standby.name}: the failed-over guest is not running: {info}")
+            fenced = fence.events()
+            action = "already-off" if failure == "power" else "killed"
+            if len(fenced) != 1 or fenced[0].get("action") != action or not str(
+                fenced[0].get("peer", "")
+            ).startswith(primary.ip + ":"):
+                raise LabError(f"fence requests: expected one for {primary.ip} ({action}), got {fenced}")
+            if primary.alive():
+                raise LabError(f"{primary.name}: still running after the standby fenced it")
+            primary.kill()  # forgets the fenced host (its console stays logged)
+            rg.check_disk("after")
+            fence_cmd_ms = time_fence_command(standby, fence.command, primary.ip)
+
+        def gap_in(start_s: float, end_s: float) -> float:
+            return float(rg.conn.max_gap_in(after, start_s, end_s))
+
+        times = dict(rg.measures)
+        times.update(
+            ft_start_wall_s=report["wall_s"],
+            ft_initial_sync_ms=float(report.get("initial_sync_ms") or -1),
+            ft_initial_link_mb=report.get("link_bytes", 0) / 1e6,
+            ft_syncs=float(p["syncs"]),
+            ft_epoch_at_kill=float(p["epoch"]),
+            ft_syncs_per_s=float(p["syncs_per_s"]),
+            ft_pages_per_sync=float(p["pages_per_sync"]),
+            ft_kb_per_sync=p["bytes_per_sync"] / 1e3,
+            ft_pause_ms_p50=p["pause_us_p50"] / 1e3,
+            ft_pause_ms_p99=p["pause_us_p99"] / 1e3,
+            ft_sync_ms_p50=p["sync_us_p50"] / 1e3,
+            ft_sync_ms_p99=p["sync_us_p99"] / 1e3,
+            # The guest writing, syncing and re-reading a token (GET /cgi-bin/disk),
+            # without and with protection: each disk request waits for one sync.
+            disk_write_unprotected_s=disk_unprotected_s,
+            disk_write_protected_s=disk_protected_s,
+            disk_write_protected_syncs=float(after_disk["syncs"] - first["syncs"]),
+            disk_write_protected_outputs=float(after_disk["outputs"] - first["outputs"]),
+            ft_standby_epoch=float(s["epoch"]),
+            ft_failover_epoch=float(over["epoch"]),
+            ft_failover_ms=float(over.get("failover_ms") or -1),  # kemari: primary declared lost -> VM running
+            ft_kill_to_fence_s=fenced[0]["t"] - killed_at,
+            ft_fence_cmd_ms=fence_cmd_ms,
+            ft_kill_to_failed_over_seen_s=seen_failed_over_s,
+            client_echoes_protected=float(before_kill["exchanges"] - protected_conn["exchanges"]),
+            # The client's longest wait for an echo in each phase (gaps over 1 s):
+            # while ft start copied the guest, under protection, across the failover.
+            client_max_gap_unprotected_s=gap_in(0, unprotected_conn["elapsed_s"]),
+            client_max_gap_ft_start_s=gap_in(unprotected_conn["elapsed_s"], protected_conn["elapsed_s"]),
+            client_max_gap_protected_disk_s=gap_in(protected_conn["elapsed_s"], disk_conn["elapsed_s"]),
+            client_max_gap_protected_echo_s=gap_in(disk_conn["elapsed_s"], before_kill["elapsed_s"]),
+            client_failover_gap_s=gap_in(before_kill["elapsed_s"], after["elapsed_s"]),
+            client_echoes_after_failover=float(after["exchanges"] - before_kill["exchanges"]),
+        )
+        if over.get("failovers") != 1:
+            raise LabError(f"{standby.name}: expected one failover, status {over}")
+        with step(f"closing the connection, powering off on {standby.name}"):
+            times.update(rg.finish())
+    return times
+
+
+def fault_tolerance_partition(lab: Lab, vmm: str) -> dict[str, float]:
+    """Like fault-tolerance, but vh0 only loses its network; the standby powers
+    it off through the fence before taking over (never two copies)."""
+    return fault_tolerance(lab, vmm, failure="partition")
+
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -160,5 +312,12 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("boot-poweroff", 1, boot_poweroff, (boot_poweroff.__doc__ or "").split(".")[0]),
         Scenario("boot-reboot", 1, boot_reboot, (boot_reboot.__doc__ or "").split(":")[0]),
         Scenario("live-migration", 2, live_migration, (live_migration.__doc__ or "").split(",")[0]),
+        Scenario("fault-tolerance", 2, fault_tolerance, (fault_tolerance.__doc__ or "").split(";")[0]),
+        Scenario(
+            "fault-tolerance-partition",
+            2,
+            fault_tolerance_partition,
+            (fault_tolerance_partition.__doc__ or "").split(";")[0],
+        ),
     )
 }

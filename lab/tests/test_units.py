@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -162,3 +163,87 @@ def test_kemari_log_lines_are_found_in_a_console() -> None:
     console = f"KLAB-GUEST-READY ip=x\n{committed}\n" + '{"timestamp":"t","level":"INFO","fie\nguest text\n'
     assert [e["fields"]["restore_ms"] for e in vmm_log(console, "live migration committed")] == [402]
     assert len(vmm_log(console)) == 1
+
+
+def _fence_server(tmp_path: Path, targets: dict[str, int]) -> tuple[subprocess.Popen[bytes], int, Path]:
+    free = socket.create_server(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+    free.close()
+    log = tmp_path / "fence.log"
+    script = Path(__file__).resolve().parent.parent / "kemari_lab" / "fence_server.py"
+    args = [f"--target={ip}={pid}" for ip, pid in targets.items()]
+    proc = subprocess.Popen([sys.executable, str(script), "--listen", f"127.0.0.1:{port}", "--log", str(log), *args])
+    deadline = time.monotonic() + 10
+    while not (log.exists() and "listening" in log.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    return proc, port, log
+
+
+def test_fence_server_powers_off_the_named_host_only_once(tmp_path: Path) -> None:
+    """The lab's STONITH: kills the QEMU (here: a sleep) of the host the
+    standby names, says so, and says "already-off" afterwards; unknown
+    addresses are refused."""
+    import urllib.error
+    import urllib.request
+
+    victim = subprocess.Popen(["sleep", "60"])
+    bystander = subprocess.Popen(["sleep", "60"])
+    server, port, log = _fence_server(tmp_path, {"10.9.9.10": victim.pid, "10.9.9.11": bystander.pid})
+    try:
+
+        def get(peer: str) -> tuple[int, str]:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/fence?peer={peer}", timeout=10) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read().decode()
+
+        assert get("10.9.9.10:40000") == (200, "KLAB-FENCED ip=10.9.9.10 action=killed\n")
+        assert victim.wait(timeout=5) == -9
+        assert get("10.9.9.10:40000")[1] == "KLAB-FENCED ip=10.9.9.10 action=already-off\n"
+        assert get("10.9.9.99:1")[0] == 404
+        assert bystander.poll() is None
+        events = [json.loads(line) for line in log.read_text().splitlines()][1:]
+        assert [e.get("action") for e in events] == ["killed", "already-off", None]
+    finally:
+        server.terminate()
+        server.wait(timeout=5)
+        bystander.kill()
+        bystander.wait()
+
+
+@pytest.mark.skipif(shutil.which("busybox") is None, reason="needs busybox (sh, nc) like the virtual hosts")
+def test_fence_command_succeeds_only_on_confirmation(tmp_path: Path) -> None:
+    """kemari's --ft-fence-cmd as the standby runs it (busybox sh -c, with
+    KEMARI_FT_PEER): exit 0 when the fence server confirms, non-zero otherwise."""
+    from kemari_lab.fault_tolerance import fence_command
+
+    busybox = shutil.which("busybox") or "busybox"
+    victim = subprocess.Popen(["sleep", "60"])
+    server, port, _ = _fence_server(tmp_path, {"10.9.9.10": victim.pid})
+    try:
+
+        def run(peer: str) -> int:
+            env = {"KEMARI_FT_PEER": peer, "PATH": str(tmp_path / "bin")}
+            (tmp_path / "bin").mkdir(exist_ok=True)
+            for applet in ("sh", "printf", "nc", "grep"):
+                link = tmp_path / "bin" / applet
+                if not link.exists():
+                    link.symlink_to(busybox)
+            cmd = fence_command("127.0.0.1", port)
+            return subprocess.run([busybox, "sh", "-c", cmd], env=env, timeout=30, check=False).returncode
+
+        assert run("10.9.9.10:5555") == 0
+        assert victim.wait(timeout=5) == -9
+        assert run("10.9.9.77:5555") != 0
+    finally:
+        server.terminate()
+        server.wait(timeout=5)
+    # Nothing listening: the standby must not fail over.
+    assert subprocess.run(
+        [busybox, "sh", "-c", fence_command("127.0.0.1", port)],
+        env={"KEMARI_FT_PEER": "10.9.9.10:1", "PATH": str(tmp_path / "bin")},
+        timeout=30,
+        check=False,
+    ).returncode != 0
