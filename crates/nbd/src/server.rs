@@ -711,7 +711,6 @@ where
     let mut pipe: Option<Pipe> = None;
     let mut splice_ok = sock.is_some();
     let mut sendfile_ok = sock.is_some();
-    let mut read_via_file = sock.is_some();
     // After a spliced write the next header is read on its own, so that the
     // read buffer does not swallow (and force a copy of) the next payload.
     let mut exact_header = false;
@@ -751,10 +750,10 @@ where
                     exact_header = true;
                     continue;
                 }
-                splice_ok = false;
+                // The backend cannot take this one in place: buffered path.
             }
         }
-        if let (Some(fd), true) = (sock, read_via_file) {
+        if let Some(fd) = sock {
             if req.command == CMD_READ
                 && req.len >= SPLICE_MIN
                 && validate(backend.as_ref(), &req).is_none()
@@ -770,7 +769,6 @@ where
                 )? {
                     continue;
                 }
-                read_via_file = false;
             }
         }
         let mut payload = if pbuf.capacity() > 0 {
