@@ -17,7 +17,8 @@
 #
 # Env: SECS (fio runtime per loopback case, default 4), ROUNDS (default 3), WAN_SECS (per Table 4
 # case, default 30), WORK (scratch dir, default /tmp/knbd-bench), BIN, BASELINE_BIN (an older
-# kemari-nbd build to add as a fourth loopback column).
+# kemari-nbd build to add as a fourth loopback column), TABLE4_CASES (default "off on pre"),
+# RELOCATION (0 skips the relocation test).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -61,6 +62,8 @@ wait_port() { # [netns] port
     log "port $port never opened"; return 1
 }
 
+server_cpu() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
+
 LAST_PID=
 bg() { "$@" & LAST_PID=$!; PIDS+=("$LAST_PID"); }
 
@@ -84,17 +87,23 @@ loopback() {
     rm -f "$img"; truncate -s $size "$img"
     dd if=/dev/urandom of="$img" bs=1M count=512 conv=notrunc status=none
     local P1=21809 P2=21810 P3=21811 P4=21812
+    declare -A SPID
     bg env RUST_LOG=warn "$BIN" serve --export "disk=$img" --listen 127.0.0.1:$P1 >/dev/null
+    SPID[$P1]=$LAST_PID
     bg nbdkit -f -i 127.0.0.1 -p $P2 file "file=$img" >/dev/null
+    SPID[$P2]=$LAST_PID
     bg qemu-nbd -f raw -x disk -b 127.0.0.1 -p $P3 --persistent --shared=8 "$img" >/dev/null
+    SPID[$P3]=$LAST_PID
     wait_port "" $P1; wait_port "" $P2; wait_port "" $P3
     local ports="$P1 $P2 $P3" names="kemari-nbd nbdkit qemu-nbd"
     if [ -n "${BASELINE_BIN:-}" ]; then
         # An older build of kemari-nbd, side by side (before/after figures).
         bg env RUST_LOG=warn "$BASELINE_BIN" serve --export "disk=$img" --listen 127.0.0.1:21813 >/dev/null
+        SPID[21813]=$LAST_PID
         wait_port "" 21813
         ports="$ports 21813"; names="$names baseline"
     fi
+    local cpu_lines=()
     # The machine is shared: run ROUNDS interleaved rounds, report medians.
     local c r p
     log "(IOPS/MB/s, median of $ROUNDS interleaved rounds of ${SECS}s)"
@@ -104,7 +113,13 @@ loopback() {
         local res=()
         for r in $(seq 1 "$ROUNDS"); do
             for p in $ports; do
-                res+=("$p $(fio_case nbd://127.0.0.1:$p/disk "$1" "$2" "$3" --size=$size)")
+                # The server's CPU time per request (less sensitive to the
+                # machine's load than throughput): /proc/PID/stat utime+stime.
+                local c0 c1 out
+                c0=$(server_cpu "${SPID[$p]}")
+                out=$(fio_case nbd://127.0.0.1:$p/disk "$1" "$2" "$3" --size=$size)
+                c1=$(server_cpu "${SPID[$p]}")
+                res+=("$p $out $(python3 -c "print(f'{($c1 - $c0) / $(getconf CLK_TCK) * 1e6 / max(1, ${out%% *} * $SECS):.1f}')")")
             done
         done
         printf '%-22s' "$1 bs=$2 qd=$3"
@@ -112,7 +127,16 @@ loopback() {
             printf ' %14s' "$(printf '%s\n' "${res[@]}" | median_of "$p")"
         done
         printf '\n'
+        local line
+        line=$(printf '%-22s' "$1 bs=$2 qd=$3")
+        for p in $ports; do
+            line+=$(printf ' %14s' "$(printf '%s\n' "${res[@]}" | awk -v p="$p" '$1 == p { print $4 }' | sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }')")
+        done
+        cpu_lines+=("$line")
     done
+    log "server CPU time per request, µs (median of $ROUNDS rounds; lower is better)"
+    printf '%-22s' "case"; for p in $names; do printf ' %14s' "$p"; done; printf '\n'
+    printf '%s\n' "${cpu_lines[@]}"
     log "== proxy fully cached (after cut-over) vs direct target"
     rm -rf "$WORK/loopcache"
     bg env RUST_LOG=warn "$BIN" proxy --upstream nbd://127.0.0.1:$P1/disk --cache "$WORK/loopcache" \
@@ -282,9 +306,10 @@ PY
     sample_bytes "$WORK/c-pre.ctl" "$WORK/precopy.bytes" 100000
     stop_pid "$pid"
     printf '%-14s %10s %12s %10s\n' case "ops/s" "last10s/s" "cached%"
-    table4_case "bgcopy off" "$WORK/c-off" --no-background
-    table4_case "bgcopy on" "$WORK/c-on"
-    table4_case "precached" "$WORK/c-pre"
+    local cases=" ${TABLE4_CASES:-off on pre} "
+    [[ $cases == *" off "* ]] && table4_case "bgcopy off" "$WORK/c-off" --no-background
+    [[ $cases == *" on "* ]] && table4_case "bgcopy on" "$WORK/c-on"
+    [[ $cases == *" pre "* ]] && table4_case "precached" "$WORK/c-pre"
     python3 - "$WORK/precopy.bytes" <<'EOF'
 import sys
 s = [tuple(map(float, l.split()[:2])) for l in open(sys.argv[1]) if l.strip()]
@@ -307,6 +332,7 @@ print(f"working set {ws/2**20:.0f} MiB: at least {t:.1f} s at the 100 Mbit/s lin
       f"(plus the few ops served during the copy)")
 EOF
 
+    [ "${RELOCATION:-1}" = 1 ] || return 0
     log "== relocation test: client I/O during the copy, SIGKILL + restart, cut-over, target stopped"
     cp --sparse=always "$img" "$WORK/expect.img"
     local cache=$WORK/c-reloc
