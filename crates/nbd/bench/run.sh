@@ -16,7 +16,9 @@
 #           and restarted, cut-over, target stopped, every byte checked).
 #
 # Env: SECS (fio runtime per loopback case, default 4), ROUNDS (default 3), WAN_SECS (per Table 4
-# case, default 30), WORK (scratch dir, default /tmp/knbd-bench), BIN.
+# case, default 30), WORK (scratch dir, default /tmp/knbd-bench), BIN, BASELINE_BIN (an older
+# kemari-nbd build to add as a fourth loopback column), TABLE4_CASES (default "off on pre"),
+# RELOCATION (0 skips the relocation test).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -60,6 +62,8 @@ wait_port() { # [netns] port
     log "port $port never opened"; return 1
 }
 
+server_cpu() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
+
 LAST_PID=
 bg() { "$@" & LAST_PID=$!; PIDS+=("$LAST_PID"); }
 
@@ -83,28 +87,56 @@ loopback() {
     rm -f "$img"; truncate -s $size "$img"
     dd if=/dev/urandom of="$img" bs=1M count=512 conv=notrunc status=none
     local P1=21809 P2=21810 P3=21811 P4=21812
+    declare -A SPID
     bg env RUST_LOG=warn "$BIN" serve --export "disk=$img" --listen 127.0.0.1:$P1 >/dev/null
+    SPID[$P1]=$LAST_PID
     bg nbdkit -f -i 127.0.0.1 -p $P2 file "file=$img" >/dev/null
+    SPID[$P2]=$LAST_PID
     bg qemu-nbd -f raw -x disk -b 127.0.0.1 -p $P3 --persistent --shared=8 "$img" >/dev/null
+    SPID[$P3]=$LAST_PID
     wait_port "" $P1; wait_port "" $P2; wait_port "" $P3
+    local ports="$P1 $P2 $P3" names="kemari-nbd nbdkit qemu-nbd"
+    if [ -n "${BASELINE_BIN:-}" ]; then
+        # An older build of kemari-nbd, side by side (before/after figures).
+        bg env RUST_LOG=warn "$BASELINE_BIN" serve --export "disk=$img" --listen 127.0.0.1:21813 >/dev/null
+        SPID[21813]=$LAST_PID
+        wait_port "" 21813
+        ports="$ports 21813"; names="$names baseline"
+    fi
+    local cpu_lines=()
     # The machine is shared: run ROUNDS interleaved rounds, report medians.
     local c r p
     log "(IOPS/MB/s, median of $ROUNDS interleaved rounds of ${SECS}s)"
-    printf '%-22s %14s %14s %14s\n' "case" kemari-nbd nbdkit qemu-nbd
+    printf '%-22s' "case"; for p in $names; do printf ' %14s' "$p"; done; printf '\n'
     for c in "read 1M 8" "write 1M 8" "randread 4k 1" "randread 4k 16"; do
         set -- $c
         local res=()
         for r in $(seq 1 "$ROUNDS"); do
-            for p in $P1 $P2 $P3; do
-                res+=("$p $(fio_case nbd://127.0.0.1:$p/disk "$1" "$2" "$3" --size=$size)")
+            for p in $ports; do
+                # The server's CPU time per request (less sensitive to the
+                # machine's load than throughput): /proc/PID/stat utime+stime.
+                local c0 c1 out
+                c0=$(server_cpu "${SPID[$p]}")
+                out=$(fio_case nbd://127.0.0.1:$p/disk "$1" "$2" "$3" --size=$size)
+                c1=$(server_cpu "${SPID[$p]}")
+                res+=("$p $out $(python3 -c "print(f'{($c1 - $c0) / $(getconf CLK_TCK) * 1e6 / max(1, ${out%% *} * $SECS):.1f}')")")
             done
         done
         printf '%-22s' "$1 bs=$2 qd=$3"
-        for p in $P1 $P2 $P3; do
+        for p in $ports; do
             printf ' %14s' "$(printf '%s\n' "${res[@]}" | median_of "$p")"
         done
         printf '\n'
+        local line
+        line=$(printf '%-22s' "$1 bs=$2 qd=$3")
+        for p in $ports; do
+            line+=$(printf ' %14s' "$(printf '%s\n' "${res[@]}" | awk -v p="$p" '$1 == p { print $4 }' | sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }')")
+        done
+        cpu_lines+=("$line")
     done
+    log "server CPU time per request, µs (median of $ROUNDS rounds; lower is better)"
+    printf '%-22s' "case"; for p in $names; do printf ' %14s' "$p"; done; printf '\n'
+    printf '%s\n' "${cpu_lines[@]}"
     log "== proxy fully cached (after cut-over) vs direct target"
     rm -rf "$WORK/loopcache"
     bg env RUST_LOG=warn "$BIN" proxy --upstream nbd://127.0.0.1:$P1/disk --cache "$WORK/loopcache" \
@@ -175,6 +207,29 @@ wan_proxy() {
 
 stop_pid() { kill "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
 
+# sample_bytes CTL OUT MAXSECS: "time bytes phase" lines (bytes fetched
+# upstream, on-demand + background) every 0.5 s until the copy completes or
+# MAXSECS pass.
+sample_bytes() {
+    python3 - "$BIN" "$1" "$2" "$3" <<'EOF'
+import json, subprocess, sys, time
+binary, ctl, out, maxsecs = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+start = time.time()
+with open(out, "w") as f:
+    while True:
+        try:
+            st = json.loads(subprocess.check_output([binary, "status", "--control", ctl]))["status"]
+        except Exception:
+            break
+        now = time.time()
+        f.write(f"{now:.3f} {st['ondemand_bytes'] + st['background_bytes']} {st['phase']}\n")
+        f.flush()
+        if st["phase"] == "complete" or now - start >= maxsecs:
+            break
+        time.sleep(0.5)
+EOF
+}
+
 status_field() { "$BIN" status --control "$1" | python3 -c "import json,sys; print(json.load(sys.stdin)['status']['$2'])"; }
 
 wan() {
@@ -212,16 +267,27 @@ wan() {
         local pid
         wan_proxy "$cache" $P "$@"; pid=$LAST_PID
         local r pct
+        # Bytes fetched over the WAN, sampled while the client runs.
+        sample_bytes "$cache.ctl" "$WORK/$name.bytes" "$WAN_SECS" & local sp=$!
         r=$(ip netns exec $NS_DST "$BIN" random-reads nbd://127.0.0.1:$P/disk \
             --blocks "$WORK/blocks.txt" --secs "$WAN_SECS" 2>/dev/null)
+        wait $sp 2>/dev/null || true
         pct=$(status_field "$cache.ctl" cached_percent)
         stop_pid "$pid"
-        python3 - "$name" "$pct" "$r" <<'PY'
+        python3 - "$name" "$pct" "$r" "$WORK/$name.bytes" <<'PY'
 import json, sys
 name, pct, r = sys.argv[1], float(sys.argv[2]), json.loads(sys.argv[3])
 t = r["timeline"]
 last = sum(t[-10:]) / max(1, len(t[-10:]))
-print(f"{name:<14} {r['ops_per_sec']:>10.0f} {last:>12.0f} {pct:>10.1f}   per-second: {' '.join(str(x) for x in t)}")
+s = [tuple(map(float, l.split()[:2])) for l in open(sys.argv[4]) if l.strip()]
+# Link use while the client's working set is being copied: from the first
+# sample to the first second whose ops reach half the last 10 s rate.
+knee = next((i for i, x in enumerate(t) if x >= last / 2), len(t))
+w = [x for x in s if x[0] - s[0][0] <= knee] if s else []
+util = (w[-1][1] - w[0][1]) / max(1e-9, w[-1][0] - w[0][0]) if len(w) > 1 else 0.0
+print(f"{name:<14} {r['ops_per_sec']:>10.0f} {last:>12.0f} {pct:>10.1f}   knee {knee:>3} s, "
+      f"fetched {util/1e6:5.2f} MB/s until then = {util*8/1e8*100:5.1f}% of 100 Mbit/s")
+print(f"{'':<14} per-second: {' '.join(str(x) for x in t)}")
 PY
     }
     if [ -n "${ONLY_BGCOPY_ON:-}" ]; then
@@ -235,27 +301,38 @@ PY
     # precached: let a proxy copy everything first.
     local pid
     wan_proxy "$WORK/c-pre" $P --no-auto-cutover; pid=$LAST_PID
-    local t0=$SECONDS
-    local util_samples=()
-    while [ "$(status_field "$WORK/c-pre.ctl" phase)" != complete ]; do
-        sleep 1
-        util_samples+=("$(status_field "$WORK/c-pre.ctl" background_rate_bytes_per_sec)")
-    done
-    local copy_secs=$((SECONDS - t0))
+    # Link utilization from the bytes fetched over time (sampled every 0.5 s
+    # until the copy completes).
+    sample_bytes "$WORK/c-pre.ctl" "$WORK/precopy.bytes" 100000
     stop_pid "$pid"
     printf '%-14s %10s %12s %10s\n' case "ops/s" "last10s/s" "cached%"
-    table4_case "bgcopy off" "$WORK/c-off" --no-background
-    table4_case "bgcopy on" "$WORK/c-on"
-    table4_case "precached" "$WORK/c-pre"
-    python3 - "$copy_secs" "${util_samples[@]}" <<'EOF'
+    local cases=" ${TABLE4_CASES:-off on pre} "
+    [[ $cases == *" off "* ]] && table4_case "bgcopy off" "$WORK/c-off" --no-background
+    [[ $cases == *" on "* ]] && table4_case "bgcopy on" "$WORK/c-on"
+    [[ $cases == *" pre "* ]] && table4_case "precached" "$WORK/c-pre"
+    python3 - "$WORK/precopy.bytes" <<'EOF'
 import sys
-secs = int(sys.argv[1]); s = [float(x) for x in sys.argv[2:]]
-mid = s[2:-2] if len(s) > 6 else s
-avg = sum(mid) / max(1, len(mid))
-print(f"background copy of 1 GiB over the WAN: {secs} s; steady rate {avg/1e6:.2f} MB/s = "
-      f"{avg*8/1e8*100:.1f}% of 100 Mbit/s line rate")
+s = [tuple(map(float, l.split()[:2])) for l in open(sys.argv[1]) if l.strip()]
+t0, t1 = s[0][0], s[-1][0]
+mid = [x for x in s if t0 + 2 <= x[0] <= t1 - 2] or s
+rate = (mid[-1][1] - mid[0][1]) / max(1e-9, mid[-1][0] - mid[0][0])
+whole = (s[-1][1] - s[0][1]) / max(1e-9, t1 - t0)
+print(f"background copy of 1 GiB over the WAN: {t1 - t0:.1f} s, {s[-1][1]/2**20:.0f} MiB fetched; "
+      f"bytes over time, excluding the first and last 2 s: {rate/1e6:.2f} MB/s = "
+      f"{rate*8/1e8*100:.1f}% of the 100 Mbit/s line rate (whole copy: {whole*8/1e8*100:.1f}%)")
+EOF
+    # Bound for Table 4's average: the client's reads cannot all be local
+    # before its working set has crossed the link.
+    python3 - "$WORK/blocks.txt" "$WAN_SECS" <<'EOF'
+import sys
+ws = len(open(sys.argv[1]).read().split()) * 4096; secs = float(sys.argv[2])
+t = ws / 12.5e6
+print(f"working set {ws/2**20:.0f} MiB: at least {t:.1f} s at the 100 Mbit/s line rate; "
+      f"bgcopy on can reach at most {(secs - t) / secs * 100:.0f}% of precached over {secs:.0f} s "
+      f"(plus the few ops served during the copy)")
 EOF
 
+    [ "${RELOCATION:-1}" = 1 ] || return 0
     log "== relocation test: client I/O during the copy, SIGKILL + restart, cut-over, target stopped"
     cp --sparse=always "$img" "$WORK/expect.img"
     local cache=$WORK/c-reloc

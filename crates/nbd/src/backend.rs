@@ -33,6 +33,32 @@ pub trait Backend: Send + Sync + 'static {
     fn may_block(&self, _command: u16, _offset: u64, _len: u32) -> bool {
         false
     }
+    /// A write of `len` bytes at `offset` whose data `fill` puts straight
+    /// into the file that holds the export's bytes at the same offsets (the
+    /// server splices the payload from the socket). Returns `None`, without
+    /// calling `fill`, when the backend has no such file; otherwise the
+    /// write's outcome (FUA honoured as by [`Backend::write_at`]).
+    fn write_via_file(
+        &self,
+        _offset: u64,
+        _len: u64,
+        _fua: bool,
+        _fill: &mut dyn FnMut(&File) -> io::Result<()>,
+    ) -> Option<io::Result<()>> {
+        None
+    }
+    /// A read of `len` bytes at `offset` that `send` serves straight from
+    /// the file holding the export's bytes at the same offsets (the server
+    /// sends it with sendfile). `None`, without calling `send`, when the
+    /// backend has no such file.
+    fn read_via_file(
+        &self,
+        _offset: u64,
+        _len: u64,
+        _send: &mut dyn FnMut(&File) -> io::Result<()>,
+    ) -> Option<io::Result<()>> {
+        None
+    }
 }
 
 /// Read and write counters per [`ACCESS_GROUP_SIZE`] group.
@@ -179,6 +205,33 @@ impl Backend for FileBackend {
     }
     fn access_counts(&self) -> Option<AccessCounts> {
         Some(self.counters.snapshot())
+    }
+    fn write_via_file(
+        &self,
+        offset: u64,
+        len: u64,
+        fua: bool,
+        fill: &mut dyn FnMut(&File) -> io::Result<()>,
+    ) -> Option<io::Result<()>> {
+        if self.read_only {
+            return None;
+        }
+        self.counters.record(offset, len, true);
+        Some(fill(&self.file).and_then(|()| {
+            if fua {
+                self.file.sync_data()?;
+            }
+            Ok(())
+        }))
+    }
+    fn read_via_file(
+        &self,
+        offset: u64,
+        len: u64,
+        send: &mut dyn FnMut(&File) -> io::Result<()>,
+    ) -> Option<io::Result<()>> {
+        self.counters.record(offset, len, false);
+        Some(send(&self.file))
     }
 }
 

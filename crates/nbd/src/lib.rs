@@ -11,3 +11,4 @@ pub mod protocol;
 pub mod proxy;
 pub mod relay;
 pub mod server;
+pub mod splice;

@@ -6,8 +6,9 @@
 //! any order, as NBD allows.
 
 use std::collections::BTreeMap;
-use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::io::{self, BufRead, BufReader, BufWriter, Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -17,6 +18,7 @@ use tracing::{debug, info, warn};
 
 use crate::backend::Backend;
 use crate::protocol::*;
+use crate::splice::{Pipe, SpliceError};
 
 /// Replies to at most this many blocking requests at once per connection;
 /// beyond it, requests are served inline (back-pressure on a hostile client).
@@ -25,6 +27,9 @@ const MAX_HELPERS_PER_CONN: usize = 256;
 const OFFLOAD_MIN: u32 = 256 * 1024;
 /// Worker threads per connection for large transfers.
 const LARGE_WORKERS: usize = 4;
+/// Writes at least this large are spliced from the socket into the file
+/// when the backend allows it (one copy instead of two).
+const SPLICE_MIN: u32 = 64 * 1024;
 
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -104,7 +109,8 @@ pub fn serve(listener: Listener, exports: Arc<Exports>) -> io::Result<()> {
                 let ex = exports.clone();
                 spawn_conn(format!("{peer}"), move || {
                     let r = s.try_clone()?;
-                    serve_connection(r, s, &ex)
+                    let fd = r.as_raw_fd();
+                    serve_socket(r, s, &ex, Some(fd))
                 });
             }
             Listener::Unix(l) => {
@@ -112,7 +118,8 @@ pub fn serve(listener: Listener, exports: Arc<Exports>) -> io::Result<()> {
                 let ex = exports.clone();
                 spawn_conn("unix".to_string(), move || {
                     let r: UnixStream = s.try_clone()?;
-                    serve_connection(r, s, &ex)
+                    let fd = r.as_raw_fd();
+                    serve_socket(r, s, &ex, Some(fd))
                 });
             }
         }
@@ -147,12 +154,27 @@ where
     R: Read,
     W: Write + Send + 'static,
 {
+    serve_socket(reader, writer, exports, None)
+}
+
+/// [`serve_connection`] where `sock` is the file descriptor `reader` reads
+/// from (a socket), so that large writes can be spliced from it.
+fn serve_socket<R, W>(
+    reader: R,
+    writer: W,
+    exports: &Exports,
+    sock: Option<RawFd>,
+) -> Result<(), ServerError>
+where
+    R: Read,
+    W: Write + Send + 'static,
+{
     let mut r = BufReader::with_capacity(256 * 1024, reader);
     let mut w = BufWriter::with_capacity(256 * 1024, writer);
     match negotiate(&mut r, &mut w, exports)? {
         Some((export, structured)) => {
             info!(export = %export.name, structured, "client entered transmission");
-            transmission(r, w, export.backend.clone(), structured)
+            transmission(r, w, export.backend.clone(), structured, sock)
         }
         None => Ok(()),
     }
@@ -493,11 +515,184 @@ impl Helpers {
     }
 }
 
+/// Reads and discards `n` bytes of the request stream.
+fn discard<R: Read>(r: &mut BufReader<R>, n: u64) -> io::Result<()> {
+    let got = io::copy(&mut r.take(n), &mut io::sink())?;
+    if got != n {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(())
+}
+
+/// Serves a validated WRITE by moving its payload straight from the socket
+/// into the backend's file. `Ok(None)` when the backend has no file (nothing
+/// consumed); `Err` when the connection is unusable.
+fn write_spliced<R: Read>(
+    r: &mut BufReader<R>,
+    sock: RawFd,
+    pipe: &mut Option<Pipe>,
+    splice_ok: &mut bool,
+    b: &dyn Backend,
+    req: &Request,
+) -> io::Result<Option<Outcome>> {
+    let fua = req.flags & CMD_FLAG_FUA != 0;
+    let len = req.len as usize;
+    let mut fatal: Option<io::Error> = None;
+    let mut fill = |file: &std::fs::File| -> io::Result<()> {
+        use std::os::unix::fs::FileExt;
+        // Part of the payload may already sit in the read buffer.
+        let head = r.buffer().len().min(len);
+        let mut res = file.write_all_at(&r.buffer()[..head], req.offset);
+        r.consume(head);
+        let rest = len - head;
+        if rest == 0 {
+            return res;
+        }
+        let at = req.offset + head as u64;
+        if res.is_err() {
+            // Stay in step with the client: consume the payload anyway.
+            if let Err(e) = discard(r, rest as u64) {
+                fatal = Some(e);
+            }
+            return res;
+        }
+        if pipe.is_none() && *splice_ok {
+            match Pipe::new() {
+                Ok(p) => *pipe = Some(p),
+                Err(_) => *splice_ok = false,
+            }
+        }
+        if let (Some(p), true) = (pipe.as_ref(), *splice_ok) {
+            match p.socket_to_file(sock, file, at, rest) {
+                Ok(()) => return Ok(()),
+                Err(SpliceError::File(e)) => return Err(e),
+                Err(SpliceError::Socket(e)) => {
+                    fatal = Some(e);
+                    return Err(io::Error::other("client connection failed"));
+                }
+                Err(SpliceError::Unsupported) => *splice_ok = false,
+            }
+        }
+        // No splice on this socket: read the rest and write it.
+        let mut buf = Vec::with_capacity(rest);
+        match r.take(rest as u64).read_to_end(&mut buf) {
+            Ok(n) if n == rest => {}
+            Ok(_) => {
+                fatal = Some(io::ErrorKind::UnexpectedEof.into());
+                return Err(io::Error::other("client connection failed"));
+            }
+            Err(e) => {
+                fatal = Some(e);
+                return Err(io::Error::other("client connection failed"));
+            }
+        }
+        res = file.write_all_at(&buf, at);
+        res
+    };
+    let out = b.write_via_file(req.offset, u64::from(req.len), fua, &mut fill);
+    if let Some(e) = fatal {
+        return Err(e);
+    }
+    Ok(out.map(|res| match res {
+        Ok(()) => Outcome::Ok,
+        Err(e) => {
+            warn!(command = req.command, offset = req.offset, len = req.len, error = %e, "request failed");
+            Outcome::Err(errno_of(&e), "i/o error")
+        }
+    }))
+}
+
+/// Serves a validated READ by sending the reply header and then the data
+/// straight from the backend's file. `Ok(false)` when the backend has no
+/// file (nothing sent); `Err` when the connection is unusable (a reply may
+/// be cut short, so the caller must hang up).
+/// Sends all of `h` on `sock` with MSG_MORE (the kernel holds it for the
+/// data that follows).
+fn send_more(sock: RawFd, mut h: &[u8]) -> io::Result<()> {
+    while !h.is_empty() {
+        // SAFETY: send reads `h.len()` bytes from our live slice.
+        let n = unsafe {
+            libc::send(
+                sock,
+                h.as_ptr().cast(),
+                h.len(),
+                libc::MSG_MORE | libc::MSG_NOSIGNAL,
+            )
+        };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        h = &h[n as usize..];
+    }
+    Ok(())
+}
+
+fn read_sent<W: Write>(
+    w: &mut BufWriter<W>,
+    sock: RawFd,
+    sendfile_ok: &mut bool,
+    b: &dyn Backend,
+    req: &Request,
+    structured: bool,
+) -> io::Result<bool> {
+    let len = req.len as usize;
+    let mut send = |file: &std::fs::File| -> io::Result<()> {
+        let mut h = [0u8; STRUCTURED_REPLY_HEADER_LEN + 8];
+        let h: &[u8] = if structured {
+            h[..STRUCTURED_REPLY_HEADER_LEN].copy_from_slice(&encode_structured_header(
+                REPLY_FLAG_DONE,
+                REPLY_TYPE_OFFSET_DATA,
+                req.cookie,
+                8 + req.len,
+            ));
+            h[STRUCTURED_REPLY_HEADER_LEN..].copy_from_slice(&req.offset.to_be_bytes());
+            &h
+        } else {
+            h[..16].copy_from_slice(&encode_simple_reply(0, req.cookie));
+            &h[..16]
+        };
+        if *sendfile_ok {
+            // Replies buffered so far, then the header marked "more to
+            // come" so that it leaves in the same segment as the data.
+            w.flush()?;
+            send_more(sock, h)?;
+            match crate::splice::file_to_socket(sock, file, req.offset, len) {
+                Ok(()) => return Ok(()),
+                Err(SpliceError::Unsupported) => *sendfile_ok = false,
+                Err(SpliceError::File(e)) | Err(SpliceError::Socket(e)) => return Err(e),
+            }
+        } else {
+            w.write_all(h)?;
+            w.flush()?;
+        }
+        use std::os::unix::fs::FileExt;
+        let mut buf = vec![0u8; len];
+        file.read_exact_at(&mut buf, req.offset)?;
+        w.get_mut().write_all(&buf)
+    };
+    match b.read_via_file(req.offset, u64::from(req.len), &mut send) {
+        None => Ok(false),
+        Some(Ok(())) => Ok(true),
+        Some(Err(e)) => {
+            // The header promised data that did not (all) follow.
+            // SAFETY: shutdown takes an fd and a constant; the fd is the
+            // connection's own socket, still open.
+            unsafe { libc::shutdown(sock, libc::SHUT_RDWR) };
+            Err(e)
+        }
+    }
+}
+
 fn transmission<R, W>(
     mut r: BufReader<R>,
     w: BufWriter<W>,
     backend: Arc<dyn Backend>,
     structured: bool,
+    sock: Option<RawFd>,
 ) -> Result<(), ServerError>
 where
     R: Read,
@@ -513,17 +708,68 @@ where
     let mut buf: Vec<u8> = Vec::new();
     let mut pbuf: Vec<u8> = Vec::new();
     let mut workers: Option<std::sync::mpsc::Sender<Job>> = None;
+    let mut pipe: Option<Pipe> = None;
+    let mut splice_ok = sock.is_some();
+    let mut sendfile_ok = sock.is_some();
+    // After a spliced write the next header is read on its own, so that the
+    // read buffer does not swallow (and force a copy of) the next payload.
+    let mut exact_header = false;
     let result = loop {
         if r.buffer().is_empty() {
             lock(&w).flush()?;
         }
         let mut hb = [0u8; REQUEST_LEN];
-        if !read_exact_or_eof(&mut r, &mut hb)? {
+        let got = if exact_header && r.buffer().is_empty() {
+            read_exact_or_eof(r.get_mut(), &mut hb)?
+        } else {
+            read_exact_or_eof(&mut r, &mut hb)?
+        };
+        if !got {
             break Ok(());
         }
         let req = Request::decode(&hb)?;
         if req.command == CMD_DISC {
             break Ok(());
+        }
+        exact_header = false;
+        if let (Some(fd), true) = (sock, splice_ok) {
+            if req.command == CMD_WRITE
+                && req.len >= SPLICE_MIN
+                && req.len <= MAX_PAYLOAD
+                && validate(backend.as_ref(), &req).is_none()
+            {
+                if let Some(out) = write_spliced(
+                    &mut r,
+                    fd,
+                    &mut pipe,
+                    &mut splice_ok,
+                    backend.as_ref(),
+                    &req,
+                )? {
+                    write_reply(&mut *lock(&w), structured, &req, &out)?;
+                    exact_header = true;
+                    continue;
+                }
+                // The backend cannot take this one in place: buffered path.
+            }
+        }
+        if let Some(fd) = sock {
+            if req.command == CMD_READ
+                && req.len >= SPLICE_MIN
+                && validate(backend.as_ref(), &req).is_none()
+            {
+                let mut g = lock(&w);
+                if read_sent(
+                    &mut g,
+                    fd,
+                    &mut sendfile_ok,
+                    backend.as_ref(),
+                    &req,
+                    structured,
+                )? {
+                    continue;
+                }
+            }
         }
         let mut payload = if pbuf.capacity() > 0 {
             std::mem::take(&mut pbuf)

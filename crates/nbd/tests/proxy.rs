@@ -82,6 +82,19 @@ fn real_clients_through_proxy_then_cutover_without_target() {
     let mut b = vec![0u8; 1 << 20];
     c.read_at(60 << 20, &mut b).unwrap();
     assert!(b == expect[60 << 20..61 << 20]);
+    // Large writes: inside the now cached range (zero-copy into the cache
+    // file), and straddling its end (an uncached, partly written last block:
+    // the buffered path fetches it first); large reads of cached ranges.
+    let inside = pattern(300_000, 98);
+    c.write_at((60 << 20) + 5000, &inside).unwrap();
+    expect[(60 << 20) + 5000..(60 << 20) + 305_000].copy_from_slice(&inside);
+    let straddle = pattern(200_001, 97);
+    let at = (61 << 20) - 100_000;
+    c.write_at(at as u64, &straddle).unwrap();
+    expect[at..at + 200_001].copy_from_slice(&straddle);
+    let mut b = vec![0u8; (1 << 20) + 200_000];
+    c.read_at(60 << 20, &mut b).unwrap();
+    assert!(b == expect[60 << 20..(61 << 20) + 200_000]);
     drop(c);
     if tool("fio") {
         let help = sh("fio --enghelp=nbd 2>&1 || true");
@@ -110,6 +123,9 @@ fn real_clients_through_proxy_then_cutover_without_target() {
     c.read_at(0, &mut all).unwrap();
     assert!(all == expect);
     c.write_at(4096, &[0x77; 4096]).unwrap();
+    let big = pattern(1 << 20, 96);
+    c.write_at_fua((90 << 20) + 777, &big).unwrap();
+    expect[(90 << 20) + 777..(91 << 20) + 777].copy_from_slice(&big);
     if tool("qemu-img") {
         drop(c);
         run(Command::new("qemu-img")

@@ -194,6 +194,41 @@ fn exercise_client(c: &Client, img: &[u8]) {
     c.read_at(1 << 20, &mut z).unwrap();
     assert!(z.iter().all(|&x| x == 0));
     assert!(c.read_at(img.len() as u64 - 10, &mut [0u8; 20]).is_err());
+    // Large transfers (the target splices writes from the socket into the
+    // file and sends reads with sendfile): unaligned, FUA, read back.
+    let big: Vec<u8> = (0..1_500_001u32).map(|i| (i % 253) as u8).collect();
+    c.write_at(3_000_017, &big).unwrap();
+    c.write_at_fua(5_000_000, &big[..300_000]).unwrap();
+    let mut back = vec![0u8; big.len()];
+    c.read_at(3_000_017, &mut back).unwrap();
+    assert!(back == big);
+    let mut back = vec![0u8; 300_000];
+    c.read_at(5_000_000, &mut back).unwrap();
+    assert!(back[..] == big[..300_000]);
+    c.write_at(3_000_017, &img[3_000_017..3_000_017 + big.len()])
+        .unwrap();
+    c.write_at(5_000_000, &img[5_000_000..5_300_000]).unwrap();
+    // Large writes and reads interleaved with small ones, pipelined from
+    // several threads on one connection.
+    std::thread::scope(|s| {
+        for t in 0..3u64 {
+            s.spawn(move || {
+                let base = (6 << 20) + t * (1 << 20);
+                let data = vec![t as u8 + 1; 1 << 20];
+                for _ in 0..4 {
+                    c.write_at(base, &data).unwrap();
+                    let mut small = [0u8; 4096];
+                    c.read_at(base + 8192, &mut small).unwrap();
+                    assert!(small.iter().all(|&x| x == t as u8 + 1));
+                    let mut b = vec![0u8; 1 << 20];
+                    c.read_at(base, &mut b).unwrap();
+                    assert!(b == data);
+                }
+                c.write_at(base, &img[base as usize..base as usize + (1 << 20)])
+                    .unwrap();
+            });
+        }
+    });
     // Pipelined reads from several threads.
     std::thread::scope(|s| {
         for t in 0..4u64 {
@@ -215,7 +250,7 @@ fn exercise_client(c: &Client, img: &[u8]) {
 #[test]
 fn hostile_traffic_never_kills_the_server() {
     let d = TempDir::new("hostile");
-    make_image(&d.path("a.img"), 1 << 20, 10);
+    let img = make_image(&d.path("a.img"), 1 << 20, 10);
     let (_t, port) = serve(&[format!("a={}", d.path("a.img").display())]);
     let send = |bytes: &[u8]| {
         let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -288,6 +323,36 @@ fn hostile_traffic_never_kills_the_server() {
     send(&v);
     let c = Client::connect(&format!("nbd://127.0.0.1:{port}/a")).unwrap();
     c.read_at(0, &mut b).unwrap();
+    // Large writes (spliced from the socket) that are out of range, or whose
+    // payload stops short before the client hangs up; a large read beyond
+    // the end: errors or a hang-up, the server survives, data is intact.
+    let mut v = CLIENT_FIXED_NEWSTYLE.to_be_bytes().to_vec();
+    v.extend(encode_option(OPT_GO, &encode_info_request("a", &[])));
+    for (cmd, off, len, payload) in [
+        (CMD_WRITE, (1u64 << 20) - 4096, 1u32 << 20, 1usize << 20),
+        (CMD_READ, (1 << 20) - 4096, 1 << 20, 0),
+        (CMD_WRITE, 0, 512 << 10, 300_000),
+    ] {
+        v.extend(
+            Request {
+                flags: 0,
+                command: cmd,
+                cookie: 3,
+                offset: off,
+                len,
+            }
+            .encode(),
+        );
+        v.extend(std::iter::repeat_n(0xee, payload));
+    }
+    let out = send(&v);
+    assert!(out.len() > 32, "expected error replies");
+    let c = Client::connect(&format!("nbd://127.0.0.1:{port}/a")).unwrap();
+    c.read_at(0, &mut b).unwrap();
+    // The out-of-range write touched nothing.
+    let mut tail = vec![0u8; 4096];
+    c.read_at((1 << 20) - 4096, &mut tail).unwrap();
+    assert!(tail[..] == img[(1 << 20) - 4096..]);
 }
 
 #[test]

@@ -227,6 +227,12 @@ impl Cache {
         self.data.read_exact_at(buf, offset)
     }
 
+    /// The cache file, for zero-copy transfers of ranges whose blocks are
+    /// all cached (such a range is read and written in place, no bits change).
+    pub fn file(&self) -> &File {
+        &self.data
+    }
+
     /// Writes client data; every block it touches must be cached already or
     /// be fully covered by the write.
     pub fn write_at(&self, data: &[u8], offset: u64) -> io::Result<()> {

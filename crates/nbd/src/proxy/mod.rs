@@ -381,6 +381,40 @@ impl Backend for Proxy {
     fn access_counts(&self) -> Option<AccessCounts> {
         Some(self.shared.counters.snapshot())
     }
+    fn read_via_file(
+        &self,
+        offset: u64,
+        len: u64,
+        send: &mut dyn FnMut(&std::fs::File) -> io::Result<()>,
+    ) -> Option<io::Result<()>> {
+        let sh = &self.shared;
+        if !sh.cut_over.load(Ordering::Acquire) && !sh.cache.range_cached(offset, len) {
+            return None;
+        }
+        sh.counters.record(offset, len, false);
+        Some(send(sh.cache.file()))
+    }
+    fn write_via_file(
+        &self,
+        offset: u64,
+        len: u64,
+        fua: bool,
+        fill: &mut dyn FnMut(&std::fs::File) -> io::Result<()>,
+    ) -> Option<io::Result<()>> {
+        // Only where every block is cached already: then the write changes
+        // no bit, and it is the same in-place write as `Cache::write_at`.
+        let sh = &self.shared;
+        if !sh.cache.range_cached(offset, len) {
+            return None;
+        }
+        sh.counters.record(offset, len, true);
+        Some(fill(sh.cache.file()).and_then(|()| {
+            if fua {
+                sh.cache.persist()?;
+            }
+            Ok(())
+        }))
+    }
     fn may_block(&self, command: u16, offset: u64, len: u32) -> bool {
         matches!(command, CMD_READ | CMD_WRITE | CMD_WRITE_ZEROES)
             && !self.shared.cut_over.load(Ordering::Relaxed)
