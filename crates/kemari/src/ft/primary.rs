@@ -606,6 +606,8 @@ fn initial_sync(
     }
     let mut sent_pages = 0u64;
     let mut send_round = |pfns: &[u64], round: u32| -> Result<(), FtError> {
+        let total = pfns.len() as u64;
+        let mut done = 0u64;
         for chunk in pfns.chunks(16 * MAX_PAGES_PER_FRAME) {
             let frames = page_frames(machine.guest_memory(), chunk, 0)?;
             link.send(|w| {
@@ -615,6 +617,8 @@ fn initial_sync(
                 Ok(())
             })?;
             sent_pages += chunk.len() as u64;
+            done += chunk.len() as u64;
+            shared.initial_progress(round, done, total, link.bytes());
         }
         link.send_json(&FtMessage::RoundEnd {
             round,

@@ -27,6 +27,17 @@ pub enum FtState {
     FailedOver,
 }
 
+/// Progress of the initial synchronization.
+#[derive(Debug, Clone, Serialize)]
+pub struct InitialProgress {
+    /// Pre-copy round (1 = every page in use).
+    pub round: u32,
+    /// Pages of the round sent.
+    pub pages_sent: u64,
+    /// Pages in the round.
+    pub pages_total: u64,
+}
+
 /// Durations kept for the percentiles.
 const HISTORY: usize = 4096;
 
@@ -69,6 +80,9 @@ pub struct FtReport {
     pub sync_us_p99: u64,
     /// Initial synchronization time, ms.
     pub initial_sync_ms: Option<u64>,
+    /// Initial synchronization progress: pre-copy round (1 = every page in
+    /// use), pages of it sent and its total; null once protected.
+    pub initial_progress: Option<InitialProgress>,
     /// Failovers performed by this VMM.
     pub failovers: u64,
     /// Failover time (primary lost to VM running), ms.
@@ -94,6 +108,8 @@ struct Inner {
     delays: VecDeque<u32>,
     protected_at: Option<Instant>,
     initial_sync_ms: Option<u64>,
+    initial_round: u32,
+    initial_round_pages: (u64, u64),
     failovers: u64,
     failover_ms: Option<u64>,
     last_error: Option<String>,
@@ -124,6 +140,8 @@ impl Default for FtShared {
                 delays: VecDeque::new(),
                 protected_at: None,
                 initial_sync_ms: None,
+                initial_round: 0,
+                initial_round_pages: (0, 0),
                 failovers: 0,
                 failover_ms: None,
                 last_error: None,
@@ -179,6 +197,8 @@ impl FtShared {
             i.delays.clear();
             i.protected_at = None;
             i.initial_sync_ms = None;
+            i.initial_round = 0;
+            i.initial_round_pages = (0, 0);
             i.last_error = None;
         })
     }
@@ -197,6 +217,16 @@ impl FtShared {
     pub fn set_error(&self, e: impl Into<String>) {
         let e = e.into();
         self.with(|i| i.last_error = Some(e))
+    }
+
+    /// Initial synchronization: `done` of the `total` pages of pre-copy round
+    /// `round` sent, `link_bytes` on the link so far.
+    pub fn initial_progress(&self, round: u32, done: u64, total: u64, link_bytes: u64) {
+        self.with(|i| {
+            i.initial_round = round;
+            i.initial_round_pages = (done, total);
+            i.link_bytes = link_bytes;
+        })
     }
 
     /// The initial synchronization took `d`.
@@ -283,6 +313,11 @@ impl FtShared {
                 sync_us_p50: percentile(&i.delays, 0.5),
                 sync_us_p99: percentile(&i.delays, 0.99),
                 initial_sync_ms: i.initial_sync_ms,
+                initial_progress: (i.state == FtState::Syncing).then_some(InitialProgress {
+                    round: i.initial_round,
+                    pages_sent: i.initial_round_pages.0,
+                    pages_total: i.initial_round_pages.1,
+                }),
                 failovers: i.failovers,
                 failover_ms: i.failover_ms,
                 last_error: i.last_error.clone(),
@@ -299,7 +334,11 @@ mod tests {
     fn percentiles_and_means() {
         let s = FtShared::default();
         s.begin("primary", FtState::Syncing, "h:1", "event", None);
+        s.initial_progress(1, 10, 100, 4096);
+        let p = s.report().initial_progress.expect("progress while syncing");
+        assert_eq!((p.round, p.pages_sent, p.pages_total), (1, 10, 100));
         s.set_state(FtState::Protected);
+        assert!(s.report().initial_progress.is_none());
         for k in 1..=100u64 {
             s.record_sync(
                 k,
