@@ -134,6 +134,16 @@ fn ft_state(vmm: &mut Vmm) -> Result<String, String> {
 /// Boots a protected guest: standby first, then the primary, then `ft start`,
 /// then the echo stream.
 fn protected_pair(dir: &Path, net: &TapNet, disk: &Path, ft_extra: &[&str]) -> Pair {
+    protected_pair_with(dir, net, disk, ft_extra, 1)
+}
+
+fn protected_pair_with(
+    dir: &Path,
+    net: &TapNet,
+    disk: &Path,
+    ft_extra: &[&str],
+    vcpus: u8,
+) -> Pair {
     let port = free_port();
     let standby = spawn_standby(dir, "standby", port, net);
     let primary = spawn_vmm(
@@ -142,6 +152,8 @@ fn protected_pair(dir: &Path, net: &TapNet, disk: &Path, ft_extra: &[&str]) -> P
             guest_elf().display().to_string(),
             "--memory".into(),
             "256M".into(),
+            "--vcpus".into(),
+            vcpus.to_string(),
             "--cmdline".into(),
             format!(
                 "counter=100 ip={}/24 disk=write,{FT_BLOCKS},seq,flush",
@@ -246,7 +258,7 @@ fn primary_killed_at_random_moments_standby_takes_over() {
 }
 
 #[test]
-fn periodic_checkpoints_fail_over_too() {
+fn periodic_checkpoints_fail_over_too_with_two_vcpus() {
     if !have_kvm() {
         return;
     }
@@ -254,7 +266,8 @@ fn periodic_checkpoints_fail_over_too() {
     let dir = scratch("ft-periodic");
     let net = TapNet::create("p", 32);
     let disk = disk_image(&dir);
-    let pair = protected_pair(&dir, &net, &disk, &["--periodic-ms", "25"]);
+    // Two vCPUs: every checkpoint stops both and harvests both dirty rings.
+    let pair = protected_pair_with(&dir, &net, &disk, &["--periodic-ms", "25"], 2);
     let st = ft_status(&pair.primary);
     assert_eq!(st["mode"], "periodic");
     std::thread::sleep(Duration::from_millis(500));
