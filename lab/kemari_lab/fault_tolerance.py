@@ -39,7 +39,7 @@ from kemari_lab import cleanup, images
 from kemari_lab.errors import LabError
 from kemari_lab.guests import EXIT_RE, Guest
 from kemari_lab.lab import Lab
-from kemari_lab.migration import KEY_PATH, listening
+from kemari_lab.migration import KEY_PATH, wait_listening
 from kemari_lab.netns import BRIDGE_IP
 from kemari_lab.vhost import VirtualHost
 
@@ -142,14 +142,7 @@ def start_standby(
     if fence_cmd:
         cmd += " --ft-fence-cmd '" + fence_cmd.replace("'", "'\\''") + "'"
     guest.launch(host, cmd + s.log_args)
-    deadline = time.monotonic() + timeout
-    while not listening(host, port):
-        console = host.run(f"cat {guest.console}", timeout=30).output
-        if EXIT_RE.search(console):
-            raise LabError(f"{host.name}: kemari --ft-standby exited before listening:\n{console[-2000:]}")
-        if time.monotonic() > deadline:
-            raise LabError(f"{host.name}: kemari --ft-standby not listening on port {port} after {timeout:.0f}s")
-        time.sleep(0.5)
+    wait_listening(guest, host, port, "kemari --ft-standby", timeout)
 
 
 def protect(

@@ -43,6 +43,19 @@ def listening(host: VirtualHost, port: int) -> bool:
     return any(f":{port:04X} 00000000:0000 0A" in line for line in out.splitlines())
 
 
+def wait_listening(guest: Guest, host: VirtualHost, port: int, what: str, timeout: float) -> None:
+    """Waits until the kemari `guest` launched on `host` listens on `port`;
+    fails at once if it exited first. `what` names it in errors."""
+    deadline = time.monotonic() + timeout
+    while not listening(host, port):
+        console = host.run(f"cat {guest.console}", timeout=30).output
+        if EXIT_RE.search(console):
+            raise LabError(f"{host.name}: {what} exited before listening:\n{console[-2000:]}")
+        if time.monotonic() > deadline:
+            raise LabError(f"{host.name}: {what} not listening on port {port} after {timeout:.0f}s")
+        time.sleep(0.5)
+
+
 def start_incoming(guest: Guest, dest: VirtualHost, port: int = MIGRATION_PORT, timeout: float = 30) -> None:
     """Starts a kemari on `dest` waiting for `guest` and returns once it listens."""
     s = guest.spec
@@ -61,14 +74,7 @@ def start_incoming(guest: Guest, dest: VirtualHost, port: int = MIGRATION_PORT, 
     if s.net:
         cmd += f" --net tap={s.tap}"
     guest.launch(dest, cmd + s.log_args)
-    deadline = time.monotonic() + timeout
-    while not listening(dest, port):
-        console = dest.run(f"cat {guest.console}", timeout=30).output
-        if EXIT_RE.search(console):
-            raise LabError(f"{dest.name}: kemari --incoming exited before listening:\n{console[-2000:]}")
-        if time.monotonic() > deadline:
-            raise LabError(f"{dest.name}: kemari --incoming not listening on port {port} after {timeout:.0f}s")
-        time.sleep(0.5)
+    wait_listening(guest, dest, port, "kemari --incoming", timeout)
 
 
 def live_migrate(

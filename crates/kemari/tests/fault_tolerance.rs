@@ -62,17 +62,15 @@ fn wait_listening(standby: &mut Vmm) {
 }
 
 fn spawn_standby(dir: &Path, tag: &str, port: u16, net: &TapNet) -> Vmm {
+    let mut args = vec![
+        "--ft-standby".to_string(),
+        format!("127.0.0.1:{port}"),
+        "--migration-key-file".into(),
+        key_file(dir).display().to_string(),
+    ];
+    args.extend(fenced_net(dir, net));
     let mut vmm = spawn_vmm(
-        &[
-            "--ft-standby".into(),
-            format!("127.0.0.1:{port}"),
-            "--migration-key-file".into(),
-            key_file(dir).display().to_string(),
-            "--net".into(),
-            format!("tap={}", net.name),
-            "--ft-fence".into(),
-            dir.join("fence").display().to_string(),
-        ],
+        &args,
         &dir.join(format!("console-{tag}.log")),
         &dir.join(format!("api-{tag}.sock")),
         &[],
@@ -131,6 +129,35 @@ fn ft_state(vmm: &mut Vmm) -> Result<String, String> {
     Ok(v["state"].as_str().unwrap_or_default().to_owned())
 }
 
+/// The test guest as a primary VMM: `memory`, `cmdline`, then `extra` flags.
+fn spawn_primary(dir: &Path, memory: &str, cmdline: &str, extra: &[String]) -> Vmm {
+    let mut args = vec![
+        "--kernel".to_string(),
+        guest_elf().display().to_string(),
+        "--memory".into(),
+        memory.into(),
+        "--cmdline".into(),
+        cmdline.into(),
+    ];
+    args.extend_from_slice(extra);
+    spawn_vmm(
+        &args,
+        &dir.join("console-primary.log"),
+        &dir.join("api-primary.sock"),
+        &[],
+    )
+}
+
+/// The TAP and the fence every protected primary here uses.
+fn fenced_net(dir: &Path, net: &TapNet) -> Vec<String> {
+    vec![
+        "--net".into(),
+        format!("tap={}", net.name),
+        "--ft-fence".into(),
+        dir.join("fence").display().to_string(),
+    ]
+}
+
 /// Boots a protected guest: standby first, then the primary, then `ft start`,
 /// then the echo stream.
 fn protected_pair(dir: &Path, net: &TapNet, disk: &Path, ft_extra: &[&str]) -> Pair {
@@ -146,29 +173,21 @@ fn protected_pair_with(
 ) -> Pair {
     let port = free_port();
     let standby = spawn_standby(dir, "standby", port, net);
-    let primary = spawn_vmm(
-        &[
-            "--kernel".into(),
-            guest_elf().display().to_string(),
-            "--memory".into(),
-            "256M".into(),
-            "--vcpus".into(),
-            vcpus.to_string(),
-            "--cmdline".into(),
-            format!(
-                "counter=100 ip={}/24 disk=write,{FT_BLOCKS},seq,flush",
-                net.guest_ip()
-            ),
-            "--disk".into(),
-            disk.display().to_string(),
-            "--net".into(),
-            format!("tap={}", net.name),
-            "--ft-fence".into(),
-            dir.join("fence").display().to_string(),
-        ],
-        &dir.join("console-primary.log"),
-        &dir.join("api-primary.sock"),
-        &[],
+    let mut extra = vec![
+        "--vcpus".to_string(),
+        vcpus.to_string(),
+        "--disk".into(),
+        disk.display().to_string(),
+    ];
+    extra.extend(fenced_net(dir, net));
+    let primary = spawn_primary(
+        dir,
+        "256M",
+        &format!(
+            "counter=100 ip={}/24 disk=write,{FT_BLOCKS},seq,flush",
+            net.guest_ip()
+        ),
+        &extra,
     );
     wait_for("guest network up", Duration::from_secs(30), || {
         read_text(&primary.console).contains("net: up")
@@ -373,22 +392,11 @@ fn cut_sync_link_never_runs_two_copies() {
     let mut standby = spawn_standby(&dir, "standby", port, &net);
     let cut = Arc::new(AtomicBool::new(false));
     let via = relay(port, cut.clone());
-    let primary = spawn_vmm(
-        &[
-            "--kernel".into(),
-            guest_elf().display().to_string(),
-            "--memory".into(),
-            "256M".into(),
-            "--cmdline".into(),
-            format!("counter=100 ip={}/24", net.guest_ip()),
-            "--net".into(),
-            format!("tap={}", net.name),
-            "--ft-fence".into(),
-            dir.join("fence").display().to_string(),
-        ],
-        &dir.join("console-primary.log"),
-        &dir.join("api-primary.sock"),
-        &[],
+    let primary = spawn_primary(
+        &dir,
+        "256M",
+        &format!("counter=100 ip={}/24", net.guest_ip()),
+        &fenced_net(&dir, &net),
     );
     wait_for("guest network up", Duration::from_secs(30), || {
         read_text(&primary.console).contains("net: up")
@@ -429,19 +437,7 @@ fn unreachable_or_unauthenticated_standby_is_refused_and_the_vm_runs_on() {
     }
     let _turn = one_at_a_time();
     let dir = scratch("ft-refused");
-    let primary = spawn_vmm(
-        &[
-            "--kernel".into(),
-            guest_elf().display().to_string(),
-            "--memory".into(),
-            "64M".into(),
-            "--cmdline".into(),
-            "counter=50".into(),
-        ],
-        &dir.join("console-primary.log"),
-        &dir.join("api-primary.sock"),
-        &[],
-    );
+    let primary = spawn_primary(&dir, "64M", "counter=50", &[]);
     wait_for("counting", Duration::from_secs(30), || {
         counters(&primary.console).len() >= 2
     });

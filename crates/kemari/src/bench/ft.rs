@@ -316,6 +316,43 @@ fn disk_job(setup: &Setup) -> Result<f64, String> {
     found.ok_or_else(|| format!("the disk job did not finish: {}", setup.primary.tail()))
 }
 
+/// What one disk job did: its rate and what fault tolerance sent meanwhile.
+struct DiskRun {
+    rate: f64,
+    link_bytes: u64,
+    syncs: u64,
+    pages: u64,
+}
+
+/// Boots a guest running the disk job `cmdline`, runs it to the end.
+fn disk_run(
+    env: &Env,
+    seq: &mut usize,
+    size: &str,
+    mode: &str,
+    period_ms: u64,
+    cmdline: &str,
+) -> Result<DiskRun, String> {
+    *seq += 1;
+    let s = start(env, *seq, size, mode, period_ms, cmdline, true)?;
+    let before = ft_status(&s);
+    let rate = disk_job(&s)?;
+    let after = ft_status(&s);
+    finish(s);
+    let delta = |k: &str| {
+        after[k]
+            .as_u64()
+            .unwrap_or(0)
+            .saturating_sub(before[k].as_u64().unwrap_or(0))
+    };
+    Ok(DiskRun {
+        rate,
+        link_bytes: delta("link_bytes"),
+        syncs: delta("syncs"),
+        pages: delta("pages"),
+    })
+}
+
 fn finish(setup: Setup) {
     let _ = api(&setup.api, "PUT", "/vm/shutdown", None);
     let mut s = setup;
@@ -363,52 +400,22 @@ fn measure(
     row.stream_mb_s = stream(&ip, args.seconds)? / 1e6;
     finish(s);
     // O_SYNC-style writes.
-    *seq += 1;
-    let s = start(
-        env,
-        *seq,
-        size,
-        mode,
-        args.period_ms,
-        &format!("disk=write,{},seq,flush", args.sync_blocks),
-        true,
-    )?;
-    row.osync_per_s = disk_job(&s)?;
-    finish(s);
+    let job =
+        |seq: &mut usize, cmdline: String| disk_run(env, seq, size, mode, args.period_ms, &cmdline);
+    row.osync_per_s = job(seq, format!("disk=write,{},seq,flush", args.sync_blocks))?.rate;
     // Buffered writes, and the link bytes they cost.
-    *seq += 1;
-    let s = start(
-        env,
-        *seq,
-        size,
-        mode,
-        args.period_ms,
-        &format!("disk=write,{},seq", args.buffered_blocks),
-        true,
-    )?;
-    let before = ft_status(&s);
-    row.buffered_per_s = disk_job(&s)?;
-    let after = ft_status(&s);
-    let delta = |k: &str| {
-        after[k]
-            .as_u64()
-            .unwrap_or(0)
-            .saturating_sub(before[k].as_u64().unwrap_or(0))
-    };
-    row.buffered_link_bytes = delta("link_bytes");
-    row.buffered_syncs = delta("syncs");
-    row.buffered_pages = delta("pages");
-    finish(s);
+    let r = job(seq, format!("disk=write,{},seq", args.buffered_blocks))?;
+    row.buffered_per_s = r.rate;
+    (
+        row.buffered_link_bytes,
+        row.buffered_syncs,
+        row.buffered_pages,
+    ) = (r.link_bytes, r.syncs, r.pages);
     // Buffered writes the way an OS does them: the application keeps
     // rewriting its hot pages while the file cache goes to disk in bursts.
-    *seq += 1;
-    let s = start(
-        env,
-        *seq,
-        size,
-        mode,
-        args.period_ms,
-        &format!(
+    let r = job(
+        seq,
+        format!(
             "dirty={},{} disk=write,{},seq,burst={}/{}",
             args.hot_pages_per_s,
             args.hot_mib,
@@ -416,20 +423,8 @@ fn measure(
             args.burst_blocks,
             args.burst_ms
         ),
-        true,
     )?;
-    let before = ft_status(&s);
-    disk_job(&s)?;
-    let after = ft_status(&s);
-    let delta = |k: &str| {
-        after[k]
-            .as_u64()
-            .unwrap_or(0)
-            .saturating_sub(before[k].as_u64().unwrap_or(0))
-    };
-    row.writeback_link_bytes = delta("link_bytes");
-    row.writeback_syncs = delta("syncs");
-    finish(s);
+    (row.writeback_link_bytes, row.writeback_syncs) = (r.link_bytes, r.syncs);
     Ok(row)
 }
 
