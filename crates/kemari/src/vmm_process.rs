@@ -295,19 +295,17 @@ fn ft_start(
         Ok(k) => k,
         Err(e) => return ApiResponse::error(400, e),
     };
-    let ms = |v: Option<u64>, d: std::time::Duration| {
-        v.map(|v| std::time::Duration::from_millis(v.max(1)))
-            .unwrap_or(d)
-    };
+    let (mode, heartbeat, timeout) =
+        match ft::timing(req.periodic_ms, req.heartbeat_ms, req.timeout_ms) {
+            Ok(t) => t,
+            Err(e) => return ApiResponse::error(400, e),
+        };
     let opts = ft::primary::FtStartOptions {
         peer: req.peer.clone(),
         key,
-        mode: match req.periodic_ms {
-            Some(p) => ft::SyncMode::Periodic(std::time::Duration::from_millis(p.max(1))),
-            None => ft::SyncMode::EventDriven,
-        },
-        heartbeat: ms(req.heartbeat_ms, ft::DEFAULT_HEARTBEAT),
-        timeout: ms(req.timeout_ms, ft::DEFAULT_TIMEOUT),
+        mode,
+        heartbeat,
+        timeout,
     };
     match ft::primary::start(machine, &opts, shared) {
         Ok(g) => {

@@ -61,6 +61,43 @@ pub enum FtError {
     Memory(String),
 }
 
+/// Checks the timing an `ft start` asks for: periodic checkpoints (ms) or
+/// event-driven, heartbeat interval and peer timeout (defaults when absent).
+/// Out-of-range values are refused with the reason, not clamped.
+pub fn timing(
+    periodic_ms: Option<u64>,
+    heartbeat_ms: Option<u64>,
+    timeout_ms: Option<u64>,
+) -> Result<(SyncMode, Duration, Duration), String> {
+    let check = |name: &str, v: u64, lo: u64, hi: u64| {
+        if (lo..=hi).contains(&v) {
+            Ok(Duration::from_millis(v))
+        } else {
+            Err(format!("{name} must be {lo}..={hi} ms, not {v}"))
+        }
+    };
+    let mode = match periodic_ms {
+        Some(p) => SyncMode::Periodic(check("periodic_ms", p, 1, 60_000)?),
+        None => SyncMode::EventDriven,
+    };
+    let heartbeat = match heartbeat_ms {
+        Some(h) => check("heartbeat_ms", h, 1, 60_000)?,
+        None => DEFAULT_HEARTBEAT,
+    };
+    let timeout = match timeout_ms {
+        Some(t) => check("timeout_ms", t, 10, 600_000)?,
+        None => DEFAULT_TIMEOUT,
+    };
+    if timeout <= heartbeat {
+        return Err(format!(
+            "timeout_ms ({}) must exceed heartbeat_ms ({})",
+            timeout.as_millis(),
+            heartbeat.as_millis()
+        ));
+    }
+    Ok((mode, heartbeat, timeout))
+}
+
 /// How the primary synchronizes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SyncMode {
@@ -77,5 +114,30 @@ impl SyncMode {
             SyncMode::EventDriven => "event",
             SyncMode::Periodic(_) => "periodic",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timing_defaults_ranges_and_order() {
+        assert_eq!(
+            timing(None, None, None),
+            Ok((SyncMode::EventDriven, DEFAULT_HEARTBEAT, DEFAULT_TIMEOUT))
+        );
+        assert_eq!(
+            timing(Some(25), Some(50), Some(500)),
+            Ok((
+                SyncMode::Periodic(Duration::from_millis(25)),
+                Duration::from_millis(50),
+                Duration::from_millis(500)
+            ))
+        );
+        assert!(timing(Some(0), None, None).is_err());
+        assert!(timing(None, None, Some(u64::MAX)).is_err());
+        assert!(timing(None, Some(u64::MAX), None).is_err());
+        assert!(timing(None, Some(500), Some(400)).is_err());
     }
 }
