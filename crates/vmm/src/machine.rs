@@ -200,35 +200,72 @@ impl MachineCore {
         Ok(self.dirty.harvest()?)
     }
 
+    /// KVM's MSR list (fetched once).
+    fn msr_indices(&self) -> Result<Arc<Vec<u32>>, MachineError> {
+        if let Some(m) = self.msr_indices.get() {
+            return Ok(m.clone());
+        }
+        let list: Arc<Vec<u32>> = Arc::new(
+            self.vm
+                .kvm()
+                .get_msr_index_list()
+                .map_err(|source| VmError::Kvm {
+                    what: "KVM_GET_MSR_INDEX_LIST",
+                    source,
+                })?
+                .as_slice()
+                .to_vec(),
+        );
+        Ok(self.msr_indices.get_or_init(|| list).clone())
+    }
+
+    /// Stops the vCPUs (one more nested pause, undone by
+    /// [`resume_vcpus`](Self::resume_vcpus) — also when this fails) and
+    /// saves each one's state on its own thread as soon as it has stopped:
+    /// one wake-up per vCPU for both, which is what a fault-tolerance sync
+    /// pays for on every output.
+    pub fn pause_and_save_vcpus(&self) -> Result<Vec<persist::VcpuState>, MachineError> {
+        let msrs = match self.msr_indices() {
+            Ok(m) => m,
+            Err(e) => {
+                // Keep the pause count balanced for the caller's resume.
+                self.vcpus.pause()?;
+                return Err(e);
+            }
+        };
+        self.vcpus
+            .pause_with(move |index, fd| persist::vcpu::save(fd, index, &msrs))?
+            .into_iter()
+            .map(|r| r.map_err(MachineError::VcpuState))
+            .collect()
+    }
+
     /// The whole VM state. The vCPUs must be paused and the devices at rest
     /// (the machine paused, or the caller is the device event loop).
     pub fn save_state(&self) -> Result<VmState, MachineError> {
         if !self.vcpus.is_paused() {
             return Err(MachineError::State(RunState::Running));
         }
-        let msr_indices = match self.msr_indices.get() {
-            Some(m) => m.clone(),
-            None => {
-                let list: Arc<Vec<u32>> = Arc::new(
-                    self.vm
-                        .kvm()
-                        .get_msr_index_list()
-                        .map_err(|source| VmError::Kvm {
-                            what: "KVM_GET_MSR_INDEX_LIST",
-                            source,
-                        })?
-                        .as_slice()
-                        .to_vec(),
-                );
-                self.msr_indices.get_or_init(|| list).clone()
-            }
-        };
+        let msr_indices = self.msr_indices()?;
         let mut vcpus = Vec::with_capacity(self.vcpus.handles().len());
         for v in self.vcpus.handles() {
             let index = v.index();
             let msrs = msr_indices.clone();
             let state = v.with_fd(move |fd| persist::vcpu::save(fd, index, &msrs))?;
             vcpus.push(state.map_err(MachineError::VcpuState)?);
+        }
+        self.state_with_vcpus(vcpus)
+    }
+
+    /// The whole VM state around vCPU states saved while paused (see
+    /// [`pause_and_save_vcpus`](Self::pause_and_save_vcpus)). The vCPUs must
+    /// still be paused and the devices at rest.
+    pub fn state_with_vcpus(
+        &self,
+        vcpus: Vec<persist::VcpuState>,
+    ) -> Result<VmState, MachineError> {
+        if !self.vcpus.is_paused() {
+            return Err(MachineError::State(RunState::Running));
         }
         let kvm = persist::KvmVmState::save(self.vm.fd()).map_err(MachineError::VmState)?;
         let serial = self

@@ -276,28 +276,34 @@ fn heartbeat_loop(link: &Weak<Link>, every: Duration, on_lost: &OnceLock<Weak<Ft
     }
 }
 
-/// Reads pages `pfns` from guest memory into page frames of epoch `epoch`
-/// (zero pages as markers), each page copied once, straight into its frame.
-fn page_frames(mem: &GuestMemoryMmap, pfns: &[u64], epoch: u64) -> Result<Vec<Vec<u8>>, FtError> {
-    let mut frames = Vec::with_capacity(pfns.len().div_ceil(MAX_PAGES_PER_FRAME));
-    let mut frame = PageFrame::new();
-    for &pfn in pfns {
-        frame.push_with(pfn, false, |data| {
-            let addr = pfn
-                .checked_mul(PAGE as u64)
-                .ok_or_else(|| FtError::Memory(format!("page {pfn:#x}")))?;
-            mem.read_slice(data, GuestAddress(addr))
-                .map_err(|e| FtError::Memory(format!("page {pfn:#x}: {e}")))
-        })?;
-        if frame.is_full() {
-            frames.push(frame.payload(epoch as u32).to_vec());
-            frame.clear();
+/// Reads pages `pfns` from guest memory into the frames of `pool` (grown as
+/// needed, reused from sync to sync: no allocation and no page faults on the
+/// guest's pause path), zero pages as markers, each page copied once,
+/// straight into its frame. Returns how many frames of `pool` hold pages.
+fn fill_frames(
+    mem: &GuestMemoryMmap,
+    pfns: &[u64],
+    pool: &mut Vec<PageFrame>,
+) -> Result<usize, FtError> {
+    let mut used = 0;
+    for chunk in pfns.chunks(MAX_PAGES_PER_FRAME) {
+        if pool.len() == used {
+            pool.push(PageFrame::new());
         }
+        let frame = &mut pool[used];
+        frame.clear();
+        for &pfn in chunk {
+            frame.push_with(pfn, false, |data| {
+                let addr = pfn
+                    .checked_mul(PAGE as u64)
+                    .ok_or_else(|| FtError::Memory(format!("page {pfn:#x}")))?;
+                mem.read_slice(data, GuestAddress(addr))
+                    .map_err(|e| FtError::Memory(format!("page {pfn:#x}: {e}")))
+            })?;
+        }
+        used += 1;
     }
-    if frame.count() > 0 {
-        frames.push(frame.payload(epoch as u32).to_vec());
-    }
-    Ok(frames)
+    Ok(used)
 }
 
 /// The output gate of a protected VM.
@@ -308,6 +314,8 @@ pub struct FtGate {
     epoch: AtomicU64,
     /// The last acknowledged epoch's state (the next one is sent as a delta).
     prev_state: Mutex<Vec<u8>>,
+    /// Page frames reused by every sync.
+    frames: Mutex<Vec<PageFrame>>,
     /// Keep the vCPUs paused until the standby acknowledged (the paper's
     /// way) instead of resuming them once the epoch is captured.
     hold_vcpus: bool,
@@ -347,9 +355,12 @@ impl FtGate {
     ) -> Result<(), FtError> {
         let started = Instant::now();
         let epoch = self.epoch.load(Ordering::SeqCst) + 1;
-        self.core.pause_vcpus()?;
+        let mut pool = self.frames.lock().unwrap_or_else(|p| p.into_inner());
+        // Each vCPU saves its own state as soon as it has stopped.
+        let vcpus = self.core.pause_and_save_vcpus();
         let t_paused = started.elapsed();
         let captured = (|| -> Result<_, FtError> {
+            let vcpus = vcpus?;
             let mut pfns = self.core.harvest_dirty_paused()?;
             let t_harvest = started.elapsed();
             if !extra.is_empty() {
@@ -357,9 +368,9 @@ impl FtGate {
                 pfns.sort_unstable();
                 pfns.dedup();
             }
-            let frames = page_frames(self.core.guest_memory(), &pfns, epoch)?;
+            let frames = fill_frames(self.core.guest_memory(), &pfns, &mut pool)?;
             let t_pages = started.elapsed();
-            let state = self.core.save_state()?;
+            let state = self.core.state_with_vcpus(vcpus)?;
             tracing::debug!(
                 epoch,
                 pages = pfns.len(),
@@ -380,7 +391,16 @@ impl FtGate {
         let pause = started.elapsed();
         let (pages, frames, state) = captured?;
         resumed?;
-        let result = self.send_epoch(link, epoch, batch, pages, frames, state, started, pause);
+        let result = self.send_epoch(
+            link,
+            epoch,
+            batch,
+            pages,
+            &mut pool[..frames],
+            state,
+            started,
+            pause,
+        );
         if hold {
             self.core.resume_vcpus()?;
         }
@@ -394,7 +414,7 @@ impl FtGate {
         epoch: u64,
         batch: &[OutputEvent],
         pages: u64,
-        frames: Vec<Vec<u8>>,
+        frames: &mut [PageFrame],
         state: vmm::persist::VmState,
         started: Instant,
         pause: Duration,
@@ -405,8 +425,8 @@ impl FtGate {
         // whole epoch: no heartbeat may come between its frames.
         let mut encoded = None;
         let bytes = link.send(|w| {
-            for f in &frames {
-                w.send(Kind::Pages, f)?;
+            for f in frames.iter_mut() {
+                w.send(Kind::Pages, f.payload(epoch as u32))?;
             }
             w.send_json(&FtMessage::EpochEnd {
                 epoch,
@@ -608,11 +628,12 @@ fn initial_sync(
     let mut send_round = |pfns: &[u64], round: u32| -> Result<(), FtError> {
         let total = pfns.len() as u64;
         let mut done = 0u64;
+        let mut pool = Vec::new();
         for chunk in pfns.chunks(16 * MAX_PAGES_PER_FRAME) {
-            let frames = page_frames(machine.guest_memory(), chunk, 0)?;
+            let frames = fill_frames(machine.guest_memory(), chunk, &mut pool)?;
             link.send(|w| {
-                for f in &frames {
-                    w.send(Kind::Pages, f)?;
+                for f in pool[..frames].iter_mut() {
+                    w.send(Kind::Pages, f.payload(0))?;
                 }
                 Ok(())
             })?;
@@ -647,6 +668,7 @@ fn initial_sync(
         link: Mutex::new(Some(link.clone())),
         epoch: AtomicU64::new(0),
         prev_state: Mutex::new(Vec::new()),
+        frames: Mutex::new(Vec::new()),
         hold_vcpus: std::env::var_os("KEMARI_FT_HOLD_VCPUS").is_some(),
         shared: shared.clone(),
     });

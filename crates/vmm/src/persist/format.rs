@@ -1,26 +1,39 @@
 //! The state file: a fixed header (magic, format version, payload length,
-//! CRC-32 of the payload) followed by the payload (JSON of [`VmState`]).
-//! Anything else — another magic, a newer version, a wrong length or checksum,
-//! a payload over the size limit — is refused with a clear error before any of
-//! it is used.
+//! CRC-32 of the payload) followed by the payload.
+//! Anything else — another magic, an unknown version, a wrong length or
+//! checksum, a payload over the size limit — is refused with a clear error
+//! before any of it is used.
 //!
 //! ```text
 //! offset  size  field
 //!      0     8  magic "KEMARIVM"
-//!      8     4  format version (u32 LE)
+//!      8     4  format version (u32 LE): 2 is written, 1 and 2 are read
 //!     12     4  flags (u32 LE, 0)
 //!     16     8  payload length (u64 LE)
 //!     24     4  CRC-32 (IEEE) of the payload (u32 LE)
 //!     28     4  reserved (0)
-//!     32     …  payload: VmState as JSON
+//!     32     …  payload
 //! ```
+//!
+//! Payload of version 2 (binary; bincode, varint integers, no trailing
+//! bytes): a JSON string holding the small, descriptive part (kemari
+//! version, save time, configuration, memory), then the in-kernel devices,
+//! the vCPUs, the serial port and the virtio devices. KVM's structures are
+//! kept as their raw bytes, so encoding one VM's ~12 KB costs a few µs —
+//! fault tolerance does it at every sync. Version 1 (read only, the first
+//! snapshots) is the whole [`VmState`] as JSON.
 
-use super::VmState;
+use serde::{Deserialize, Serialize};
+
+use super::{KvmVmState, MemoryState, SerialStateData, VcpuState, VirtioState, VmState};
+use crate::config::MachineConfig;
 
 /// File magic.
 pub const MAGIC: &[u8; 8] = b"KEMARIVM";
-/// Current format version.
-pub const FORMAT_VERSION: u32 = 1;
+/// Format version written.
+pub const FORMAT_VERSION: u32 = 2;
+/// The JSON format of the first snapshots, still read.
+pub const FORMAT_VERSION_JSON: u32 = 1;
 /// Header size.
 pub const HEADER_LEN: usize = 32;
 /// Largest payload accepted.
@@ -36,7 +49,7 @@ pub enum FormatError {
     #[error("not a kemari VM state (bad magic)")]
     BadMagic,
     /// Written by an incompatible version.
-    #[error("state format version {found} is not supported (this kemari reads version {FORMAT_VERSION})")]
+    #[error("state format version {found} is not supported (this kemari reads versions {FORMAT_VERSION_JSON} and {FORMAT_VERSION})")]
     Version {
         /// Version in the file.
         found: u32,
@@ -62,17 +75,81 @@ pub enum FormatError {
     Payload(String),
 }
 
-/// Encodes `state` with header and checksum.
+/// The descriptive part of a version-2 payload (JSON: the configuration's
+/// enums are tagged, which a binary encoding cannot carry).
+#[derive(Serialize)]
+struct HeadOut<'a> {
+    kemari_version: &'a str,
+    saved_at_ms: u64,
+    config: &'a MachineConfig,
+    memory: &'a MemoryState,
+}
+
+#[derive(Deserialize)]
+struct HeadIn {
+    kemari_version: String,
+    saved_at_ms: u64,
+    config: MachineConfig,
+    memory: MemoryState,
+}
+
+/// A version-2 payload as written (fields in this order).
+#[derive(Serialize)]
+struct BinaryOut<'a> {
+    head: String,
+    kvm: &'a KvmVmState,
+    vcpus: &'a [VcpuState],
+    serial: &'a SerialStateData,
+    virtio: &'a [VirtioState],
+}
+
+/// A version-2 payload as read.
+#[derive(Deserialize)]
+struct BinaryIn {
+    head: String,
+    kvm: KvmVmState,
+    vcpus: Vec<VcpuState>,
+    serial: SerialStateData,
+    virtio: Vec<VirtioState>,
+}
+
+fn bincode_options() -> impl bincode::Options {
+    use bincode::Options;
+    bincode::DefaultOptions::new().with_limit(MAX_PAYLOAD)
+}
+
+/// Encodes `state` with header and checksum (format version 2).
 pub fn encode(state: &VmState) -> Result<Vec<u8>, FormatError> {
-    let payload = serde_json::to_vec(state).map_err(|e| FormatError::Payload(e.to_string()))?;
-    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
+    use bincode::Options;
+    let head = serde_json::to_string(&HeadOut {
+        kemari_version: &state.kemari_version,
+        saved_at_ms: state.saved_at_ms,
+        config: &state.config,
+        memory: &state.memory,
+    })
+    .map_err(|e| FormatError::Payload(e.to_string()))?;
+    let body = BinaryOut {
+        head,
+        kvm: &state.kvm,
+        vcpus: &state.vcpus,
+        serial: &state.serial,
+        virtio: &state.virtio,
+    };
+    let len = bincode_options()
+        .serialized_size(&body)
+        .map_err(|e| FormatError::Payload(e.to_string()))?;
+    let mut out = Vec::with_capacity(HEADER_LEN + len as usize);
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
     out.extend_from_slice(&0u32.to_le_bytes());
-    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-    out.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
+    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(&0u32.to_le_bytes()); // CRC, below
     out.extend_from_slice(&0u32.to_le_bytes());
-    out.extend_from_slice(&payload);
+    bincode_options()
+        .serialize_into(&mut out, &body)
+        .map_err(|e| FormatError::Payload(e.to_string()))?;
+    let crc = crc32fast::hash(&out[HEADER_LEN..]);
+    out[24..28].copy_from_slice(&crc.to_le_bytes());
     Ok(out)
 }
 
@@ -82,8 +159,26 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
 
 /// Checks and decodes a state file.
 pub fn decode(bytes: &[u8]) -> Result<VmState, FormatError> {
+    use bincode::Options;
     let payload = verify(bytes)?;
-    serde_json::from_slice(payload).map_err(|e| FormatError::Payload(e.to_string()))
+    let malformed = |e: &dyn std::fmt::Display| FormatError::Payload(e.to_string());
+    if u32_at(bytes, 8) == FORMAT_VERSION_JSON {
+        return serde_json::from_slice(payload).map_err(|e| malformed(&e));
+    }
+    let body: BinaryIn = bincode_options()
+        .deserialize(payload)
+        .map_err(|e| malformed(&e))?;
+    let head: HeadIn = serde_json::from_str(&body.head).map_err(|e| malformed(&e))?;
+    Ok(VmState {
+        kemari_version: head.kemari_version,
+        saved_at_ms: head.saved_at_ms,
+        config: head.config,
+        memory: head.memory,
+        kvm: body.kvm,
+        vcpus: body.vcpus,
+        serial: body.serial,
+        virtio: body.virtio,
+    })
 }
 
 /// Checks the header, length and checksum without parsing the payload (cheap:
@@ -97,7 +192,7 @@ pub fn verify(bytes: &[u8]) -> Result<&[u8], FormatError> {
         return Err(FormatError::BadMagic);
     }
     let version = u32_at(bytes, 8);
-    if version != FORMAT_VERSION {
+    if version != FORMAT_VERSION && version != FORMAT_VERSION_JSON {
         return Err(FormatError::Version { found: version });
     }
     let mut len = [0u8; 8];
@@ -197,8 +292,8 @@ pub(crate) mod tests {
         b[0] = b'X';
         assert!(matches!(decode(&b), Err(FormatError::BadMagic)));
         let mut b = good.clone();
-        b[8] = 2;
-        assert!(matches!(decode(&b), Err(FormatError::Version { found: 2 })));
+        b[8] = 3;
+        assert!(matches!(decode(&b), Err(FormatError::Version { found: 3 })));
         assert!(matches!(
             decode(&good[..good.len() - 1]),
             Err(FormatError::Length { .. })
@@ -211,17 +306,66 @@ pub(crate) mod tests {
         let mut b = good.clone();
         b[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(matches!(decode(&b), Err(FormatError::Length { .. })));
-        // Valid container, payload not a VmState.
-        let payload = b"{\"nope\":1}";
+        // Valid containers, payloads not a VmState, in either format.
+        for version in [FORMAT_VERSION_JSON, FORMAT_VERSION] {
+            let b = container(version, b"{\"nope\":1}");
+            assert!(matches!(decode(&b), Err(FormatError::Payload(_))));
+        }
+        // A binary payload with a huge sequence length: refused, not allocated.
+        let mut payload = vec![0u8]; // empty head string
+        payload.extend_from_slice(&[0xfd, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f]);
+        let b = container(FORMAT_VERSION, &payload);
+        assert!(matches!(decode(&b), Err(FormatError::Payload(_))));
+        // Trailing bytes after a valid payload.
+        let mut b = good.clone();
+        b.push(0);
+        let payload = b[HEADER_LEN..].to_vec();
+        assert!(matches!(
+            decode(&container(FORMAT_VERSION, &payload)),
+            Err(FormatError::Payload(_))
+        ));
+    }
+
+    fn container(version: u32, payload: &[u8]) -> Vec<u8> {
         let mut b = Vec::new();
         b.extend_from_slice(MAGIC);
-        b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b.extend_from_slice(&version.to_le_bytes());
         b.extend_from_slice(&0u32.to_le_bytes());
         b.extend_from_slice(&(payload.len() as u64).to_le_bytes());
         b.extend_from_slice(&crc32fast::hash(payload).to_le_bytes());
         b.extend_from_slice(&0u32.to_le_bytes());
         b.extend_from_slice(payload);
-        assert!(matches!(decode(&b), Err(FormatError::Payload(_))));
+        b
+    }
+
+    #[test]
+    fn reads_the_json_format_of_version_1() {
+        let state = sample_state();
+        let b = container(FORMAT_VERSION_JSON, &serde_json::to_vec(&state).unwrap());
+        let back = decode(&b).unwrap();
+        assert_eq!(back.vcpus[0].regs.rip, 0x1234_5678);
+        assert_eq!(back.config, state.config);
+    }
+
+    #[test]
+    fn binary_round_trip_keeps_every_part() {
+        let mut state = sample_state();
+        state.vcpus[0].lapic.regs[0x20] = 7;
+        state.vcpus[0].xsave.region[3] = 0xdead_beef;
+        state.kvm.clock.clock = 123_456;
+        state.serial.in_buffer = vec![1, 2, 3];
+        let bytes = encode(&state).unwrap();
+        let back = decode(&bytes).unwrap();
+        assert_eq!(back.kemari_version, state.kemari_version);
+        assert_eq!(back.config, state.config);
+        assert_eq!(back.memory, state.memory);
+        assert_eq!(back.vcpus[0].lapic.regs[0x20], 7);
+        assert_eq!(back.vcpus[0].xsave.region[3], 0xdead_beef);
+        assert_eq!(back.kvm.clock.clock, 123_456);
+        assert_eq!(back.serial, state.serial);
+        // The same state encodes to the same bytes (fault tolerance sends
+        // deltas against the previous encoding).
+        assert_eq!(encode(&back).unwrap()[28..], bytes[28..]);
     }
 
     #[test]
