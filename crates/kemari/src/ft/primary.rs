@@ -420,10 +420,16 @@ impl FtGate {
         pause: Duration,
     ) -> Result<(), FtError> {
         let outputs: u64 = batch.iter().map(|e| u64::from(e.requests)).sum();
-        // The pages go first: the standby takes them in while the state is
-        // encoded (which needs no paused guest). One writer lock for the
-        // whole epoch: no heartbeat may come between its frames.
-        let mut encoded = None;
+        // Encoding takes a few µs (binary state, LZ4 delta): the whole epoch
+        // then goes out in one write, and the standby wakes once for it. One
+        // writer lock for the whole epoch: no heartbeat may come between its
+        // frames.
+        let state = format::encode(&state).map_err(|e| FtError::Protocol(e.to_string()))?;
+        let packed = {
+            let prev = self.prev_state.lock().unwrap_or_else(|p| p.into_inner());
+            pack_state(&state, &prev)
+        };
+        let packed_len = packed.len();
         let bytes = link.send(|w| {
             for f in frames.iter_mut() {
                 w.send(Kind::Pages, f.payload(epoch as u32))?;
@@ -433,18 +439,9 @@ impl FtGate {
                 pages,
                 outputs,
             })?;
-            w.flush()?;
-            let state = format::encode(&state).map_err(|e| FtError::Protocol(e.to_string()))?;
-            let packed = {
-                let prev = self.prev_state.lock().unwrap_or_else(|p| p.into_inner());
-                pack_state(&state, &prev)
-            };
             w.send(Kind::State, &packed)?;
-            encoded = Some((state, packed.len()));
             Ok(())
         })?;
-        let (state, packed_len) =
-            encoded.ok_or_else(|| FtError::Protocol("state not sent".into()))?;
         let t_sent = started.elapsed();
         link.wait("acknowledgement", |l| {
             l.acked.load(Ordering::SeqCst) >= epoch
