@@ -88,6 +88,15 @@ pub enum MachineError {
     /// The operation does not apply in the current state.
     #[error("the VM is {0}")]
     State(RunState),
+    /// A device backend could not be released.
+    #[error("cannot release the backend of {device}")]
+    Release {
+        /// The device.
+        device: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Whether the guest is running.
@@ -863,6 +872,32 @@ impl Machine {
                     .backend_fd()
             })
             .collect()
+    }
+
+    /// Lets go of every device backend — disk images and NBD connections
+    /// closed, TAP queues given up — so that the VM's next VMM can open them
+    /// while this process still exits (warm restart, snapshot + exit). Returns
+    /// the TAP fds in network-device order, to hand over or close. The machine
+    /// must be paused, and must never run again: its devices serve nothing
+    /// afterwards.
+    pub fn release_backends(&mut self) -> Result<Vec<std::fs::File>, MachineError> {
+        if self.state != RunState::Paused {
+            return Err(MachineError::State(self.state));
+        }
+        let mut taps = Vec::new();
+        for d in &self.core.virtio {
+            let released = d
+                .device
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .release_backend()
+                .map_err(|source| MachineError::Release {
+                    device: d.info.name.clone(),
+                    source,
+                })?;
+            taps.extend(released);
+        }
+        Ok(taps)
     }
 
     /// Devices with their counters.
