@@ -84,8 +84,8 @@ pub enum WarmError {
     /// The successor and the VM do not belong together.
     #[error("the successor does not match this VM: {0}")]
     Mismatch(String),
-    /// The peer refused.
-    #[error("the successor refused: {0}")]
+    /// The successor refused the VM.
+    #[error("the successor waiting on this directory refused: {0}")]
     Refused(String),
     /// Another successor already waits on the directory.
     #[error("another successor already waits on {0}")]
@@ -168,11 +168,16 @@ fn memory_path(config: &MachineConfig) -> Result<&Path, WarmError> {
 /// What differs between the VM a successor prepared for and the VM offered
 /// (the serial console may differ: the successor may have its own).
 fn mismatch(prepared: &MachineConfig, offered: &MachineConfig) -> Option<String> {
+    let memory = |c: &MachineConfig| match &c.memory_backing {
+        MemoryBacking::File { path } => path.display().to_string(),
+        other => format!("{other:?}"),
+    };
     let mut differs = Vec::new();
     if prepared.memory_backing != offered.memory_backing {
         differs.push(format!(
-            "memory {:?} vs {:?}",
-            prepared.memory_backing, offered.memory_backing
+            "memory file {} vs {}",
+            memory(prepared),
+            memory(offered)
         ));
     }
     if prepared.memory_bytes != offered.memory_bytes {
@@ -187,7 +192,12 @@ fn mismatch(prepared: &MachineConfig, offered: &MachineConfig) -> Option<String>
     if prepared.disks != offered.disks || prepared.nets != offered.nets {
         differs.push("disks or network devices".into());
     }
-    (!differs.is_empty()).then(|| format!("prepared for {}", differs.join(", ")))
+    (!differs.is_empty()).then(|| {
+        format!(
+            "prepared for a different VM ({}: prepared vs offered)",
+            differs.join(", ")
+        )
+    })
 }
 
 // ---------------------------------------------------------------------------

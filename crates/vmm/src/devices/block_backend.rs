@@ -495,6 +495,16 @@ mod tests {
     }
 
     #[test]
+    fn a_released_disk_keeps_its_identity_and_serves_nothing() {
+        let disk = MemoryBackend::new(8192, true);
+        let mut r = ReleasedBackend::of(&disk);
+        assert_eq!((r.size(), r.read_only(), r.id()), (8192, true, disk.id()));
+        assert!(r.read_at(0, &mut [0u8; 512]).is_err());
+        assert!(r.write_at(0, &[0u8; 512]).is_err());
+        assert!(r.flush().is_err());
+    }
+
+    #[test]
     fn raw_file_round_trip_and_bounds() {
         let path = temp_image("rw", 1 << 20);
         let mut b = RawFileBackend::open(&path, false).unwrap();
