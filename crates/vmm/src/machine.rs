@@ -474,18 +474,8 @@ impl Machine {
         let dirty = DirtyTracker::new(&vm, &guest_memory, dirty)?;
         let t_memory = built_at.elapsed();
         let t_vm = built_at.elapsed();
-        // Memory slots cost O(memory) in KVM: register them while the devices,
-        // the kernel and the vCPUs are set up, and join before any vCPU runs.
-        let (setup, slots) = std::thread::scope(|scope| {
-            let slots = scope.spawn(|| {
-                let r = if slots_registered {
-                    Ok(())
-                } else {
-                    vm.register_memory(&guest_memory)
-                };
-                (r, built_at.elapsed())
-            });
-            let setup = Self::setup_devices_kernel_vcpus(
+        let setup = |gate| {
+            Self::setup_devices_kernel_vcpus(
                 &config,
                 &vm,
                 &guest_memory,
@@ -493,11 +483,24 @@ impl Machine {
                 gate,
                 saved,
                 taps,
-            );
-            (setup, slots.join())
-        });
-        let (slots_result, t_slots) = slots.unwrap_or_else(|p| std::panic::resume_unwind(p));
-        slots_result?;
+            )
+        };
+        let (setup, t_slots) = if slots_registered {
+            // Prepared ahead: no thread to start (up to 1 ms on a busy host,
+            // inside the guest's pause when restoring).
+            (setup(gate), t_vm)
+        } else {
+            // Memory slots cost O(memory) in KVM: register them while the
+            // devices, the kernel and the vCPUs are set up, and join before
+            // any vCPU runs.
+            let (setup, slots) = std::thread::scope(|scope| {
+                let slots = scope.spawn(|| (vm.register_memory(&guest_memory), built_at.elapsed()));
+                (setup(gate), slots.join())
+            });
+            let (slots_result, t_slots) = slots.unwrap_or_else(|p| std::panic::resume_unwind(p));
+            slots_result?;
+            (setup, t_slots)
+        };
         let Setup {
             serial,
             serial_backend,
