@@ -673,8 +673,9 @@ pub struct AvailabilityArgs {
     #[arg(long)]
     pub verbose: bool,
     /// Start the new kemari as soon as the old one has saved the state,
-    /// without waiting for its exit (reboot, snapshot, warm restart; not safe
-    /// with TAP devices): measures what the old process's exit costs.
+    /// without waiting for its exit (reboot, snapshot, warm restart; the
+    /// bench's guest has no TAP, and a rebooting kemari holds its TAPs until
+    /// it exits): measures what the old process's exit costs.
     #[arg(long)]
     pub overlap_exit: bool,
     /// The kemari binary (default: next to this one).

@@ -114,8 +114,9 @@ pub struct Env {
     pub verbose: bool,
     /// kemari reboot/snapshot/warm restart: start the new VMM as soon as the
     /// old one has answered (state saved), not after it has exited. Shows
-    /// what the old process's exit costs; unsafe with TAP devices, which
-    /// the old process holds until it exits.
+    /// what the old process's exit costs. Safe with TAPs after a snapshot
+    /// with exit or a warm restart (released before the answer), not after
+    /// a shutdown (held until the exit).
     pub overlap_exit: bool,
 }
 
