@@ -60,6 +60,14 @@ pub struct Args {
     /// of memory) may be given; the rest comes from the snapshot.
     #[arg(long, conflicts_with_all = ["config", "kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "nets"])]
     pub restore: Option<PathBuf>,
+    /// With --restore DIR: be the VM's prepared successor. Start before the
+    /// state exists, while the old kemari still runs the VM: read
+    /// DIR/config.json (`kemarictl warm-restart DIR --prepare`), map the VM's
+    /// memory file, create the KVM VM and its memory slots, then wait on
+    /// DIR/successor.sock; the old kemari's `warm-restart DIR` hands the VM
+    /// over and it resumes here at once. Give it its own --api-socket.
+    #[arg(long, requires = "restore")]
+    pub await_state: bool,
     /// Wait on this Unix socket for a VM migrated from another kemari on this
     /// host (`kemarictl migrate-local SOCKET`) and run it: zero-copy, guest
     /// memory and TAPs are handed over. --serial and --api-socket may be given.

@@ -23,7 +23,7 @@ use crate::api::routes::FtStartRequest;
 use crate::api::server::{ApiResponse, ApiServer, PendingRequest, ServerError};
 use crate::cli::{Args, CliError};
 use crate::ft::{self, fence::Fence, primary::FtGate, status::FtShared, status::FtState};
-use crate::migration::{local, tcp};
+use crate::migration::{local, tcp, warm};
 use std::sync::Arc;
 
 /// Exit status when the guest reported a failure.
@@ -59,6 +59,9 @@ pub enum ProcessError {
     /// Fault tolerance (standby, fence).
     #[error(transparent)]
     Ft(#[from] ft::FtError),
+    /// A prepared warm-restart successor failed.
+    #[error(transparent)]
+    Warm(#[from] warm::WarmError),
 }
 
 enum Control {
@@ -81,6 +84,15 @@ fn forwarder<T: Send + 'static>(
 /// snapshot directory.
 fn make_machine(args: &Args, sink: VmEventSink) -> Result<Machine, ProcessError> {
     let gate = std::sync::Arc::new(vmm::output::PassThroughGate);
+    if let (Some(dir), true) = (&args.restore, args.await_state) {
+        let prepared = warm::prepare(dir)?;
+        let mut overrides = Ok(());
+        let machine = prepared.await_state(sink, args.start_paused, |config| {
+            overrides = args.apply_restore_overrides(config);
+        })?;
+        overrides?;
+        return Ok(machine);
+    }
     if let Some(dir) = &args.restore {
         let mut state = snapshot::read_state(dir)?;
         args.apply_restore_overrides(&mut state.config)?;
@@ -394,7 +406,7 @@ fn handle_api(
             After::Exit,
         ),
         ApiRequest::Snapshot { dir, exit } => snapshot_full(machine, &dir, exit),
-        ApiRequest::WarmRestart { dir } => warm_restart(machine, &dir),
+        ApiRequest::WarmRestart { dir, prepare } => warm_restart(machine, &dir, prepare),
         ApiRequest::MigrateLocal { socket } => match local::migrate_out(machine, &socket) {
             Ok(report) => {
                 tracing::info!(?report, "local migration done: exiting");
@@ -454,6 +466,7 @@ fn snapshot_full(machine: &mut Machine, dir: &std::path::Path, exit: bool) -> (A
         "exit": exit,
     });
     if exit {
+        drop(release_backends(machine));
         return (ApiResponse::ok(body), After::Exit);
     }
     if was_running {
@@ -464,21 +477,76 @@ fn snapshot_full(machine: &mut Machine, dir: &std::path::Path, exit: bool) -> (A
     (ApiResponse::ok(body), After::Continue)
 }
 
-fn warm_restart(machine: &mut Machine, dir: &std::path::Path) -> (ApiResponse, After) {
-    match pause_and_save(machine, |state, mem| snapshot::save_warm(dir, state, mem)) {
-        Err(e) => (ApiResponse::error(409, e), After::Continue),
-        Ok((stats, paused_ms, _)) => {
-            tracing::info!(dir = %dir.display(), paused_ms, "warm restart: state saved, exiting");
-            (
-                ApiResponse::ok(json!({
-                    "dir": dir,
-                    "state_bytes": stats.state_bytes,
-                    "paused_ms": paused_ms,
-                })),
-                After::Exit,
-            )
+/// Lets go of the disks and TAPs of a machine paused for good, so that the
+/// VM's next VMM can open them while this process still exits; returns the
+/// TAP fds (to hand over, or drop).
+fn release_backends(machine: &mut Machine) -> Vec<std::fs::File> {
+    machine.release_backends().unwrap_or_else(|e| {
+        tracing::warn!(error = %e, "cannot release the device backends before exiting");
+        Vec::new()
+    })
+}
+
+fn warm_restart(
+    machine: &mut Machine,
+    dir: &std::path::Path,
+    prepare: bool,
+) -> (ApiResponse, After) {
+    if prepare {
+        return match warm::write_config(dir, machine.config()) {
+            Ok(config) => (
+                ApiResponse::ok(json!({ "dir": dir, "config": config })),
+                After::Continue,
+            ),
+            Err(e) => (ApiResponse::error(409, e), After::Continue),
+        };
+    }
+    // A successor must accept this VM before it pauses.
+    let successor = match warm::connect(dir, machine.config(), machine.memory_file().size()) {
+        Ok(s) => s,
+        Err(e) => return (ApiResponse::error(409, e), After::Continue),
+    };
+    let paused_at = Instant::now();
+    let (stats, saved_ms) =
+        match pause_and_save(machine, |state, mem| snapshot::save_warm(dir, state, mem)) {
+            Err(e) => return (ApiResponse::error(409, e), After::Continue),
+            Ok((stats, paused_ms, _)) => (stats, paused_ms),
+        };
+    // From here on the VM never runs in this process again.
+    let taps = release_backends(machine);
+    let handed_over = successor.map(|s| s.hand_over(taps));
+    let mut body = json!({
+        "dir": dir,
+        "state_bytes": stats.state_bytes,
+        "paused_ms": saved_ms,
+        "successor": null,
+    });
+    match handed_over {
+        None => {
+            tracing::info!(dir = %dir.display(), paused_ms = saved_ms, "warm restart: state saved, exiting")
+        }
+        Some(Ok(restore_ms)) => {
+            // Paused here until the successor runs the VM: the guest's pause.
+            let downtime_ms = paused_at.elapsed().as_secs_f64() * 1000.0;
+            tracing::info!(dir = %dir.display(), paused_ms = saved_ms, restore_ms, downtime_ms, "warm restart: the successor runs the VM, exiting");
+            body["successor"] = json!({
+                "running": true,
+                "restore_ms": restore_ms,
+                "downtime_ms": downtime_ms,
+            });
+        }
+        Some(Err(e)) => {
+            // The state is saved all the same: nothing is lost.
+            let message = format!(
+                "state saved in {}, but the successor failed ({e}): `kemari --restore {}` resumes the VM",
+                dir.display(),
+                dir.display()
+            );
+            tracing::error!("warm restart: {message}");
+            return (ApiResponse::error(502, message), After::Exit);
         }
     }
+    (ApiResponse::ok(body), After::Exit)
 }
 
 fn handle_query(machine: &mut Machine, request: ApiRequest) -> ApiResponse {

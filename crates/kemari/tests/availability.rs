@@ -81,6 +81,209 @@ fn warm_restart_keeps_memory_and_continues() {
     let _ = std::fs::remove_file(memfile);
 }
 
+/// A fresh `/dev/shm` path for a test VM's memory.
+fn shm_file(tag: &str) -> PathBuf {
+    let p = PathBuf::from(format!("/dev/shm/kemari-av-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_file(&p);
+    p
+}
+
+/// `warm-restart DIR --prepare` on `old`, then a successor on DIR, ready.
+fn prepared_successor(old: &Vmm, state_dir: &std::path::Path, dir: &std::path::Path) -> Vmm {
+    let out = ctl(
+        &old.api,
+        &["warm-restart", state_dir.to_str().unwrap(), "--prepare"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(state_dir.join("config.json").exists());
+    let successor = spawn_vmm(
+        &[
+            "--restore".into(),
+            state_dir.display().to_string(),
+            "--await-state".into(),
+        ],
+        &dir.join("console-2.log"),
+        &dir.join("api-2.sock"),
+        &[],
+    );
+    wait_for("the successor's socket", Duration::from_secs(30), || {
+        state_dir.join("successor.sock").exists()
+    });
+    successor
+}
+
+#[test]
+fn warm_restart_into_a_prepared_successor_keeps_counter_disk_and_tcp() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("av-warm-prep");
+    let net = TapNet::create("r", 15);
+    let disk = disk_image(&dir);
+    let memfile = shm_file("warm-prep");
+    let (mut src, echo) = start_source(
+        &dir,
+        &net,
+        &disk,
+        &["--memory-file".into(), memfile.display().to_string()],
+    );
+    let state_dir = dir.join("warm");
+    let successor = prepared_successor(&src, &state_dir, &dir);
+    // The guest still runs in the old VMM while the successor waits.
+    let n = counters(&src.console).len();
+    wait_for("the VM runs on", Duration::from_secs(30), || {
+        counters(&src.console).len() > n + 2
+    });
+    assert!(counters(&successor.console).is_empty());
+    let out = ctl(&src.api, &["warm-restart", state_dir.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["successor"]["running"], true, "{report}");
+    assert!(wait_exit(&mut src.child.0, "the old VMM").success());
+    // The state stays: a plain restore would still find it.
+    assert!(state_dir.join("state.bin").exists());
+    assert!(!state_dir.join("successor.sock").exists());
+    check_continuity(&src.console, &successor, echo, &disk);
+    let _ = std::fs::remove_file(memfile);
+}
+
+#[test]
+fn successor_killed_before_the_restart_leaves_a_plain_restore() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("av-warm-prep-kill");
+    let net = TapNet::create("q", 16);
+    let disk = disk_image(&dir);
+    let memfile = shm_file("warm-prep-kill");
+    let (mut src, echo) = start_source(
+        &dir,
+        &net,
+        &disk,
+        &["--memory-file".into(), memfile.display().to_string()],
+    );
+    let state_dir = dir.join("warm");
+    let mut successor = prepared_successor(&src, &state_dir, &dir);
+    successor.child.0.kill().unwrap();
+    let _ = successor.child.0.wait();
+    // Its socket is left behind: nobody answers on it.
+    let out = ctl(&src.api, &["warm-restart", state_dir.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(report["successor"].is_null(), "{report}");
+    assert!(wait_exit(&mut src.child.0, "the old VMM").success());
+    let new = spawn_vmm(
+        &["--restore".into(), state_dir.display().to_string()],
+        &dir.join("console-3.log"),
+        &dir.join("api-3.sock"),
+        &[],
+    );
+    check_continuity(&src.console, &new, echo, &disk);
+    let _ = std::fs::remove_file(memfile);
+}
+
+#[test]
+fn a_successor_refuses_another_vm_and_waits_for_its_own() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("av-warm-prep-other");
+    let mem_a = shm_file("prep-a");
+    let mem_b = shm_file("prep-b");
+    let vm = |tag: &str, mem: &PathBuf| {
+        spawn_vmm(
+            &[
+                "--kernel".into(),
+                guest_elf().display().to_string(),
+                "--memory".into(),
+                "128M".into(),
+                "--memory-file".into(),
+                mem.display().to_string(),
+                "--cmdline".into(),
+                "counter=100".into(),
+            ],
+            &dir.join(format!("console-{tag}.log")),
+            &dir.join(format!("api-{tag}.sock")),
+            &[],
+        )
+    };
+    let mut a = vm("a", &mem_a);
+    let b = vm("b", &mem_b);
+    for v in [&a, &b] {
+        wait_for("counter", Duration::from_secs(30), || {
+            counters(&v.console).len() >= 2
+        });
+    }
+    let state_dir = dir.join("warm-a");
+    let successor = prepared_successor(&a, &state_dir, &dir);
+    // VM b is not the one the successor prepared for: refused before it
+    // pauses, and it runs on.
+    let out = ctl(&b.api, &["warm-restart", state_dir.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("prepared for a different VM") && err.contains(mem_a.to_str().unwrap()),
+        "unclear error: {err}"
+    );
+    let n = counters(&b.console).len();
+    wait_for("VM b runs on", Duration::from_secs(30), || {
+        counters(&b.console).len() > n + 2
+    });
+    assert!(!state_dir.join("state.bin").exists());
+    // A successor for a memory file that is not there refuses to start.
+    std::fs::create_dir_all(dir.join("gone")).unwrap();
+    let cfg = std::fs::read_to_string(state_dir.join("config.json")).unwrap();
+    std::fs::write(
+        dir.join("gone/config.json"),
+        cfg.replace(mem_a.to_str().unwrap(), "/dev/shm/kemari-av-no-such-file"),
+    )
+    .unwrap();
+    let out = run_with_timeout(
+        kemari()
+            .arg("--restore")
+            .arg(dir.join("gone"))
+            .args(["--await-state", "--serial", "null"]),
+        Duration::from_secs(30),
+    );
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{text}");
+    assert!(text.contains("kemari-av-no-such-file"), "{text}");
+    // The successor still waits, and takes VM a.
+    let out = ctl(&a.api, &["warm-restart", state_dir.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(wait_exit(&mut a.child.0, "VM a's old VMM").success());
+    let last = *counters(&a.console).last().unwrap();
+    wait_for("counter in the successor", Duration::from_secs(30), || {
+        counters(&successor.console).len() >= 2
+    });
+    let first = counters(&successor.console)[0];
+    assert!(first > 1 && first <= last + 2, "{last} -> {first}");
+    for v in [&successor, &b] {
+        assert!(ctl(&v.api, &["shutdown"]).status.success());
+    }
+    let _ = std::fs::remove_file(mem_a);
+    let _ = std::fs::remove_file(mem_b);
+}
+
 #[test]
 fn zero_copy_local_migration_keeps_counter_disk_and_tcp() {
     if !have_kvm() {

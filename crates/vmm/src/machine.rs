@@ -88,6 +88,15 @@ pub enum MachineError {
     /// The operation does not apply in the current state.
     #[error("the VM is {0}")]
     State(RunState),
+    /// A device backend could not be released.
+    #[error("cannot release the backend of {device}")]
+    Release {
+        /// The device.
+        device: String,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Whether the guest is running.
@@ -502,18 +511,8 @@ impl Machine {
         let dirty = DirtyTracker::new(&vm, &guest_memory, dirty)?;
         let t_memory = built_at.elapsed();
         let t_vm = built_at.elapsed();
-        // Memory slots cost O(memory) in KVM: register them while the devices,
-        // the kernel and the vCPUs are set up, and join before any vCPU runs.
-        let (setup, slots) = std::thread::scope(|scope| {
-            let slots = scope.spawn(|| {
-                let r = if slots_registered {
-                    Ok(())
-                } else {
-                    vm.register_memory(&guest_memory)
-                };
-                (r, built_at.elapsed())
-            });
-            let setup = Self::setup_devices_kernel_vcpus(
+        let setup = |gate| {
+            Self::setup_devices_kernel_vcpus(
                 &config,
                 &vm,
                 &guest_memory,
@@ -521,11 +520,24 @@ impl Machine {
                 gate,
                 saved,
                 taps,
-            );
-            (setup, slots.join())
-        });
-        let (slots_result, t_slots) = slots.unwrap_or_else(|p| std::panic::resume_unwind(p));
-        slots_result?;
+            )
+        };
+        let (setup, t_slots) = if slots_registered {
+            // Prepared ahead: no thread to start (up to 1 ms on a busy host,
+            // inside the guest's pause when restoring).
+            (setup(gate), t_vm)
+        } else {
+            // Memory slots cost O(memory) in KVM: register them while the
+            // devices, the kernel and the vCPUs are set up, and join before
+            // any vCPU runs.
+            let (setup, slots) = std::thread::scope(|scope| {
+                let slots = scope.spawn(|| (vm.register_memory(&guest_memory), built_at.elapsed()));
+                (setup(gate), slots.join())
+            });
+            let (slots_result, t_slots) = slots.unwrap_or_else(|p| std::panic::resume_unwind(p));
+            slots_result?;
+            (setup, t_slots)
+        };
         let Setup {
             serial,
             serial_backend,
@@ -900,6 +912,32 @@ impl Machine {
                     .backend_fd()
             })
             .collect()
+    }
+
+    /// Lets go of every device backend — disk images and NBD connections
+    /// closed, TAP queues given up — so that the VM's next VMM can open them
+    /// while this process still exits (warm restart, snapshot + exit). Returns
+    /// the TAP fds in network-device order, to hand over or close. The machine
+    /// must be paused, and must never run again: its devices serve nothing
+    /// afterwards.
+    pub fn release_backends(&mut self) -> Result<Vec<std::fs::File>, MachineError> {
+        if self.state != RunState::Paused {
+            return Err(MachineError::State(self.state));
+        }
+        let mut taps = Vec::new();
+        for d in &self.core.virtio {
+            let released = d
+                .device
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .release_backend()
+                .map_err(|source| MachineError::Release {
+                    device: d.info.name.clone(),
+                    source,
+                })?;
+            taps.extend(released);
+        }
+        Ok(taps)
     }
 
     /// Devices with their counters.

@@ -11,7 +11,7 @@
 //! | PUT    | /vm/resume      | resume                         |
 //! | PUT    | /vm/shutdown    | stop the VM, end the process   |
 //! | PUT    | /vm/snapshot    | {"dir", "exit"?}: full snapshot (state + memory image) |
-//! | PUT    | /vm/warm-restart| {"dir"}: save state only, keep memory, end the process |
+//! | PUT    | /vm/warm-restart| {"dir", "prepare"?}: save state only, keep memory, end the process (hand the VM to a waiting successor); with prepare, only write DIR/config.json for a successor |
 //! | PUT    | /vm/migrate-local | {"socket"}: zero-copy migration to another kemari |
 //! | PUT    | /vm/migrate     | {"to", "key_file", "max_downtime_ms"?, "max_rounds"?}: live migration |
 //! | GET    | /vm/migration   | progress of the running or last live migration |
@@ -51,10 +51,13 @@ pub enum ApiRequest {
         /// End the VMM after saving (suspend to disk).
         exit: bool,
     },
-    /// Warm restart: state into `dir`, memory kept in its file, process ends.
+    /// Warm restart: state into `dir`, memory kept in its file, process ends
+    /// (handing the VM to a successor waiting on `dir`, if one does).
     WarmRestart {
         /// Target directory.
         dir: PathBuf,
+        /// Only write `dir/config.json` for a successor; the VM runs on.
+        prepare: bool,
     },
     /// Zero-copy migration into the kemari listening on `socket`.
     MigrateLocal {
@@ -111,7 +114,7 @@ impl ApiRequest {
     pub fn moves_vm(&self) -> bool {
         matches!(
             self,
-            ApiRequest::WarmRestart { .. }
+            ApiRequest::WarmRestart { prepare: false, .. }
                 | ApiRequest::MigrateLocal { .. }
                 | ApiRequest::Migrate { .. }
         )
@@ -139,8 +142,10 @@ struct SnapshotBody {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct DirBody {
+struct WarmRestartBody {
     dir: PathBuf,
+    #[serde(default)]
+    prepare: bool,
 }
 
 #[derive(Deserialize)]
@@ -228,9 +233,13 @@ pub fn route(method: &str, path: &str, body_bytes: &[u8]) -> Result<ApiRequest, 
                         exit: b.exit,
                     }
                 }
-                "/vm/warm-restart" => ApiRequest::WarmRestart {
-                    dir: parse_body::<DirBody>(body_bytes)?.dir,
-                },
+                "/vm/warm-restart" => {
+                    let b: WarmRestartBody = parse_body(body_bytes)?;
+                    ApiRequest::WarmRestart {
+                        dir: b.dir,
+                        prepare: b.prepare,
+                    }
+                }
                 "/vm/ft/start" => ApiRequest::FtStart(parse_body(body_bytes)?),
                 "/vm/migrate" => {
                     let b: MigrateBody = parse_body(body_bytes)?;
@@ -328,6 +337,21 @@ mod tests {
             }))
         ));
         assert_eq!(route("GET", "/vm/ft", b"").unwrap(), ApiRequest::FtStatus);
+        assert_eq!(
+            route("PUT", "/vm/warm-restart", br#"{"dir":"/w","prepare":true}"#).unwrap(),
+            ApiRequest::WarmRestart {
+                dir: "/w".into(),
+                prepare: true
+            }
+        );
+        assert!(route("PUT", "/vm/warm-restart", br#"{"dir":"/w"}"#)
+            .unwrap()
+            .moves_vm());
+        assert!(
+            !route("PUT", "/vm/warm-restart", br#"{"dir":"/w","prepare":true}"#)
+                .unwrap()
+                .moves_vm()
+        );
         let big = vec![b' '; MAX_BODY + 1];
         assert_eq!(route("PUT", "/vm/pause", &big).unwrap_err().status(), 400);
         let long = "/".repeat(10_000);

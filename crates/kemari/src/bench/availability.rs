@@ -250,10 +250,10 @@ fn measure(
     local_mode: QemuLocalMode,
 ) -> Result<Sample, OpError> {
     match op {
-        Op::Reboot | Op::Snapshot | Op::Warm | Op::ZeroCopy | Op::Precopy => {
+        Op::Reboot | Op::Snapshot | Op::Warm | Op::WarmPrepared | Op::ZeroCopy | Op::Precopy => {
             ops::run_kemari(env, op, mem, w, seq)
         }
-        Op::QemuFile | Op::QemuWarm | Op::QemuLocal => {
+        Op::QemuFile | Op::QemuWarm | Op::QemuWarmPrepared | Op::QemuLocal => {
             ops::run_qemu(env, op, mem, w, seq, local_mode)
         }
         Op::QemuLocalCopy => ops::run_qemu(env, op, mem, w, seq, QemuLocalMode::Plain),
@@ -301,7 +301,7 @@ fn print_tables(
         }
     }
     println!();
-    println!("the VMM's own figures, ms (median): kemari snapshot/warm = paused until state saved; kemari zero-copy = paused until the destination restored; QEMU = query-migrate downtime");
+    println!("the VMM's own figures, ms (median): kemari snapshot/warm = paused until state saved; kemari zero-copy and warm with a prepared successor = paused until the new VMM restored; QEMU = query-migrate downtime");
     for &op in &opts.ops {
         let op_rates: &[u64] = if op.takes_dirty_rates() { rates } else { &[0] };
         for &rate in op_rates {
@@ -454,7 +454,7 @@ fn print_goals(opts: &Options, rates: &[u64], r: &Results, local_mode: QemuLocal
     };
     if large > small {
         let (ms_, ml) = (&opts.memory[small], &opts.memory[large]);
-        for op in [Op::Warm, Op::ZeroCopy] {
+        for op in [Op::Warm, Op::WarmPrepared, Op::ZeroCopy] {
             if has(op) {
                 let c = |mem| Cell { op, rate: 0, mem };
                 line(
@@ -550,6 +550,8 @@ fn print_goals(opts: &Options, rates: &[u64], r: &Results, local_mode: QemuLocal
     let pairs = [
         (Op::Snapshot, Op::QemuFile),
         (Op::Warm, Op::QemuWarm),
+        (Op::WarmPrepared, Op::QemuWarm),
+        (Op::WarmPrepared, Op::QemuWarmPrepared),
         (Op::ZeroCopy, Op::QemuLocal),
         (Op::ZeroCopy, Op::QemuLocalCopy),
     ];
@@ -671,8 +673,9 @@ pub struct AvailabilityArgs {
     #[arg(long)]
     pub verbose: bool,
     /// Start the new kemari as soon as the old one has saved the state,
-    /// without waiting for its exit (reboot, snapshot, warm restart; not safe
-    /// with TAP devices): measures what the old process's exit costs.
+    /// without waiting for its exit (reboot, snapshot, warm restart; the
+    /// bench's guest has no TAP, and a rebooting kemari holds its TAPs until
+    /// it exits): measures what the old process's exit costs.
     #[arg(long)]
     pub overlap_exit: bool,
     /// The kemari binary (default: next to this one).

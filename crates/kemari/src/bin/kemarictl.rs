@@ -44,10 +44,17 @@ enum Command {
     },
     /// Warm restart: save the small state file into DIR, keep guest memory in
     /// its file (kemari --memory-file), end this VMM; `kemari --restore DIR`
-    /// (possibly a newer binary) resumes the VM without copying memory.
+    /// (possibly a newer binary) resumes the VM without copying memory. If a
+    /// successor waits on DIR (`--prepare`, then `kemari --restore DIR
+    /// --await-state`), it resumes the VM at once.
     WarmRestart {
         /// State directory.
         dir: PathBuf,
+        /// Do not restart yet: write DIR/config.json (the VM runs on) so that
+        /// a successor, `kemari --restore DIR --await-state`, can build the
+        /// new VM in advance; the next `warm-restart DIR` hands the VM to it.
+        #[arg(long)]
+        prepare: bool,
     },
     /// Live migration (pre-copy over TCP) to the kemari started with
     /// `--incoming HOST:PORT`; prints the final report.
@@ -119,8 +126,8 @@ fn main() -> ExitCode {
             body = Some(serde_json::json!({ "dir": abs(dir), "exit": exit }));
             ("PUT", "/vm/snapshot")
         }
-        Command::WarmRestart { dir } => {
-            body = Some(serde_json::json!({ "dir": abs(dir) }));
+        Command::WarmRestart { dir, prepare } => {
+            body = Some(serde_json::json!({ "dir": abs(dir), "prepare": prepare }));
             ("PUT", "/vm/warm-restart")
         }
         Command::MigrateLocal { socket } => {

@@ -87,7 +87,13 @@ enum Message {
     },
 }
 
-fn send(stream: &UnixStream, msg: &Message, fds: &[RawFd]) -> Result<(), LocalMigrationError> {
+/// Sends one length-prefixed JSON message, with `fds` (SCM_RIGHTS) on its
+/// header (also used by the warm-restart handover, `warm.rs`).
+pub(crate) fn send<M: Serialize>(
+    stream: &UnixStream,
+    msg: &M,
+    fds: &[RawFd],
+) -> Result<(), LocalMigrationError> {
     let payload =
         serde_json::to_vec(msg).map_err(|e| LocalMigrationError::Protocol(e.to_string()))?;
     let len = (payload.len() as u32).to_le_bytes();
@@ -107,7 +113,10 @@ fn send(stream: &UnixStream, msg: &Message, fds: &[RawFd]) -> Result<(), LocalMi
     Ok(())
 }
 
-fn recv(stream: &UnixStream) -> Result<(Message, Vec<File>), LocalMigrationError> {
+/// Receives one message sent by [`send`] and the fds it carried.
+pub(crate) fn recv<M: serde::de::DeserializeOwned>(
+    stream: &UnixStream,
+) -> Result<(M, Vec<File>), LocalMigrationError> {
     let mut len = [0u8; 4];
     let mut fds = [-1 as RawFd; MAX_FDS];
     let mut iov = [iovec {

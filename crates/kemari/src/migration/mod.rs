@@ -2,4 +2,5 @@
 
 pub mod local;
 pub mod tcp;
+pub mod warm;
 pub mod wire;

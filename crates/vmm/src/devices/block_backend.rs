@@ -351,6 +351,57 @@ impl BlockBackend for MemoryBackend {
     }
 }
 
+/// What stays behind a disk whose backend was released to the VM's next VMM
+/// ([`crate::devices::virtio::VirtioDevice::release_backend`]): the same size
+/// and identity, and every request fails.
+#[derive(Debug, Clone)]
+pub struct ReleasedBackend {
+    size: u64,
+    read_only: bool,
+    id: String,
+}
+
+impl ReleasedBackend {
+    /// Stands in for `backend`, which the caller then drops (closing it).
+    pub fn of(backend: &dyn BlockBackend) -> Self {
+        ReleasedBackend {
+            size: backend.size(),
+            read_only: backend.read_only(),
+            id: backend.id(),
+        }
+    }
+}
+
+fn released_error() -> io::Error {
+    io::Error::other("the disk was released to the next VMM")
+}
+
+impl BlockBackend for ReleasedBackend {
+    fn size(&self) -> u64 {
+        self.size
+    }
+
+    fn read_only(&self) -> bool {
+        self.read_only
+    }
+
+    fn read_at(&mut self, _off: u64, _buf: &mut [u8]) -> io::Result<()> {
+        Err(released_error())
+    }
+
+    fn write_at(&mut self, _off: u64, _buf: &[u8]) -> io::Result<()> {
+        Err(released_error())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Err(released_error())
+    }
+
+    fn id(&self) -> String {
+        self.id.clone()
+    }
+}
+
 /// Whether a disk path names an NBD export (`nbd://HOST[:PORT]/EXPORT` or
 /// `nbd+unix:///EXPORT?socket=PATH`).
 pub fn is_nbd_url(path: &str) -> bool {
@@ -441,6 +492,16 @@ mod tests {
         let f = File::create(&path).unwrap();
         f.set_len(size).unwrap();
         path
+    }
+
+    #[test]
+    fn a_released_disk_keeps_its_identity_and_serves_nothing() {
+        let disk = MemoryBackend::new(8192, true);
+        let mut r = ReleasedBackend::of(&disk);
+        assert_eq!((r.size(), r.read_only(), r.id()), (8192, true, disk.id()));
+        assert!(r.read_at(0, &mut [0u8; 512]).is_err());
+        assert!(r.write_at(0, &[0u8; 512]).is_err());
+        assert!(r.flush().is_err());
     }
 
     #[test]

@@ -73,6 +73,11 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> SnapshotError + '_ {
 
 /// Writes `state` as `dir/state.bin` atomically (temporary file, fsync, rename).
 pub fn write_state(dir: &Path, state: &VmState) -> Result<u64, SnapshotError> {
+    write_state_file(dir, state, true)
+}
+
+/// [`write_state`], with the fsync only if `durable`.
+fn write_state_file(dir: &Path, state: &VmState, durable: bool) -> Result<u64, SnapshotError> {
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     let path = dir.join(STATE_FILE);
     let bytes = format::encode(state).map_err(|source| SnapshotError::Format {
@@ -82,7 +87,9 @@ pub fn write_state(dir: &Path, state: &VmState) -> Result<u64, SnapshotError> {
     let tmp = dir.join(format!("{STATE_FILE}.tmp"));
     let mut f = std::fs::File::create(&tmp).map_err(io_err(&tmp))?;
     f.write_all(&bytes).map_err(io_err(&tmp))?;
-    f.sync_all().map_err(io_err(&tmp))?;
+    if durable {
+        f.sync_all().map_err(io_err(&tmp))?;
+    }
     std::fs::rename(&tmp, &path).map_err(io_err(&path))?;
     Ok(bytes.len() as u64)
 }
@@ -137,7 +144,11 @@ pub fn save_warm(
         )));
     }
     let _ = std::fs::remove_file(dir.join(MEMORY_FILE));
-    let state_bytes = write_state(dir, state)?;
+    // No fsync (it cost 1-7 ms of the guest's pause on a disk here): the
+    // state is only of use with guest memory, which is not synced either (it
+    // lives in tmpfs, hugetlbfs or the page cache), so a host crash loses
+    // the pair regardless. The rename keeps it atomic for the next process.
+    let state_bytes = write_state_file(dir, state, false)?;
     Ok(SnapshotStats {
         state_bytes,
         memory: ImageStats::default(),

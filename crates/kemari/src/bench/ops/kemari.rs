@@ -56,7 +56,7 @@ pub fn run_kemari(
     let mut scratch = Scratch::create(&env.work_dir, seq).map_err(OpError::Scratch)?;
     let api1 = scratch.path("api-1.sock");
     let api2 = scratch.path("api-2.sock");
-    let memfile = (op == Op::Warm).then(|| scratch.shm_file("mem"));
+    let memfile = matches!(op, Op::Warm | Op::WarmPrepared).then(|| scratch.shm_file("mem"));
     let mut src = spawn(
         "source kemari",
         kemari_boot(env, mem, w, &api1, memfile.as_deref()),
@@ -77,6 +77,24 @@ pub fn run_kemari(
         )?;
         if !wait_path(&incoming, STEP) {
             return Err(timeout("the destination's socket", &d));
+        }
+        pre_dst = Some(d);
+        wait_more_counters(&src, 3)?;
+    }
+    let state_dir = scratch.path("state");
+    if op == Op::WarmPrepared {
+        api(
+            &api1,
+            "warm-restart --prepare",
+            "PUT",
+            "/vm/warm-restart",
+            Some(json!({ "dir": state_dir, "prepare": true })),
+        )?;
+        let mut c = kemari_new(env, "--restore", &state_dir, &api2);
+        c.arg("--await-state");
+        let d = spawn("successor kemari", c)?;
+        if !wait_path(&state_dir.join("successor.sock"), STEP) {
+            return Err(timeout("the successor's socket", &d));
         }
         pre_dst = Some(d);
         wait_more_counters(&src, 3)?;
@@ -112,7 +130,7 @@ pub fn run_kemari(
             spawn("rebooted kemari", kemari_boot(env, mem, w, &api2, None))?
         }
         Op::Snapshot | Op::Warm => {
-            let dir = scratch.path("state");
+            let dir = state_dir;
             let (call, path, body) = if op == Op::Snapshot {
                 (
                     "snapshot",
@@ -130,6 +148,25 @@ pub fn run_kemari(
                 mark("old VMM exited");
             }
             spawn("restored kemari", kemari_new(env, "--restore", &dir, &api2))?
+        }
+        Op::WarmPrepared => {
+            let r = api(
+                &api1,
+                "warm-restart",
+                "PUT",
+                "/vm/warm-restart",
+                Some(json!({ "dir": state_dir })),
+            )?;
+            // Answered once the successor runs the VM, as a migration is.
+            t_done = Instant::now();
+            mark("request answered");
+            reported = r["successor"]["downtime_ms"].as_f64();
+            wait_exit(&mut src)?;
+            mark("old VMM exited");
+            match pre_dst.take() {
+                Some(d) => d,
+                None => return Err(timeout("a successor", &src)),
+            }
         }
         Op::ZeroCopy | Op::Precopy => {
             let (call, path, body) = if op == Op::ZeroCopy {

@@ -114,8 +114,9 @@ pub struct Env {
     pub verbose: bool,
     /// kemari reboot/snapshot/warm restart: start the new VMM as soon as the
     /// old one has answered (state saved), not after it has exited. Shows
-    /// what the old process's exit costs; unsafe with TAP devices, which
-    /// the old process holds until it exits.
+    /// what the old process's exit costs. Safe with TAPs after a snapshot
+    /// with exit or a warm restart (released before the answer), not after
+    /// a shutdown (held until the exit).
     pub overlap_exit: bool,
 }
 
@@ -146,6 +147,9 @@ pub enum Op {
     Snapshot,
     /// kemari: warm restart (memory kept in /dev/shm), then `kemari --restore`.
     Warm,
+    /// kemari: warm restart into a successor started and prepared before it
+    /// (`kemari --restore DIR --await-state`).
+    WarmPrepared,
     /// kemari: zero-copy local migration.
     ZeroCopy,
     /// kemari: pre-copy live migration over TCP (loopback), memory copied.
@@ -155,6 +159,9 @@ pub enum Op {
     /// QEMU: the same with shared memory and `x-ignore-shared` (memory stays
     /// in /dev/shm: QEMU 7.2's closest warm restart).
     QemuWarm,
+    /// QEMU: the same, with the new QEMU started before (`-incoming defer`
+    /// on the same memory file) and the old one's exit not waited for.
+    QemuWarmPrepared,
     /// QEMU: local live migration over a Unix socket with `x-ignore-shared`.
     QemuLocal,
     /// QEMU: local live migration over a Unix socket, memory copied (what
@@ -164,14 +171,16 @@ pub enum Op {
 
 impl Op {
     /// Every operation, in table order.
-    pub const ALL: [Op; 9] = [
+    pub const ALL: [Op; 11] = [
         Op::Reboot,
         Op::Snapshot,
         Op::Warm,
+        Op::WarmPrepared,
         Op::ZeroCopy,
         Op::Precopy,
         Op::QemuFile,
         Op::QemuWarm,
+        Op::QemuWarmPrepared,
         Op::QemuLocal,
         Op::QemuLocalCopy,
     ];
@@ -182,10 +191,12 @@ impl Op {
             Op::Reboot => "kemari cold reboot",
             Op::Snapshot => "kemari snapshot+restore",
             Op::Warm => "kemari warm restart",
+            Op::WarmPrepared => "kemari warm restart, successor prepared",
             Op::ZeroCopy => "kemari zero-copy migration",
             Op::Precopy => "kemari TCP pre-copy migration",
             Op::QemuFile => "qemu migrate-to-file+restore",
             Op::QemuWarm => "qemu x-ignore-shared file+restore",
+            Op::QemuWarmPrepared => "qemu x-ignore-shared file, new pre-started",
             Op::QemuLocal => "qemu local migration",
             Op::QemuLocalCopy => "qemu local migration (copy, unix:)",
         }

@@ -1,6 +1,7 @@
 //! QEMU's closest equivalents, driven over QMP: stop + `migrate` to a file +
-//! `-incoming` (with and without `x-ignore-shared`), and local live migration
-//! over a Unix socket (with `x-ignore-shared`, or copying memory).
+//! `-incoming` (with and without `x-ignore-shared`, and with the new QEMU
+//! started in advance), and local live migration over a Unix socket (with
+//! `x-ignore-shared`, or copying memory).
 
 use std::path::Path;
 use std::process::Command;
@@ -109,7 +110,7 @@ pub fn run_qemu(
     let qmp1 = scratch.path("qmp-1.sock");
     let qmp2 = scratch.path("qmp-2.sock");
     let shared = match op {
-        Op::QemuWarm => Some(scratch.shm_file("qemu-mem")),
+        Op::QemuWarm | Op::QemuWarmPrepared => Some(scratch.shm_file("qemu-mem")),
         Op::QemuLocal if local_mode == QemuLocalMode::IgnoreShared => {
             Some(scratch.shm_file("qemu-mem"))
         }
@@ -137,8 +138,29 @@ pub fn run_qemu(
     let file = scratch.path("qemu-state");
     let unix = scratch.path("qemu-migrate.sock");
     let unix_uri = format!("unix:{}", unix.display());
-    // The local-migration destination is ready before the clock starts.
+    // The local-migration destination, and the new QEMU of the prepared warm
+    // restart, are ready before the clock starts.
     let mut pre_dst = None;
+    if op == Op::QemuWarmPrepared {
+        let d = spawn(
+            "pre-started QEMU",
+            qemu_cmd(
+                env,
+                &QemuSpec {
+                    mem,
+                    w,
+                    qmp: &qmp2,
+                    shared: shared.as_deref(),
+                    incoming: Some("defer"),
+                },
+            ),
+        )?;
+        let mut q2 = qmp_of(&d, &qmp2)?;
+        ignore_shared(&mut q2)?;
+        pre_dst = Some((d, q2));
+        wait_more_counters(&src, 3)?;
+    }
+    let mut pre_local = None;
     if matches!(op, Op::QemuLocal | Op::QemuLocalCopy) {
         let d = spawn(
             "destination QEMU",
@@ -161,7 +183,7 @@ pub fn run_qemu(
         if !wait_path(&unix, STEP) {
             return Err(timeout("the destination's migration socket", &d));
         }
-        pre_dst = Some(d);
+        pre_local = Some(d);
         wait_more_counters(&src, 3)?;
     }
     let t0 = Instant::now();
@@ -213,6 +235,29 @@ pub fn run_qemu(
             q2.execute("cont", None)?;
             (dst, t0, st)
         }
+        Op::QemuWarmPrepared => {
+            let Some((dst, mut q2)) = pre_dst.take() else {
+                return Err(timeout("a pre-started QEMU", &src));
+            };
+            q1.execute("stop", None)?;
+            q1.execute(
+                "migrate",
+                Some(json!({ "uri": format!("exec:cat > {}", file.display()) })),
+            )?;
+            let st = q1.wait_migration(POLL, STEP)?;
+            mark("migration completed");
+            // As kemari's prepared successor: the old process's exit is not
+            // waited for (it no longer touches the shared memory).
+            q1.quit()?;
+            q2.execute(
+                "migrate-incoming",
+                Some(json!({ "uri": format!("exec:cat {}", file.display()) })),
+            )?;
+            wait_loaded(&mut q2, &dst)?;
+            mark("state loaded");
+            q2.execute("cont", None)?;
+            (dst, t0, st)
+        }
         Op::QemuLocal | Op::QemuLocalCopy => {
             q1.execute("migrate", Some(json!({ "uri": unix_uri })))?;
             let st = q1.wait_migration(POLL, STEP)?;
@@ -221,7 +266,7 @@ pub fn run_qemu(
             q1.quit()?;
             wait_exit(&mut src)?;
             mark("old VMM exited");
-            match pre_dst.take() {
+            match pre_local.take() {
                 Some(d) => (d, t_done, st),
                 None => return Err(timeout("a destination", &src)),
             }
@@ -230,6 +275,7 @@ pub fn run_qemu(
     };
     let t_first = wait_first_counter(&dst, t0)?;
     phases.push(("first counter line", t_first - t0));
+    wait_exit(&mut src)?;
     let o = outage(&src, &dst, t0, w)?;
     continued(&o)?;
     show_logs(env, &[&src, &dst]);

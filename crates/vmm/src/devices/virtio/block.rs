@@ -25,7 +25,7 @@ use super::{
     Activation, DeviceCounters, PendingOutputs, QueueProgress, VirtioDevice, VirtioError,
     VirtioInterrupt, FEATURE_VERSION_1, TYPE_BLOCK,
 };
-use crate::devices::block_backend::{BlockBackend, SECTOR_SIZE};
+use crate::devices::block_backend::{BlockBackend, ReleasedBackend, SECTOR_SIZE};
 use crate::memory::GuestMemoryMmap;
 
 /// Size of the request queue.
@@ -470,6 +470,12 @@ impl VirtioDevice for Block {
 
     fn reset(&mut self) {
         self.active = None;
+    }
+
+    fn release_backend(&mut self) -> std::io::Result<Option<std::fs::File>> {
+        // Dropping the old backend closes the image or the NBD connection.
+        self.backend = Box::new(ReleasedBackend::of(self.backend.as_ref()));
+        Ok(None)
     }
 
     fn counters(&self) -> DeviceCounters {

@@ -169,6 +169,14 @@ pub trait VirtioDevice: Send {
     }
     /// [`backend_fd`](Self::backend_fd) is readable.
     fn backend_ready(&mut self) {}
+    /// Lets go of the backend (closes a disk image or NBD connection, gives up
+    /// a TAP queue) so that the VM's next VMM can open it while this process
+    /// is still exiting; returns the TAP's fd, if the device had one, to hand
+    /// over or close. Only for a device paused for good: it serves no request
+    /// afterwards.
+    fn release_backend(&mut self) -> std::io::Result<Option<std::fs::File>> {
+        Ok(None)
+    }
     /// The driver reset the device: drop the queues, go back to the initial state.
     fn reset(&mut self);
     /// Request counters for the metrics API.

@@ -474,6 +474,10 @@ impl VirtioDevice for Net {
         self.process_rx();
     }
 
+    fn release_backend(&mut self) -> std::io::Result<Option<std::fs::File>> {
+        self.tap.take_file().map(Some)
+    }
+
     fn reset(&mut self) {
         self.active = None;
         self.rx_pending = None;

@@ -247,6 +247,18 @@ impl Tap {
         self.created
     }
 
+    /// Gives up the TAP queue: returns its fd (to hand over to the next VMM, or
+    /// close) and leaves `/dev/null` in its place, so that a device paused for
+    /// good stays harmless (reads see end of file, writes are discarded).
+    pub fn take_file(&mut self) -> io::Result<File> {
+        let null = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open("/dev/null")?;
+        Ok(std::mem::replace(&mut self.file, null))
+    }
+
     /// Reads one frame (virtio-net header + Ethernet frame) into `buf`; returns
     /// its length, or `WouldBlock` when none is queued. A frame longer than
     /// `buf` is truncated by the kernel.
