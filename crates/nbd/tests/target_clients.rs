@@ -131,9 +131,11 @@ fn fio_nbd_engine_verifies() {
     let d = TempDir::new("fio");
     make_image(&d.path("a.img"), SIZE, 7);
     let (_t, port) = serve(&[format!("a={}", d.path("a.img").display())]);
+    // fio writes its verify state file into the current directory: run it in the temp dir.
     let out = sh(&format!(
-        "fio --name=v --ioengine=nbd --uri=nbd://127.0.0.1:{port}/a --rw=randwrite --bs=4k \
-         --size=16M --iodepth=16 --verify=crc32c --do_verify=1 --output-format=json"
+        "cd {} && fio --name=v --ioengine=nbd --uri=nbd://127.0.0.1:{port}/a --rw=randwrite --bs=4k \
+         --size=16M --iodepth=16 --verify=crc32c --do_verify=1 --output-format=json",
+        d.path("").display()
     ));
     // fio prints "connected to NBD server" before the JSON.
     let at = out.iter().position(|&c| c == b'{').expect("fio json");
