@@ -71,6 +71,9 @@ pub struct Args {
     /// Wait on this Unix socket for a VM migrated from another kemari on this
     /// host (`kemarictl migrate-local SOCKET`) and run it: zero-copy, guest
     /// memory and TAPs are handed over. --serial and --api-socket may be given.
+    /// With --memory-file PATH (the source VM's own memory file) the KVM VM
+    /// and its memory slots are built at start-up, before the source
+    /// connects, and an offer of any other memory is refused.
     #[arg(long, conflicts_with_all = ["config", "kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "nets", "restore"])]
     pub incoming_local: Option<PathBuf>,
     /// Wait on this TCP address (HOST:PORT) for a live migration from another

@@ -122,7 +122,7 @@ fn make_machine(args: &Args, sink: VmEventSink) -> Result<Machine, ProcessError>
     }
     if let Some(socket) = &args.incoming_local {
         let mut overrides = Ok(());
-        let machine = local::migrate_in(socket, sink, |config| {
+        let machine = local::migrate_in(socket, args.memory_file.as_deref(), sink, |config| {
             overrides = args.apply_restore_overrides(config);
         })?;
         overrides?;
@@ -430,17 +430,14 @@ fn pause_and_save(
 ) -> Result<(snapshot::SnapshotStats, u64, bool), String> {
     let started = Instant::now();
     let was_running = machine.state() == RunState::Running;
-    if was_running {
-        machine.pause().map_err(|e| e.to_string())?;
-    }
     let saved = machine
-        .save_state()
+        .pause_and_save()
         .map_err(|e| e.to_string())
         .and_then(|state| write(&state, machine.memory_file()).map_err(|e| e.to_string()));
     match saved {
         Ok(stats) => Ok((stats, started.elapsed().as_millis() as u64, was_running)),
         Err(e) => {
-            if was_running {
+            if was_running && machine.state() == RunState::Paused {
                 if let Err(re) = machine.resume() {
                     tracing::error!(error = %re, "cannot resume the VM after a failed save");
                 }

@@ -370,6 +370,97 @@ fn destination_killed_mid_migration_leaves_the_source_running() {
     assert!(ctl(&src.api, &["shutdown"]).status.success());
 }
 
+/// `kemari --incoming-local SOCK --memory-file PATH` builds its VM around
+/// PATH before the source connects. Offered another VM's memory it refuses
+/// with a clear error (the source runs on); offered PATH it takes the VM over.
+#[test]
+fn zero_copy_into_a_destination_built_ahead_refuses_other_memory() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("av-ahead");
+    let memfile = shm_file("ahead");
+    let other = shm_file("ahead-other");
+    std::fs::File::create(&other)
+        .unwrap()
+        .set_len(256 << 20)
+        .unwrap();
+    let src = spawn_vmm(
+        &[
+            "--kernel".into(),
+            guest_elf().display().to_string(),
+            "--memory".into(),
+            "256M".into(),
+            "--memory-file".into(),
+            memfile.display().to_string(),
+            "--cmdline".into(),
+            "counter=100".into(),
+        ],
+        &dir.join("console-1.log"),
+        &dir.join("api-1.sock"),
+        &[],
+    );
+    wait_for("counter", Duration::from_secs(30), || {
+        counters(&src.console).len() >= 2
+    });
+    let destination = |tag: &str, memory: &std::path::Path| {
+        let sock = dir.join(format!("incoming-{tag}.sock"));
+        let vmm = spawn_vmm(
+            &[
+                "--incoming-local".into(),
+                sock.display().to_string(),
+                "--memory-file".into(),
+                memory.display().to_string(),
+            ],
+            &dir.join(format!("console-{tag}.log")),
+            &dir.join(format!("api-{tag}.sock")),
+            &[],
+        );
+        wait_for("the destination's socket", Duration::from_secs(30), || {
+            sock.exists()
+        });
+        (vmm, sock)
+    };
+
+    // Built around another file: refused, and nothing is lost.
+    let (mut wrong, sock) = destination("wrong", &other);
+    let out = ctl(&src.api, &["migrate-local", sock.to_str().unwrap()]);
+    assert!(!out.status.success(), "another VM's memory must be refused");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("is not") && err.contains(&*other.to_string_lossy()),
+        "unclear error: {err}"
+    );
+    assert!(!wait_exit(&mut wrong.child.0, "the refusing destination").success());
+    let n = counters(&src.console).len();
+    wait_for("counter after the refusal", Duration::from_secs(30), || {
+        counters(&src.console).len() > n + 2
+    });
+    let info: serde_json::Value = serde_json::from_slice(&ctl(&src.api, &["info"]).stdout).unwrap();
+    assert_eq!(info["state"], "running");
+
+    // Built around the VM's own file: taken over, the counter continues.
+    let (dst, sock) = destination("right", &memfile);
+    let out = ctl(&src.api, &["migrate-local", sock.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut src = src;
+    assert!(wait_exit(&mut src.child.0, "the source VMM").success());
+    let last = *counters(&src.console).last().unwrap();
+    wait_for("counter on the destination", Duration::from_secs(30), || {
+        counters(&dst.console).len() >= 2
+    });
+    let first = counters(&dst.console)[0];
+    assert!(first > 1 && first <= last + 2, "{last} -> {first}");
+    assert!(ctl(&dst.api, &["shutdown"]).status.success());
+    let _ = std::fs::remove_file(memfile);
+    let _ = std::fs::remove_file(other);
+}
+
 #[test]
 fn corrupt_truncated_and_foreign_state_is_refused_and_nothing_is_lost() {
     if !have_kvm() {

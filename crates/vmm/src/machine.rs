@@ -161,6 +161,13 @@ pub struct PreparedVm {
     vm: Vm,
 }
 
+impl PreparedVm {
+    /// The guest memory the VM was prepared around.
+    pub fn memory_file(&self) -> &GuestMemoryFile {
+        &self.memory_file
+    }
+}
+
 /// What is built besides memory slots, before the vCPUs start.
 struct Setup {
     serial: Arc<Mutex<SerialDevice>>,
@@ -188,6 +195,8 @@ pub struct MachineCore {
     guest_memory: GuestMemoryMmap,
     /// KVM's MSR list, fetched on the first save (syncs save often).
     msr_indices: std::sync::OnceLock<Arc<Vec<u32>>>,
+    /// Each vCPU's CPUID and TSC frequency, read on its first save.
+    vcpu_constants: Arc<Vec<std::sync::OnceLock<persist::vcpu::VcpuConstants>>>,
 }
 
 impl MachineCore {
@@ -242,8 +251,9 @@ impl MachineCore {
                 return Err(e);
             }
         };
+        let constants = self.vcpu_constants.clone();
         self.vcpus
-            .pause_with(move |index, fd| persist::vcpu::save(fd, index, &msrs))?
+            .pause_with(move |index, fd| save_vcpu(fd, index, &msrs, &constants))?
             .into_iter()
             .map(|r| r.map_err(MachineError::VcpuState))
             .collect()
@@ -260,7 +270,8 @@ impl MachineCore {
         for v in self.vcpus.handles() {
             let index = v.index();
             let msrs = msr_indices.clone();
-            let state = v.with_fd(move |fd| persist::vcpu::save(fd, index, &msrs))?;
+            let constants = self.vcpu_constants.clone();
+            let state = v.with_fd(move |fd| save_vcpu(fd, index, &msrs, &constants))?;
             vcpus.push(state.map_err(MachineError::VcpuState)?);
         }
         self.state_with_vcpus(vcpus)
@@ -593,6 +604,7 @@ impl Machine {
             "machine {}",
             if saved.is_some() { "restored" } else { "booted" }
         );
+        let vcpu_count = vcpus.len();
         Ok(Machine {
             event_loop: Some(event_loop),
             core: Arc::new(MachineCore {
@@ -605,6 +617,9 @@ impl Machine {
                 memory_file,
                 guest_memory,
                 msr_indices: std::sync::OnceLock::new(),
+                vcpu_constants: Arc::new(
+                    (0..vcpu_count).map(|_| std::sync::OnceLock::new()).collect(),
+                ),
             }),
             serial_backend,
             state,
@@ -781,6 +796,37 @@ impl Machine {
             return Err(MachineError::State(self.state));
         }
         self.core.save_state()
+    }
+
+    /// Pauses the machine (if it runs) and saves its whole state, with one
+    /// wake-up per vCPU: the device event loop is stopped first (so no device
+    /// interrupt reaches a local APIC after its vCPU was saved), then each
+    /// vCPU saves its own state the moment it stops, then the devices and
+    /// the in-kernel irqchip are saved. This is the pause of a migration, a
+    /// warm restart and a snapshot. On error the machine is left paused (the
+    /// caller decides whether to resume it).
+    pub fn pause_and_save(&mut self) -> Result<VmState, MachineError> {
+        if self.state == RunState::Paused {
+            return self.core.save_state();
+        }
+        let started = Instant::now();
+        if let Some(l) = &self.event_loop {
+            l.pause()?;
+        }
+        let t_devices = started.elapsed();
+        // From here on a resume() undoes both pauses, also when saving fails.
+        self.state = RunState::Paused;
+        self.pauses += 1;
+        let vcpus = self.core.pause_and_save_vcpus()?;
+        let t_vcpus = started.elapsed();
+        let state = self.core.state_with_vcpus(vcpus)?;
+        tracing::info!(
+            devices_stopped_us = t_devices.as_micros() as u64,
+            vcpus_saved_us = t_vcpus.as_micros() as u64,
+            saved_us = started.elapsed().as_micros() as u64,
+            "VM paused and saved"
+        );
+        Ok(state)
     }
 
     /// The shared parts, for a synchronizer on another thread.
@@ -990,6 +1036,27 @@ impl Machine {
 }
 
 /// Checks that `state` is consistent and fits `memory`.
+/// Saves vCPU `index`, reading its constants (CPUID, TSC frequency) only
+/// the first time.
+fn save_vcpu(
+    fd: &kvm_ioctls::VcpuFd,
+    index: u8,
+    msr_indices: &[u32],
+    constants: &[std::sync::OnceLock<persist::vcpu::VcpuConstants>],
+) -> Result<persist::VcpuState, persist::vcpu::VcpuStateError> {
+    let Some(cell) = constants.get(usize::from(index)) else {
+        return persist::vcpu::save(fd, index, msr_indices);
+    };
+    let known = match cell.get() {
+        Some(c) => c,
+        None => {
+            let read = persist::vcpu::read_constants(fd, index)?;
+            cell.get_or_init(|| read)
+        }
+    };
+    persist::vcpu::save_with(fd, index, msr_indices, known)
+}
+
 fn check_restorable(state: &VmState, memory: &GuestMemoryFile) -> Result<(), MachineError> {
     state.validate().map_err(MachineError::InvalidState)?;
     if memory.size() != state.memory.size {

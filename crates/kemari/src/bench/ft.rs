@@ -71,6 +71,10 @@ pub struct FtBenchArgs {
     /// Third octet of the TAP subnet 10.202.N.0/24.
     #[arg(long, default_value_t = 41)]
     pub subnet: u8,
+    /// The kemari binary (default: next to this one), e.g. an older build to
+    /// compare with.
+    #[arg(long)]
+    pub kemari: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -114,7 +118,11 @@ impl Tap {
                 .then_some(())
                 .ok_or_else(|| format!("ip {args:?} failed (the benchmark needs root)"))
         };
-        let _ = Command::new("ip").args(["link", "del", &name]).status();
+        // A TAP left over by an interrupted run (usually there is none).
+        let _ = Command::new("ip")
+            .args(["link", "del", &name])
+            .stderr(std::process::Stdio::null())
+            .status();
         ip(&["tuntap", "add", &name, "mode", "tap"])?;
         let tap = Tap(name);
         ip(&[
@@ -430,6 +438,7 @@ fn measure(
 
 /// Runs the benchmark and prints the table and the goals.
 pub fn run(args: &FtBenchArgs, kemari: PathBuf) -> Result<(), String> {
+    let kemari = args.kemari.clone().unwrap_or(kemari);
     if !args.kernel.exists() {
         return Err(format!(
             "the test guest {} is missing (cargo build -p guest --target x86_64-unknown-none --release)",

@@ -186,7 +186,7 @@ fn qemu_cmd(qemu: &str, kernel: &Path, cmdline: &str, mem: &str) -> Command {
         "-M",
         "microvm,x-option-roms=off,rtc=off,isa-serial=on",
         "-cpu",
-        "host",
+        kemari::bench::QEMU_CPU,
         "-m",
         mem,
         "-nodefaults",

@@ -24,22 +24,23 @@
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{FromRawFd, RawFd};
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use libc::iovec;
 use serde::{Deserialize, Serialize};
 use vmm::config::MachineConfig;
-use vmm::machine::{Machine, MachineError, RunState};
+use vmm::machine::{Machine, MachineError, PreparedVm, RunState};
 use vmm::memory::{GuestMemoryFile, MemoryBacking};
 use vmm::output::PassThroughGate;
 use vmm::persist::format;
 use vmm::vstate::VmEventSink;
 use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
-/// Protocol version.
-pub const VERSION: u32 = 1;
+/// Protocol version (2: the state travels as raw bytes after its message).
+pub const VERSION: u32 = 2;
 /// Largest message accepted (a VmState container is well under this).
 const MAX_MESSAGE: usize = 64 << 20;
 /// Most fds one offer may carry (memory + TAPs).
@@ -74,9 +75,10 @@ enum Message {
         taps: usize,
     },
     Ready,
+    /// Followed on the stream by `bytes` raw bytes: the VmState container
+    /// (format.rs), checksummed.
     State {
-        /// The VmState container (format.rs), checksummed.
-        state: Vec<u8>,
+        bytes: u64,
     },
     Restored {
         restore_ms: u64,
@@ -214,22 +216,39 @@ fn migrate_out_inner(
         Message::Failed { reason } => return Err(LocalMigrationError::Refused(reason)),
         other => return Err(unexpected("Ready", &other)),
     }
-    if machine.state() == RunState::Running {
-        machine.pause()?;
-    }
     *paused_at = Some(Instant::now());
-    let state = machine.save_state()?;
+    let state = machine.pause_and_save()?;
+    let t_saved = paused_at.map(|p| p.elapsed()).unwrap_or_default();
     let bytes = format::encode(&state).map_err(|e| LocalMigrationError::Protocol(e.to_string()))?;
     let state_bytes = bytes.len();
-    send(&stream, &Message::State { state: bytes }, &[])?;
+    send(
+        &stream,
+        &Message::State {
+            bytes: state_bytes as u64,
+        },
+        &[],
+    )?;
+    (&stream).write_all(&bytes)?;
+    let t_sent = paused_at.map(|p| p.elapsed()).unwrap_or_default();
     let restore_ms = match recv(&stream)?.0 {
         Message::Restored { restore_ms } => restore_ms,
         Message::Failed { reason } => return Err(LocalMigrationError::Refused(reason)),
         other => return Err(unexpected("Restored", &other)),
     };
+    let t_restored = paused_at.map(|p| p.elapsed()).unwrap_or_default();
     // Point of no return: from here on the destination owns the VM.
     send(&stream, &Message::Commit, &[])?;
     let downtime = paused_at.map(|p| p.elapsed()).unwrap_or_default();
+    let us = |d: Duration| d.as_micros() as u64;
+    tracing::debug!(
+        saved_us = us(t_saved),
+        sent_us = us(t_sent),
+        restored_us = us(t_restored),
+        committed_us = us(downtime),
+        restore_ms,
+        state_bytes,
+        "local migration: pause timeline (from the pause)"
+    );
     Ok(LocalMigrationReport {
         total_ms: started.elapsed().as_secs_f64() * 1000.0,
         downtime_ms: downtime.as_secs_f64() * 1000.0,
@@ -250,14 +269,80 @@ fn unexpected(want: &str, got: &Message) -> LocalMigrationError {
     LocalMigrationError::Protocol(format!("expected {want}, got {name}"))
 }
 
+/// A KVM VM built around a named memory file before any source connects
+/// (`kemari --incoming-local SOCK --memory-file PATH`), as QEMU's `-incoming
+/// defer` destination maps its `memory-backend-file` at start-up: the Offer
+/// then only has to show that it hands over that same file.
+struct BuiltAhead {
+    path: PathBuf,
+    /// (st_dev, st_ino) of the file, to recognise the offered fd.
+    identity: (u64, u64),
+    vm: PreparedVm,
+}
+
+impl BuiltAhead {
+    fn new(path: &Path) -> Result<Self, LocalMigrationError> {
+        let started = Instant::now();
+        // Never create or resize it: the destination only takes over memory
+        // a running VM already has.
+        let meta = std::fs::metadata(path).map_err(|e| {
+            LocalMigrationError::Protocol(format!("memory file {}: {e}", path.display()))
+        })?;
+        let memory = GuestMemoryFile::create(
+            meta.len(),
+            &MemoryBacking::File {
+                path: path.to_path_buf(),
+            },
+        )
+        .map_err(|e| LocalMigrationError::Protocol(format!("memory file {}: {e}", path.display())))?;
+        let vm = Machine::prepare(memory)?;
+        tracing::info!(
+            memory_file = %path.display(),
+            size = meta.len(),
+            prepared_us = started.elapsed().as_micros() as u64,
+            "local migration: VM built ahead around the memory file"
+        );
+        Ok(BuiltAhead {
+            path: path.to_path_buf(),
+            identity: (meta.dev(), meta.ino()),
+            vm,
+        })
+    }
+
+    /// The prepared VM, if `offered` (size `size`) is this very file.
+    fn take_for(self, offered: &File, size: u64) -> Result<PreparedVm, LocalMigrationError> {
+        let meta = offered.metadata()?;
+        if (meta.dev(), meta.ino()) != self.identity {
+            return Err(LocalMigrationError::Protocol(format!(
+                "the source's guest memory is not {} (this destination's --memory-file): \
+                 give the destination the source's memory file, or no --memory-file",
+                self.path.display()
+            )));
+        }
+        if size != self.vm.memory_file().size() {
+            return Err(LocalMigrationError::Protocol(format!(
+                "the source offers {size} bytes of memory, {} has {}",
+                self.path.display(),
+                self.vm.memory_file().size()
+            )));
+        }
+        Ok(self.vm)
+    }
+}
+
 /// Destination side: waits on `socket` for one source, takes its VM over and
-/// returns it running. `adjust` may change the received configuration (serial
+/// returns it running. With `memory_file` (the source VM's named memory
+/// file), the KVM VM and its memory slots are built before the source
+/// connects, so that nothing of KVM's O(memory) set-up is left for the
+/// migration itself. `adjust` may change the received configuration (serial
 /// output of this process). On failure nothing of the VM runs here.
 pub fn migrate_in(
     socket: &Path,
+    memory_file: Option<&Path>,
     events: VmEventSink,
     adjust: impl FnOnce(&mut MachineConfig),
 ) -> Result<Machine, LocalMigrationError> {
+    let ahead = memory_file.map(BuiltAhead::new).transpose()?;
     let _ = std::fs::remove_file(socket);
     let listener = UnixListener::bind(socket)?;
     tracing::info!(socket = %socket.display(), "waiting for a local migration");
@@ -265,7 +350,7 @@ pub fn migrate_in(
     drop(listener);
     let _ = std::fs::remove_file(socket);
     stream.set_read_timeout(Some(STEP_TIMEOUT))?;
-    match accept_vm(&stream, events, adjust) {
+    match accept_vm(&stream, ahead, events, adjust) {
         Ok(machine) => Ok(machine),
         Err(e) => {
             let _ = send(
@@ -282,6 +367,7 @@ pub fn migrate_in(
 
 fn accept_vm(
     stream: &UnixStream,
+    ahead: Option<BuiltAhead>,
     events: VmEventSink,
     adjust: impl FnOnce(&mut MachineConfig),
 ) -> Result<Machine, LocalMigrationError> {
@@ -309,18 +395,32 @@ fn accept_vm(
     }
     let memory_fd = files.remove(0);
     let tap_files = files;
-    // Build the VM around the same memory while the guest still runs on the
-    // source: KVM's memory-slot set-up grows with memory size and must not
-    // count in the pause. The backing kind is corrected from the state below.
-    let memory = GuestMemoryFile::from_file(memory_fd, memory_size, MemoryBacking::Memfd)
-        .map_err(|e| LocalMigrationError::Protocol(e.to_string()))?;
-    let prepared = Machine::prepare(memory)?;
+    let prepared = match ahead {
+        Some(ahead) => ahead.take_for(&memory_fd, memory_size)?,
+        None => {
+            // Build the VM around the same memory while the guest still runs
+            // on the source: KVM's memory-slot set-up grows with memory size
+            // and must not count in the pause. The backing kind is corrected
+            // from the state below.
+            let memory =
+                GuestMemoryFile::from_file(memory_fd, memory_size, MemoryBacking::Memfd)
+                    .map_err(|e| LocalMigrationError::Protocol(e.to_string()))?;
+            Machine::prepare(memory)?
+        }
+    };
     send(stream, &Message::Ready, &[])?;
 
     let (msg, _) = recv(stream)?;
-    let Message::State { state } = msg else {
+    let Message::State { bytes } = msg else {
         return Err(unexpected("State", &msg));
     };
+    if bytes > MAX_MESSAGE as u64 {
+        return Err(LocalMigrationError::Protocol(format!(
+            "a state of {bytes} bytes exceeds the {MAX_MESSAGE}-byte limit"
+        )));
+    }
+    let mut state = vec![0u8; bytes as usize];
+    (&*stream).read_exact(&mut state)?;
     // Fault injection for tests: hold here (the source is paused, waiting) so a
     // test can kill this process mid-migration.
     if let Some(ms) = std::env::var("KEMARI_FAULT_HOLD_MIGRATE_IN_MS")

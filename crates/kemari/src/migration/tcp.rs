@@ -640,9 +640,9 @@ fn migrate_out_inner(
 
     // Final round with the guest paused.
     let paused_at = Instant::now();
-    if machine.state() == RunState::Running {
-        machine.pause()?;
-    }
+    // Paused and saved in one go (one wake-up per vCPU); nothing runs while
+    // the last pages are collected and sent, so the state stays consistent.
+    let state = machine.pause_and_save()?;
     let t_paused = paused_at.elapsed();
     round += 1;
     let mut dirty = machine.harvest_dirty()?;
@@ -656,7 +656,6 @@ fn migrate_out_inner(
     }
     sender.flush(&mut ch, round)?;
     let t_pages = paused_at.elapsed();
-    let state = machine.save_state()?;
     let state = format::encode(&state).map_err(|e| MigrationError::Protocol(e.to_string()))?;
     let t_saved = paused_at.elapsed();
     ch.send(Kind::State, &state)?;
@@ -675,10 +674,10 @@ fn migrate_out_inner(
     let downtime = paused_at.elapsed();
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     tracing::debug!(
-        paused = ms(t_paused),
+        paused_and_saved = ms(t_paused),
         harvested = ms(t_harvested),
         pages_sent = ms(t_pages),
-        state_saved = ms(t_saved),
+        state_encoded = ms(t_saved),
         state_sent = ms(t_state_sent),
         committed = ms(downtime),
         "migration: final round timing (ms from the pause)"

@@ -56,7 +56,10 @@ pub fn run_kemari(
     let mut scratch = Scratch::create(&env.work_dir, seq).map_err(OpError::Scratch)?;
     let api1 = scratch.path("api-1.sock");
     let api2 = scratch.path("api-2.sock");
-    let memfile = matches!(op, Op::Warm | Op::WarmPrepared).then(|| scratch.shm_file("mem"));
+    // Zero-copy too, as QEMU's x-ignore-shared needs a shared memory file:
+    // its destination then builds its VM around the file before the clock.
+    let memfile = matches!(op, Op::Warm | Op::WarmPrepared | Op::ZeroCopy)
+        .then(|| scratch.shm_file("mem"));
     let mut src = spawn(
         "source kemari",
         kemari_boot(env, mem, w, &api1, memfile.as_deref()),
@@ -71,10 +74,11 @@ pub fn run_kemari(
     let port = 30000 + (std::process::id() % 1000) as u16 * 20 + (seq % 20) as u16;
     let to = format!("127.0.0.1:{port}");
     if op == Op::ZeroCopy {
-        let d = spawn(
-            "destination kemari",
-            kemari_new(env, "--incoming-local", &incoming, &api2),
-        )?;
+        let mut c = kemari_new(env, "--incoming-local", &incoming, &api2);
+        if let Some(f) = &memfile {
+            c.arg("--memory-file").arg(f);
+        }
+        let d = spawn("destination kemari", c)?;
         if !wait_path(&incoming, STEP) {
             return Err(timeout("the destination's socket", &d));
         }

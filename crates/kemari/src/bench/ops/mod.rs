@@ -150,7 +150,7 @@ pub enum Op {
     /// kemari: warm restart into a successor started and prepared before it
     /// (`kemari --restore DIR --await-state`).
     WarmPrepared,
-    /// kemari: zero-copy local migration.
+    /// kemari: zero-copy local migration (memory in a /dev/shm file, the destination built around it before the clock starts, as QEMU's x-ignore-shared destination is).
     ZeroCopy,
     /// kemari: pre-copy live migration over TCP (loopback), memory copied.
     Precopy,

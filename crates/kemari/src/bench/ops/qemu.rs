@@ -39,7 +39,8 @@ fn qemu_cmd(env: &Env, s: &QemuSpec) -> Command {
             path.display()
         ));
     }
-    c.args(["-accel", "kvm", "-M", &machine, "-cpu", "host", "-m", s.mem])
+    c.args(["-accel", "kvm", "-M", &machine, "-cpu", crate::bench::QEMU_CPU])
+        .args(["-m", s.mem])
         .args(["-nodefaults", "-no-user-config", "-nographic"])
         .args(["-serial", "stdio"])
         .args(["-device", "isa-debug-exit,iobase=0xf4,iosize=4"])
