@@ -451,9 +451,11 @@ fn zero_copy_into_a_destination_built_ahead_refuses_other_memory() {
     let mut src = src;
     assert!(wait_exit(&mut src.child.0, "the source VMM").success());
     let last = *counters(&src.console).last().unwrap();
-    wait_for("counter on the destination", Duration::from_secs(30), || {
-        counters(&dst.console).len() >= 2
-    });
+    wait_for(
+        "counter on the destination",
+        Duration::from_secs(30),
+        || counters(&dst.console).len() >= 2,
+    );
     let first = counters(&dst.console)[0];
     assert!(first > 1 && first <= last + 2, "{last} -> {first}");
     assert!(ctl(&dst.api, &["shutdown"]).status.success());

@@ -618,7 +618,9 @@ impl Machine {
                 guest_memory,
                 msr_indices: std::sync::OnceLock::new(),
                 vcpu_constants: Arc::new(
-                    (0..vcpu_count).map(|_| std::sync::OnceLock::new()).collect(),
+                    (0..vcpu_count)
+                        .map(|_| std::sync::OnceLock::new())
+                        .collect(),
                 ),
             }),
             serial_backend,

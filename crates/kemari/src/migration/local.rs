@@ -294,7 +294,9 @@ impl BuiltAhead {
                 path: path.to_path_buf(),
             },
         )
-        .map_err(|e| LocalMigrationError::Protocol(format!("memory file {}: {e}", path.display())))?;
+        .map_err(|e| {
+            LocalMigrationError::Protocol(format!("memory file {}: {e}", path.display()))
+        })?;
         let vm = Machine::prepare(memory)?;
         tracing::info!(
             memory_file = %path.display(),
@@ -402,9 +404,8 @@ fn accept_vm(
             // on the source: KVM's memory-slot set-up grows with memory size
             // and must not count in the pause. The backing kind is corrected
             // from the state below.
-            let memory =
-                GuestMemoryFile::from_file(memory_fd, memory_size, MemoryBacking::Memfd)
-                    .map_err(|e| LocalMigrationError::Protocol(e.to_string()))?;
+            let memory = GuestMemoryFile::from_file(memory_fd, memory_size, MemoryBacking::Memfd)
+                .map_err(|e| LocalMigrationError::Protocol(e.to_string()))?;
             Machine::prepare(memory)?
         }
     };

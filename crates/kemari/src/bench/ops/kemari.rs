@@ -35,6 +35,28 @@ fn kemari_boot(
     c
 }
 
+/// Creates the memory file `path` of `size` bytes with its top `mib` MiB
+/// (at most `size` − 192 MiB, which the test guest uses and expects zeroed)
+/// full of non-zero data, as memory in use by applications would be.
+fn fill_in_use(path: &Path, size: u64, mib: u64) -> std::io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    const CHUNK: usize = 1 << 20;
+    let file = std::fs::File::create(path)?;
+    file.set_len(size)?;
+    let bytes = (mib << 20).min(size.saturating_sub(192 << 20));
+    // Pseudo-random, never zero: no page of it is skipped as a zero page.
+    let chunk: Vec<u8> = (0..CHUNK as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8 | 1)
+        .collect();
+    let mut at = size - bytes;
+    while at < size {
+        let n = ((size - at) as usize).min(CHUNK);
+        file.write_all_at(&chunk[..n], at)?;
+        at += n as u64;
+    }
+    Ok(())
+}
+
 fn kemari_new(env: &Env, flag: &str, from: &Path, api_sock: &Path) -> Command {
     let mut c = Command::new(&env.kemari);
     c.arg(flag)
@@ -58,8 +80,14 @@ pub fn run_kemari(
     let api2 = scratch.path("api-2.sock");
     // Zero-copy too, as QEMU's x-ignore-shared needs a shared memory file:
     // its destination then builds its VM around the file before the clock.
-    let memfile = matches!(op, Op::Warm | Op::WarmPrepared | Op::ZeroCopy)
+    let memfile = (matches!(op, Op::Warm | Op::WarmPrepared | Op::ZeroCopy)
+        || (op == Op::Precopy && env.in_use_mib > 0))
         .then(|| scratch.shm_file("mem"));
+    if let (Some(f), true) = (&memfile, env.in_use_mib > 0) {
+        let size = vmm::config::parse_size(mem)
+            .map_err(|e| OpError::Scratch(std::io::Error::other(e.to_string())))?;
+        fill_in_use(f, size, env.in_use_mib).map_err(OpError::Scratch)?;
+    }
     let mut src = spawn(
         "source kemari",
         kemari_boot(env, mem, w, &api1, memfile.as_deref()),

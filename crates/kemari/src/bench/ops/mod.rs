@@ -118,6 +118,9 @@ pub struct Env {
     /// with exit or a warm restart (released before the answer), not after
     /// a shutdown (held until the exit).
     pub overlap_exit: bool,
+    /// MiB of "application data" written into the top of the source's
+    /// memory file before a zero-copy or pre-copy run (0: none).
+    pub in_use_mib: u64,
 }
 
 /// One measurement.

@@ -39,17 +39,24 @@ fn qemu_cmd(env: &Env, s: &QemuSpec) -> Command {
             path.display()
         ));
     }
-    c.args(["-accel", "kvm", "-M", &machine, "-cpu", crate::bench::QEMU_CPU])
-        .args(["-m", s.mem])
-        .args(["-nodefaults", "-no-user-config", "-nographic"])
-        .args(["-serial", "stdio"])
-        .args(["-device", "isa-debug-exit,iobase=0xf4,iosize=4"])
-        .arg("-qmp")
-        .arg(format!("unix:{},server=on,wait=off", s.qmp.display()))
-        .arg("-append")
-        .arg(s.w.cmdline())
-        .arg("-kernel")
-        .arg(&env.kernel);
+    c.args([
+        "-accel",
+        "kvm",
+        "-M",
+        &machine,
+        "-cpu",
+        crate::bench::QEMU_CPU,
+    ])
+    .args(["-m", s.mem])
+    .args(["-nodefaults", "-no-user-config", "-nographic"])
+    .args(["-serial", "stdio"])
+    .args(["-device", "isa-debug-exit,iobase=0xf4,iosize=4"])
+    .arg("-qmp")
+    .arg(format!("unix:{},server=on,wait=off", s.qmp.display()))
+    .arg("-append")
+    .arg(s.w.cmdline())
+    .arg("-kernel")
+    .arg(&env.kernel);
     if let Some(inc) = s.incoming {
         c.args(["-incoming", inc]);
     }
