@@ -5,4 +5,5 @@ pub mod bench;
 pub mod cli;
 pub mod ft;
 pub mod migration;
+pub mod teardown;
 pub mod vmm_process;

@@ -182,6 +182,30 @@ fn api_pause_resume_shutdown() {
     let status = vmm.0.wait().unwrap();
     assert!(status.success());
     assert!(!sock.exists(), "the API socket is removed at exit");
+    // The reaper that destroys the KVM VM after the exit (it inherits the
+    // VMM's command line, socket path included) goes right after it.
+    let needle = sock.display().to_string();
+    wait_for("the reaper to end", Duration::from_secs(10), || {
+        processes_with_arg(&needle).is_empty()
+    });
+}
+
+/// Live processes (not zombies) with `needle` among their arguments.
+fn processes_with_arg(needle: &str) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        if cmdline
+            .split(|&b| b == 0)
+            .any(|arg| arg == needle.as_bytes())
+        {
+            found.push(pid);
+        }
+    }
+    found
 }
 
 fn raw_exchange(sock: &std::path::Path, bytes: &[u8]) -> String {

@@ -1037,7 +1037,6 @@ impl Machine {
     }
 }
 
-/// Checks that `state` is consistent and fits `memory`.
 /// Saves vCPU `index`, reading its constants (CPUID, TSC frequency) only
 /// the first time.
 fn save_vcpu(
@@ -1059,6 +1058,7 @@ fn save_vcpu(
     persist::vcpu::save_with(fd, index, msr_indices, known)
 }
 
+/// Checks that `state` is consistent and fits `memory`.
 fn check_restorable(state: &VmState, memory: &GuestMemoryFile) -> Result<(), MachineError> {
     state.validate().map_err(MachineError::InvalidState)?;
     if memory.size() != state.memory.size {
