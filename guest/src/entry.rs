@@ -159,6 +159,9 @@ fn run(cfg: &Config) -> ! {
             exit(ExitCode::CmdlineError);
         };
         let random = spec.order == cmdline::Order::Random;
+        // Where it is, so a test can damage it through the memory file and
+        // see the check catch it.
+        say!("dirty: working set at {:#x}, {} MiB", base, spec.mib);
         Dirty::new(
             base,
             bytes / 4096,

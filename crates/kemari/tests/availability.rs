@@ -463,6 +463,75 @@ fn zero_copy_into_a_destination_built_ahead_refuses_other_memory() {
     let _ = std::fs::remove_file(other);
 }
 
+/// The dirty workload's check, which every continuity test relies on to
+/// show that no write was lost, does catch a damaged page: the test pauses
+/// the guest, overwrites one page of its working set through the memory
+/// file, and resumes it.
+#[test]
+fn the_dirty_check_catches_a_page_damaged_behind_the_guest() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("av-damage");
+    let memfile = shm_file("damage");
+    let vm = spawn_vmm(
+        &[
+            "--kernel".into(),
+            guest_elf().display().to_string(),
+            "--memory".into(),
+            "128M".into(),
+            "--memory-file".into(),
+            memfile.display().to_string(),
+            "--cmdline".into(),
+            "dirty=5000,1".into(),
+        ],
+        &dir.join("console-1.log"),
+        &dir.join("api-1.sock"),
+        &[],
+    );
+    wait_for("two clean passes", Duration::from_secs(30), || {
+        dirty_reports(&vm.console)
+            .last()
+            .is_some_and(|&(ws, total, bad)| total > 2 * ws && bad == 0)
+    });
+    let base = read_text(&vm.console)
+        .lines()
+        .find_map(|l| {
+            let hex = l
+                .strip_prefix("dirty: working set at 0x")?
+                .split(',')
+                .next()?;
+            u64::from_str_radix(hex, 16).ok()
+        })
+        .expect("the guest names its working set");
+    assert!(ctl(&vm.api, &["pause"]).status.success());
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&memfile)
+            .unwrap();
+        // Below 3 GiB a guest-physical address is its offset in the file.
+        f.write_all_at(&u64::MAX.to_le_bytes(), base + 7 * 4096)
+            .unwrap();
+    }
+    assert!(ctl(&vm.api, &["resume"]).status.success());
+    wait_for("the damage to be reported", Duration::from_secs(30), || {
+        read_text(&vm.console).contains("dirty: lost write page=")
+            && dirty_reports(&vm.console)
+                .last()
+                .is_some_and(|&(_, _, bad)| bad > 0)
+    });
+    let text = read_text(&vm.console);
+    assert!(
+        text.contains(&format!("found={}", u64::MAX)),
+        "the report names what it found"
+    );
+    assert!(ctl(&vm.api, &["shutdown"]).status.success());
+    let _ = std::fs::remove_file(memfile);
+}
+
 #[test]
 fn corrupt_truncated_and_foreign_state_is_refused_and_nothing_is_lost() {
     if !have_kvm() {

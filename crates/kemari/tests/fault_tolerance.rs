@@ -184,7 +184,7 @@ fn protected_pair_with(
         dir,
         "256M",
         &format!(
-            "counter=100 ip={}/24 disk=write,{FT_BLOCKS},seq,flush",
+            "counter=100 ip={}/24 disk=write,{FT_BLOCKS},seq,flush {DIRTY}",
             net.guest_ip()
         ),
         &extra,

@@ -98,8 +98,13 @@ fn start(dir: &Path, br: &Bridge, disk: &Path, extra_cmdline: &str) -> (Vmm, Ech
         "512M".into(),
         "--cmdline".into(),
         format!(
-            "counter=100 ip={}/24 disk=write,{BLOCKS},seq,flush {extra_cmdline}",
-            br.guest_ip()
+            "counter=100 ip={}/24 disk=write,{BLOCKS},seq,flush {}",
+            br.guest_ip(),
+            if extra_cmdline.contains("dirty=") {
+                extra_cmdline
+            } else {
+                DIRTY
+            }
         ),
         "--disk".into(),
         disk.display().to_string(),

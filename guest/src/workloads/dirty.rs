@@ -3,8 +3,15 @@
 //! through it in order, or in a fixed pseudo-random permutation with `rand`
 //! (the same `i·a + c mod n` as the disk workload), like the VMBeam paper's
 //! page-dirtying experiment. Once a
-//! second it prints `dirty: rate=<pages/s> ws_pages=<n> total=<pages>`, the
-//! rate achieved over that second.
+//! second it prints `dirty: rate=<pages/s> ws_pages=<n> total=<pages>
+//! bad=<n>`, the rate achieved over that second.
+//!
+//! Every write also checks the page's previous value: step s of pass k
+//! writes the running total k·n + s, so the page must still hold the value of
+//! pass k−1, k·n + s − n (0 in the first pass: RAM starts zeroed). A page a
+//! migration or a failover lost, or brought back stale, shows up as
+//! `dirty: lost write page=<p> expected=<e> found=<f>` (the first few), and
+//! the report's `bad=<count>` stays non-zero.
 
 use guest::blockfmt::Permutation;
 
@@ -32,7 +39,12 @@ pub struct Dirty {
     last_ns: u64,
     report_ms: u64,
     report_total: u64,
+    /// Pages whose previous value was not the one written one pass earlier.
+    bad: u64,
 }
+
+/// Lost writes printed in full; the rest only counted.
+const BAD_REPORTED: u64 = 8;
 
 impl Dirty {
     /// `base` is the working set: `pages` pages of RAM owned by the workload.
@@ -48,6 +60,7 @@ impl Dirty {
             last_ns: now_ns,
             report_ms: now_ns / 1_000_000,
             report_total: 0,
+            bad: 0,
         }
     }
 
@@ -72,8 +85,22 @@ impl Dirty {
             done += 1;
             let page = self.order.at(self.next_page);
             let addr = self.base + page * PAGE;
+            let expected = self.total.saturating_sub(self.pages);
             // SAFETY: `addr` is inside the working set this workload owns
             // (page < pages), identity mapped and 8-byte aligned.
+            let found = unsafe { core::ptr::read_volatile(addr as *const u64) };
+            if found != expected {
+                self.bad += 1;
+                if self.bad <= BAD_REPORTED {
+                    say!(
+                        "dirty: lost write page={} expected={} found={}",
+                        page,
+                        expected,
+                        found
+                    );
+                }
+            }
+            // SAFETY: as above.
             unsafe { core::ptr::write_volatile(addr as *mut u64, self.total) };
             self.total += 1;
             self.next_page += 1;
@@ -88,10 +115,11 @@ impl Dirty {
         if window >= 1000 {
             let rate = (self.total - self.report_total) * 1000 / window;
             say!(
-                "dirty: rate={} ws_pages={} total={}",
+                "dirty: rate={} ws_pages={} total={} bad={}",
                 rate,
                 self.pages,
-                self.total
+                self.total,
+                self.bad
             );
             self.report_ms = now_ms;
             self.report_total = self.total;
