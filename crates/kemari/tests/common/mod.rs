@@ -46,12 +46,18 @@ pub fn scratch(name: &str) -> PathBuf {
 
 /// Assembles the PVH stub kernel with the given symbols into `dir`.
 pub fn build_stub(dir: &Path, ticks: bool, exit_code: u32, delay: u32) -> PathBuf {
+    build_stub_mode(dir, u8::from(ticks), exit_code, delay)
+}
+
+/// [`build_stub`] with the stub's TICKS mode: 0 exit, 1 dots, 2 letters a..z.
+#[allow(dead_code)]
+pub fn build_stub_mode(dir: &Path, ticks: u8, exit_code: u32, delay: u32) -> PathBuf {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/pvh-stub.S");
     let obj = dir.join("stub.o");
-    let elf = dir.join(format!("stub-{}-{exit_code}.elf", u8::from(ticks)));
+    let elf = dir.join(format!("stub-{ticks}-{exit_code}.elf"));
     let st = Command::new("as")
         .args(["--64", "--defsym"])
-        .arg(format!("TICKS={}", u8::from(ticks)))
+        .arg(format!("TICKS={ticks}"))
         .arg("--defsym")
         .arg(format!("EXITCODE={exit_code}"))
         .arg("--defsym")

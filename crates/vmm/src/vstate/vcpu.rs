@@ -289,6 +289,7 @@ impl Vcpu {
             events,
             counters: counters.clone(),
             dirty_ring_full: self.dirty_ring_full,
+            io_in_flight: false,
         };
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{index}"))
@@ -558,7 +559,14 @@ struct VcpuRunner {
     events: VmEventSink,
     counters: Arc<VcpuExitCounters>,
     dirty_ring_full: Option<DirtyRingFullHandler>,
+    /// The last exit was port or MMIO I/O, which KVM completes (an IN's
+    /// value into RAX, RIP past the instruction) only at the next KVM_RUN.
+    io_in_flight: bool,
 }
+
+/// Most KVM_RUN calls spent completing one I/O (a long string I/O exits once
+/// per chunk).
+const MAX_COMPLETION_RUNS: usize = 1024;
 
 enum Flow {
     Continue,
@@ -570,6 +578,9 @@ impl VcpuRunner {
         let mut paused = start_paused;
         loop {
             if paused || self.pending.swap(false, Ordering::SeqCst) {
+                if let Flow::Stop = self.complete_io() {
+                    paused = true;
+                }
                 match self.handle_requests(&mut paused) {
                     Flow::Continue => {}
                     Flow::Stop => return,
@@ -618,24 +629,56 @@ impl VcpuRunner {
         }
     }
 
+    /// Lets KVM finish the I/O of the last exit without running the guest
+    /// (KVM_RUN with `immediate_exit`), so that a pause leaves the vCPU at an
+    /// instruction boundary: registers saved now are complete, and a restored
+    /// VM neither repeats the I/O (an OUT written twice, an IN that consumes a
+    /// second byte) nor loses an IN's value. As Firecracker and Cloud
+    /// Hypervisor do before saving a vCPU; one extra KVM_RUN, only when the
+    /// pause came right after an I/O exit (a kicked vCPU has nothing pending).
+    fn complete_io(&mut self) -> Flow {
+        if !self.io_in_flight {
+            return Flow::Continue;
+        }
+        self.fd.set_kvm_immediate_exit(1);
+        let mut flow = Flow::Continue;
+        for _ in 0..MAX_COMPLETION_RUNS {
+            // A string I/O may need more chunks: each is served as usual.
+            if let Flow::Stop = self.run_once() {
+                flow = Flow::Stop;
+                break;
+            }
+            if !self.io_in_flight {
+                break;
+            }
+        }
+        self.fd.set_kvm_immediate_exit(0);
+        flow
+    }
+
     fn run_once(&mut self) -> Flow {
         let c = &self.counters;
+        self.io_in_flight = false;
         match self.fd.run() {
             Ok(VcpuExit::IoOut(port, data)) => {
                 c.io_out.fetch_add(1, Ordering::Relaxed);
                 self.io_bus.write(u64::from(port), data);
+                self.io_in_flight = true;
             }
             Ok(VcpuExit::IoIn(port, data)) => {
                 c.io_in.fetch_add(1, Ordering::Relaxed);
                 self.io_bus.read(u64::from(port), data);
+                self.io_in_flight = true;
             }
             Ok(VcpuExit::MmioRead(addr, data)) => {
                 c.mmio_read.fetch_add(1, Ordering::Relaxed);
                 self.mmio_bus.read(addr, data);
+                self.io_in_flight = true;
             }
             Ok(VcpuExit::MmioWrite(addr, data)) => {
                 c.mmio_write.fetch_add(1, Ordering::Relaxed);
                 self.mmio_bus.write(addr, data);
+                self.io_in_flight = true;
             }
             Ok(VcpuExit::Hlt) => {
                 c.other.fetch_add(1, Ordering::Relaxed);
