@@ -9,7 +9,7 @@ use std::time::Instant;
 use serde_json::json;
 
 use super::{
-    api, continued, outage, show_logs, spawn, timeout, unreachable_op, wait_exit,
+    api, continued, no_lost_writes, outage, show_logs, spawn, timeout, unreachable_op, wait_exit,
     wait_first_counter, wait_more_counters, wait_steady, Env, Op, OpError, Sample, Workload, STEP,
 };
 use crate::bench::procs::{wait_listening, wait_path, Scratch};
@@ -235,6 +235,7 @@ pub fn run_kemari(
     if op != Op::Reboot {
         continued(&o)?;
     }
+    no_lost_writes(&[&src, &dst])?;
     show_logs(env, &[&src, &dst]);
     Ok(Sample {
         downtime: o.downtime,

@@ -70,6 +70,14 @@ pub enum OpError {
         /// The new VMM's first.
         first_new: u64,
     },
+    /// The guest's dirty workload found a page without its last write.
+    #[error("the guest found a page that lost a write ({vmm}): {line}")]
+    LostWrite {
+        /// Which VMM's console reported it.
+        vmm: String,
+        /// The guest's report.
+        line: String,
+    },
 }
 
 /// The guest workload of a measurement.
@@ -322,6 +330,25 @@ fn continued(o: &Outage) -> Result<(), OpError> {
             first_new: o.first_new,
         })
     }
+}
+
+/// The guest's self-checking dirty workload (docs/test-guest.md) reported
+/// no lost write on either console, as far as they go.
+fn no_lost_writes(vmms: &[&Vmm]) -> Result<(), OpError> {
+    for v in vmms {
+        if let Some(l) = v
+            .console
+            .lines()
+            .into_iter()
+            .find(|l| l.text.starts_with("dirty: lost write"))
+        {
+            return Err(OpError::LostWrite {
+                vmm: v.name.clone(),
+                line: l.text,
+            });
+        }
+    }
+    Ok(())
 }
 
 fn show_logs(env: &Env, vmms: &[&Vmm]) {

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use super::{
-    continued, outage, show_logs, spawn, timeout, unreachable_op, wait_exit, wait_first_counter,
-    wait_more_counters, wait_steady, Env, Op, OpError, QemuLocalMode, Sample, Workload, STEP,
+    continued, no_lost_writes, outage, show_logs, spawn, timeout, unreachable_op, wait_exit,
+    wait_first_counter, wait_more_counters, wait_steady, Env, Op, OpError, QemuLocalMode, Sample,
+    Workload, STEP,
 };
 use crate::bench::procs::{wait_path, Scratch, Vmm};
 use crate::bench::qmp::{Qmp, QmpError};
@@ -286,6 +287,7 @@ pub fn run_qemu(
     wait_exit(&mut src)?;
     let o = outage(&src, &dst, t0, w)?;
     continued(&o)?;
+    no_lost_writes(&[&src, &dst])?;
     show_logs(env, &[&src, &dst]);
     Ok(Sample {
         downtime: o.downtime,
