@@ -386,21 +386,7 @@ fn zero_copy_into_a_destination_built_ahead_refuses_other_memory() {
         .unwrap()
         .set_len(256 << 20)
         .unwrap();
-    let src = spawn_vmm(
-        &[
-            "--kernel".into(),
-            guest_elf().display().to_string(),
-            "--memory".into(),
-            "256M".into(),
-            "--memory-file".into(),
-            memfile.display().to_string(),
-            "--cmdline".into(),
-            "counter=100".into(),
-        ],
-        &dir.join("console-1.log"),
-        &dir.join("api-1.sock"),
-        &[],
-    );
+    let src = guest_vm(&dir, "256M", Some(&memfile), "counter=100");
     wait_for("counter", Duration::from_secs(30), || {
         counters(&src.console).len() >= 2
     });
@@ -475,21 +461,7 @@ fn the_dirty_check_catches_a_page_damaged_behind_the_guest() {
     let _turn = one_at_a_time();
     let dir = scratch("av-damage");
     let memfile = shm_file("damage");
-    let vm = spawn_vmm(
-        &[
-            "--kernel".into(),
-            guest_elf().display().to_string(),
-            "--memory".into(),
-            "128M".into(),
-            "--memory-file".into(),
-            memfile.display().to_string(),
-            "--cmdline".into(),
-            "dirty=5000,1".into(),
-        ],
-        &dir.join("console-1.log"),
-        &dir.join("api-1.sock"),
-        &[],
-    );
+    let vm = guest_vm(&dir, "128M", Some(&memfile), "dirty=5000,1");
     wait_for("two clean passes", Duration::from_secs(30), || {
         dirty_reports(&vm.console)
             .last()
@@ -717,15 +689,31 @@ fn several_vms_warm_restart_in_parallel() {
 
 /// A 128 MiB test guest that only counts, with its console and API in `dir`.
 fn counting_vm(dir: &std::path::Path) -> Vmm {
+    guest_vm(dir, "128M", None, "counter=100")
+}
+
+/// The test guest with `memory` (in `memory_file` if given) running
+/// `cmdline`, its console and API in `dir` (`console-1.log`, `api-1.sock`).
+fn guest_vm(
+    dir: &std::path::Path,
+    memory: &str,
+    memory_file: Option<&std::path::Path>,
+    cmdline: &str,
+) -> Vmm {
+    let mut args = vec![
+        "--kernel".into(),
+        guest_elf().display().to_string(),
+        "--memory".into(),
+        memory.into(),
+        "--cmdline".into(),
+        cmdline.into(),
+    ];
+    if let Some(f) = memory_file {
+        args.push("--memory-file".into());
+        args.push(f.display().to_string());
+    }
     spawn_vmm(
-        &[
-            "--kernel".into(),
-            guest_elf().display().to_string(),
-            "--memory".into(),
-            "128M".into(),
-            "--cmdline".into(),
-            "counter=100".into(),
-        ],
+        &args,
         &dir.join("console-1.log"),
         &dir.join("api-1.sock"),
         &[],
