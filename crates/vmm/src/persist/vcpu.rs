@@ -165,8 +165,22 @@ pub fn restore(fd: &VcpuFd, state: &VcpuState) -> Result<(), VcpuStateError> {
     fd.set_cpuid2(&cpuid)
         .map_err(kvm(index, "KVM_SET_CPUID2"))?;
     if let Some(khz) = state.tsc_khz {
-        if fd.get_tsc_khz().ok() != Some(khz) {
-            fd.set_tsc_khz(khz).map_err(kvm(index, "KVM_SET_TSC_KHZ"))?;
+        let here = fd.get_tsc_khz().ok();
+        if here != Some(khz) {
+            // Without TSC scaling KVM accepts only a rate within 250 ppm of
+            // this host's: elsewhere (the lab's virtual hosts calibrate their
+            // TSCs a little differently at each boot) the guest goes on at
+            // this host's rate, as QEMU does; its kvmclock follows (KVM
+            // updates the pvclock parameters), a raw-TSC clock would drift.
+            if let Err(e) = fd.set_tsc_khz(khz) {
+                tracing::warn!(
+                    vcpu = index,
+                    saved_khz = khz,
+                    host_khz = ?here,
+                    error = %e,
+                    "cannot give the vCPU its saved TSC rate (no TSC scaling here): it runs at this host's"
+                );
+            }
         }
     }
     fd.set_mp_state(state.mp_state)
