@@ -7,7 +7,8 @@ Images (under lab/build/images/):
 
 - ``vmlinuz``: the Debian cloud kernel, for virtual hosts and guests alike;
 - ``host-base.cpio``: the virtual host's initramfs (busybox, kvm-amd, virtio,
-  tun, bridge, netem, nbd modules, QEMU with its libraries and firmware);
+  tun, bridge, netem, nbd modules, QEMU, iproute2's ip and nbd-client with
+  their libraries, QEMU's firmware);
 - ``guest-initrd.cpio``: the guest's initramfs (busybox, virtio modules, an
   init that mounts the disk, starts services and reports on the console);
 - ``guest-disk.ext4``: the guest's ext4 disk;
@@ -61,10 +62,19 @@ QEMU_FIRMWARE = [
     "bios-microvm.bin",
 ]
 
+# Tools from Debian packages copied into the virtual host as /sbin/NAME, with
+# their libraries (name -> the package that has it, see paths.HOST_PACKAGES).
+# iproute2's ip: busybox ip lacks tuntap and bridge options, and this busybox
+# prefers its applets to PATH, so it is called as /sbin/ip. nbd-client
+# connects the kernel's NBD client (/dev/nbdN) to an export.
+HOST_TOOLS = {"ip": "iproute2", "nbd-client": "nbd-client"}
+
 GUEST_DISK_SIZE_MB = 32
+# The one file on the guest's ext4 disk, /hello.txt.
+GUEST_DISK_HELLO = "hello from the kemari lab disk\n"
 # Binaries copied into each virtual host (kemarictl drives migrations there).
 KEMARI_BINARIES = ["kemari", "kemarictl"]
-# Runs on this machine, in the lab namespace: the shared-disk NBD server.
+# Runs on this machine, in the lab namespace: the shared-disk NBD server, proxies.
 KEMARI_NBD_BINARY = "kemari-nbd"
 
 _INIT_DIR = Path(__file__).resolve().parent / "init"
@@ -245,11 +255,11 @@ def _add_dynamic_binary(w: CpioWriter, binary: Path, dest: str, added: set[str])
             w.add_file(key, lib, 0o755)
 
 
-def _add_qemu(w: CpioWriter) -> None:
+def _add_qemu(w: CpioWriter, added: set[str]) -> None:
     qemu = shutil.which("qemu-system-x86_64")
     if qemu is None:
         raise LabError("qemu-system-x86_64 not found: run the lab set-up")
-    _add_dynamic_binary(w, Path(qemu), "usr/bin/qemu-system-x86_64", set())
+    _add_dynamic_binary(w, Path(qemu), "usr/bin/qemu-system-x86_64", added)
     found = set()
     for share in (Path("/usr/share/qemu"), Path("/usr/share/seabios")):
         for name in QEMU_FIRMWARE:
@@ -259,6 +269,14 @@ def _add_qemu(w: CpioWriter) -> None:
                 found.add(name)
     if "bios-256k.bin" not in found:
         raise LabError("QEMU firmware bios-256k.bin not found (Debian package seabios)")
+
+
+def _host_tool(name: str) -> Path:
+    """The path of one of HOST_TOOLS on this machine."""
+    found = shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin")
+    if found is None:
+        raise LabError(f"{name} not found (Debian package {HOST_TOOLS[name]}): run the lab set-up")
+    return Path(found)
 
 
 def _inputs_digest(*parts: object) -> str:
@@ -288,7 +306,8 @@ def build_host_base(tree: KernelTree) -> Path:
     out = paths.IMAGES_DIR / "host-base.cpio"
     init = _INIT_DIR / "host-init.sh"
     qemu = Path(shutil.which("qemu-system-x86_64") or "/usr/bin/qemu-system-x86_64")
-    digest = _inputs_digest(tree.version, HOST_MODULES, QEMU_FIRMWARE, init, qemu, init.read_bytes())
+    tools = [_host_tool(name) for name in HOST_TOOLS]
+    digest = _inputs_digest(tree.version, HOST_MODULES, QEMU_FIRMWARE, init, qemu, *tools, init.read_bytes())
     if _fresh(out, digest):
         return out
     log("building the virtual host initramfs")
@@ -297,15 +316,12 @@ def build_host_base(tree: KernelTree) -> Path:
         w = CpioWriter(f)
         for d in ("dev", "proc", "sys", "tmp", "run", "mnt", "lab", "root", "etc"):
             w.add_dir(d)
-        _add_busybox(w, skip=("ip",))
+        _add_busybox(w, skip=tuple(HOST_TOOLS))
         _add_modules(w, tree, HOST_MODULES)
-        _add_qemu(w)
-        # iproute2 ip as /sbin/ip: busybox ip lacks tuntap and bridge options. This
-        # busybox prefers its applets to PATH, so call it as /sbin/ip.
-        ip_full = shutil.which("ip")
-        if ip_full is None:
-            raise LabError("iproute2 ip not found: run the lab set-up")
-        _add_dynamic_binary(w, Path(ip_full), "sbin/ip", set())
+        added: set[str] = set()
+        _add_qemu(w, added)
+        for name, path in zip(HOST_TOOLS, tools):
+            _add_dynamic_binary(w, path, f"sbin/{name}", added)
         w.add_file("init", init, 0o755)
         w.close()
     tmp.rename(out)
@@ -343,7 +359,7 @@ def build_guest_disk() -> Path:
         return out
     log("building the guest ext4 disk")
     with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "hello.txt").write_text("hello from the kemari lab disk\n")
+        (Path(d) / "hello.txt").write_text(GUEST_DISK_HELLO)
         tmp = out.with_suffix(f".tmp{os.getpid()}")
         tmp.unlink(missing_ok=True)
         run(["mkfs.ext4", "-q", "-F", "-L", "klabdisk", "-d", d, str(tmp), f"{GUEST_DISK_SIZE_MB}M"])

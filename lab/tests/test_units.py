@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import io
 import json
+import random
 import re
 import shutil
 import socket
@@ -247,3 +250,63 @@ def test_fence_command_succeeds_only_on_confirmation(tmp_path: Path) -> None:
         timeout=30,
         check=False,
     ).returncode != 0
+
+
+def test_kernel_nbd_writes_cover_the_cases() -> None:
+    """The kernel-nbd scenario's writes: disjoint, inside the export and the
+    pattern, whole dd blocks; one O_DIRECT write starts inside a 4 KiB block
+    and ends inside another, one crosses 16 MiB, one is the last block."""
+    from kemari_lab import kernel_nbd as kn
+
+    ends = 0
+    for w in kn.WRITES:
+        assert w.offset >= ends and w.end <= kn.EXPORT_SIZE, w
+        assert w.length % w.bs == 0 and w.source + w.length <= kn.PATTERN_SIZE, w
+        ends = w.end
+    assert any(w.direct and w.offset % 4096 and w.end % 4096 for w in kn.WRITES)
+    assert any(w.offset < 16 << 20 < w.end for w in kn.WRITES)
+    assert kn.WRITES[-1].end == kn.EXPORT_SIZE and kn.EXPORT_SIZE % (1 << 20)
+
+
+@pytest.mark.skipif(shutil.which("busybox") is None, reason="needs busybox (dd, sha256sum) like the virtual hosts")
+def test_kernel_nbd_writes_land_where_the_image_check_looks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scenario's dd commands, run by busybox on a file standing in for
+    /dev/nbd0 (without O_DIRECT), put each pattern slice where image_problems
+    looks for it, and read it back; image_problems finds one wrong byte."""
+    from kemari_lab import kernel_nbd as kn
+
+    busybox = shutil.which("busybox") or "busybox"
+    pattern = random.Random(1).randbytes(kn.PATTERN_SIZE)
+    base = random.Random(2).randbytes(kn.EXPORT_SIZE)
+    (tmp_path / "pattern").write_bytes(pattern)
+    (tmp_path / "device").write_bytes(base)
+    for name in ("PATTERN", "DEVICE", "_READ_BACK", "_WANTED"):
+        monkeypatch.setattr(kn, name, str(tmp_path / name.lower()))
+
+    def sh(cmd: str) -> str:
+        proc = subprocess.run([busybox, "sh", "-c", cmd], capture_output=True, text=True, check=False, timeout=60)
+        assert proc.returncode == 0, f"{cmd}\n{proc.stdout}{proc.stderr}"
+        return proc.stdout
+
+    written: dict[kn.Write, str] = {}
+    for w in kn.WRITES:
+        local = dataclasses.replace(w, direct=False)
+        sh(local.write_command())
+        sums = kn._sha256_lines(sh(local.read_back_command()))
+        want = hashlib.sha256(pattern[w.source : w.source + w.length]).hexdigest()
+        assert sums[kn._READ_BACK] == sums[kn._WANTED] == want, w
+        written[w] = want
+    data = (tmp_path / "device").read_bytes()
+    whole = hashlib.sha256(data).hexdigest()
+    assert kn.image_problems(data, base, written, whole) == []
+
+    def flipped(offset: int) -> bytes:
+        bad = bytearray(data)
+        bad[offset] ^= 1
+        return bytes(bad)
+
+    problems = kn.image_problems(flipped(kn.WRITES[1].offset + 100), base, written, whole)
+    assert len(problems) == 2 and problems[0].startswith(kn.WRITES[1].what) and "whole image" in problems[1]
+    problems = kn.image_problems(flipped(3 << 20), base, written, whole)
+    assert len(problems) == 2 and f"at offset {3 << 20} " in problems[0]
+    assert "bytes, the export had" in kn.image_problems(data[:-4096], base, written, whole)[0]
