@@ -12,5 +12,6 @@ pub mod machine;
 pub mod memory;
 pub mod output;
 pub mod persist;
+pub mod unix_socket;
 pub mod virtio_devices;
 pub mod vstate;

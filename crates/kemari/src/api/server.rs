@@ -96,9 +96,9 @@ impl ApiServer {
             if UnixStream::connect(path).is_ok() {
                 return Err(bind_err("another process is serving this socket".into()));
             }
-            let _ = std::fs::remove_file(path);
         }
-        let listener = UnixListener::bind(path).map_err(|e| bind_err(e.to_string()))?;
+        let listener =
+            vmm::unix_socket::bind_listening(path).map_err(|e| bind_err(e.to_string()))?;
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
         let thread = std::thread::Builder::new()

@@ -25,7 +25,7 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{FromRawFd, RawFd};
 use std::os::unix::fs::MetadataExt;
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -345,8 +345,7 @@ pub fn migrate_in(
     adjust: impl FnOnce(&mut MachineConfig),
 ) -> Result<Machine, LocalMigrationError> {
     let ahead = memory_file.map(BuiltAhead::new).transpose()?;
-    let _ = std::fs::remove_file(socket);
-    let listener = UnixListener::bind(socket)?;
+    let listener = vmm::unix_socket::bind_listening(socket)?;
     tracing::info!(socket = %socket.display(), "waiting for a local migration");
     let (stream, _) = listener.accept()?;
     drop(listener);

@@ -363,8 +363,7 @@ pub fn prepare(dir: &Path) -> Result<Prepared, WarmError> {
     if UnixStream::connect(&socket).is_ok() {
         return Err(WarmError::Busy(dir.to_path_buf()));
     }
-    let _ = std::fs::remove_file(&socket);
-    let listener = UnixListener::bind(&socket).map_err(io_err(&socket))?;
+    let listener = vmm::unix_socket::bind_listening(&socket).map_err(io_err(&socket))?;
     tracing::info!(
         dir = %dir.display(),
         old_pid = file.pid,

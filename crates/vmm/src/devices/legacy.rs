@@ -3,7 +3,7 @@
 //! isa-debug-exit) through which a guest powers the VM off with a status code.
 
 use std::io::{self, Write};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -106,8 +106,7 @@ const SOCKET_BACKLOG: usize = 64 << 10;
 impl SerialSocket {
     /// Binds `path` (replacing a stale socket) and accepts clients in the background.
     pub fn bind(path: &Path) -> io::Result<Self> {
-        let _ = std::fs::remove_file(path);
-        let listener = UnixListener::bind(path)?;
+        let listener = crate::unix_socket::bind_listening(path)?;
         let sock = SerialSocket {
             inner: Arc::new(Mutex::new(SocketState::default())),
         };
