@@ -370,7 +370,8 @@ impl VcpuHandle {
     /// [`start_pause_with`](Self::start_pause_with), kicking the vCPU out of
     /// KVM_RUN until it has it.
     pub fn wait_job<R>(&self, rx: &Receiver<R>) -> Result<R, VcpuError> {
-        self.wait_kicking(rx)
+        // Already kicked: a second signal now would only interrupt the job.
+        self.wait_kicked(rx)
     }
 
     /// Lets a paused vCPU run again.
@@ -393,6 +394,12 @@ impl VcpuHandle {
 
     fn wait_kicking<T>(&self, rx: &Receiver<T>) -> Result<T, VcpuError> {
         self.kick();
+        self.wait_kicked(rx)
+    }
+
+    /// Waits for `rx` after a kick (which cannot be lost: see
+    /// [`kick_handler`]); kicks again every millisecond all the same.
+    fn wait_kicked<T>(&self, rx: &Receiver<T>) -> Result<T, VcpuError> {
         // A stop and a state save take tens of µs: poll for that long before
         // sleeping, since a futex wake-up costs about as much again here.
         if let Some(v) = spin_recv(rx, SPIN_WAIT) {
@@ -575,6 +582,14 @@ enum Flow {
 
 impl VcpuRunner {
     fn run(&mut self, start_paused: bool) {
+        let flag: *mut u8 = &mut self.fd.get_kvm_run().immediate_exit;
+        KICK_EXIT_FLAG.with(|f| f.set(flag));
+        self.run_loop(start_paused);
+        // The flag dies with the fd: a late kick must not write to it.
+        KICK_EXIT_FLAG.with(|f| f.set(std::ptr::null_mut()));
+    }
+
+    fn run_loop(&mut self, start_paused: bool) {
         let mut paused = start_paused;
         loop {
             if paused || self.pending.swap(false, Ordering::SeqCst) {
@@ -589,12 +604,13 @@ impl VcpuRunner {
                     continue;
                 }
             }
-            match self.run_once() {
-                Flow::Continue => {}
-                Flow::Stop => {
-                    // Park until told to exit, so the machine decides what happens.
-                    paused = true;
-                }
+            let flow = self.run_once();
+            // A kick since the last look at `pending` made KVM_RUN return at
+            // once (or cut it short); `pending` is looked at next.
+            self.fd.set_kvm_immediate_exit(0);
+            if let Flow::Stop = flow {
+                // Park until told to exit, so the machine decides what happens.
+                paused = true;
             }
         }
     }
@@ -809,7 +825,29 @@ fn set_lapic_reg(regs: &mut [std::os::raw::c_char; 1024], offset: usize, value: 
     }
 }
 
-extern "C" fn kick_handler(_: i32, _: *mut libc::siginfo_t, _: *mut libc::c_void) {}
+thread_local! {
+    /// The `immediate_exit` byte of the `kvm_run` of the vCPU this thread
+    /// runs (null on other threads).
+    static KICK_EXIT_FLAG: std::cell::Cell<*mut u8> = const { std::cell::Cell::new(std::ptr::null_mut()) };
+}
+
+/// A kick that lands while its vCPU thread is outside KVM_RUN — between its
+/// look at the request queue and the ioctl — would otherwise be lost until
+/// the next exit: setting `immediate_exit` makes that KVM_RUN return at once
+/// (KVM's race-free way of kicking, as in Cloud Hypervisor).
+extern "C" fn kick_handler(_: i32, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // `try_with`: nothing to do on a thread being torn down.
+    let _ = KICK_EXIT_FLAG.try_with(|f| {
+        let flag = f.get();
+        if !flag.is_null() {
+            // SAFETY: the vCPU thread points the flag at its own kvm_run
+            // (mapped as long as its VcpuFd lives) and nulls it before the fd
+            // is dropped; a handler runs on that same thread, so the mapping
+            // is live. A volatile byte store is async-signal-safe.
+            unsafe { std::ptr::write_volatile(flag, 1) };
+        }
+    });
+}
 
 fn install_kick_handler() -> Result<(), VcpuError> {
     static ONCE: Once = Once::new();
@@ -818,4 +856,32 @@ fn install_kick_handler() -> Result<(), VcpuError> {
         result = register_signal_handler(kick_signal(), kick_handler).map_err(VcpuError::Signal);
     });
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_kick_sets_the_immediate_exit_flag_of_its_own_thread_only() {
+        install_kick_handler().unwrap();
+        let mut flag = 0u8;
+        KICK_EXIT_FLAG.with(|f| f.set(&mut flag));
+        // Another thread's kick (no flag registered there) changes nothing.
+        std::thread::spawn(|| {
+            // SAFETY: raise() sends the kick signal to this thread; its
+            // handler is installed above.
+            unsafe { libc::raise(kick_signal()) };
+        })
+        .join()
+        .unwrap();
+        // SAFETY: `flag` is a live local; the handler writes it only on this
+        // thread.
+        assert_eq!(unsafe { std::ptr::read_volatile(&flag) }, 0);
+        // SAFETY: as above, on this thread.
+        unsafe { libc::raise(kick_signal()) };
+        // SAFETY: as above.
+        assert_eq!(unsafe { std::ptr::read_volatile(&flag) }, 1);
+        KICK_EXIT_FLAG.with(|f| f.set(std::ptr::null_mut()));
+    }
 }
