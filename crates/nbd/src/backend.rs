@@ -47,18 +47,6 @@ pub trait Backend: Send + Sync + 'static {
     ) -> Option<io::Result<()>> {
         None
     }
-    /// A read of `len` bytes at `offset` that `send` serves straight from
-    /// the file holding the export's bytes at the same offsets (the server
-    /// sends it with sendfile). `None`, without calling `send`, when the
-    /// backend has no such file.
-    fn read_via_file(
-        &self,
-        _offset: u64,
-        _len: u64,
-        _send: &mut dyn FnMut(&File) -> io::Result<()>,
-    ) -> Option<io::Result<()>> {
-        None
-    }
 }
 
 /// Read and write counters per [`ACCESS_GROUP_SIZE`] group.
@@ -223,15 +211,6 @@ impl Backend for FileBackend {
             }
             Ok(())
         }))
-    }
-    fn read_via_file(
-        &self,
-        offset: u64,
-        len: u64,
-        send: &mut dyn FnMut(&File) -> io::Result<()>,
-    ) -> Option<io::Result<()>> {
-        self.counters.record(offset, len, false);
-        Some(send(&self.file))
     }
 }
 

@@ -602,91 +602,6 @@ fn write_spliced<R: Read>(
     }))
 }
 
-/// Serves a validated READ by sending the reply header and then the data
-/// straight from the backend's file. `Ok(false)` when the backend has no
-/// file (nothing sent); `Err` when the connection is unusable (a reply may
-/// be cut short, so the caller must hang up).
-/// Sends all of `h` on `sock` with MSG_MORE (the kernel holds it for the
-/// data that follows).
-fn send_more(sock: RawFd, mut h: &[u8]) -> io::Result<()> {
-    while !h.is_empty() {
-        // SAFETY: send reads `h.len()` bytes from our live slice.
-        let n = unsafe {
-            libc::send(
-                sock,
-                h.as_ptr().cast(),
-                h.len(),
-                libc::MSG_MORE | libc::MSG_NOSIGNAL,
-            )
-        };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        h = &h[n as usize..];
-    }
-    Ok(())
-}
-
-fn read_sent<W: Write>(
-    w: &mut BufWriter<W>,
-    sock: RawFd,
-    sendfile_ok: &mut bool,
-    b: &dyn Backend,
-    req: &Request,
-    structured: bool,
-) -> io::Result<bool> {
-    let len = req.len as usize;
-    let mut send = |file: &std::fs::File| -> io::Result<()> {
-        let mut h = [0u8; STRUCTURED_REPLY_HEADER_LEN + 8];
-        let h: &[u8] = if structured {
-            h[..STRUCTURED_REPLY_HEADER_LEN].copy_from_slice(&encode_structured_header(
-                REPLY_FLAG_DONE,
-                REPLY_TYPE_OFFSET_DATA,
-                req.cookie,
-                8 + req.len,
-            ));
-            h[STRUCTURED_REPLY_HEADER_LEN..].copy_from_slice(&req.offset.to_be_bytes());
-            &h
-        } else {
-            h[..16].copy_from_slice(&encode_simple_reply(0, req.cookie));
-            &h[..16]
-        };
-        if *sendfile_ok {
-            // Replies buffered so far, then the header marked "more to
-            // come" so that it leaves in the same segment as the data.
-            w.flush()?;
-            send_more(sock, h)?;
-            match crate::splice::file_to_socket(sock, file, req.offset, len) {
-                Ok(()) => return Ok(()),
-                Err(SpliceError::Unsupported) => *sendfile_ok = false,
-                Err(SpliceError::File(e)) | Err(SpliceError::Socket(e)) => return Err(e),
-            }
-        } else {
-            w.write_all(h)?;
-            w.flush()?;
-        }
-        use std::os::unix::fs::FileExt;
-        let mut buf = vec![0u8; len];
-        file.read_exact_at(&mut buf, req.offset)?;
-        w.get_mut().write_all(&buf)
-    };
-    match b.read_via_file(req.offset, u64::from(req.len), &mut send) {
-        None => Ok(false),
-        Some(Ok(())) => Ok(true),
-        Some(Err(e)) => {
-            // The header promised data that did not (all) follow.
-            // SAFETY: shutdown takes an fd and a constant; the fd is the
-            // connection's own socket, still open.
-            unsafe { libc::shutdown(sock, libc::SHUT_RDWR) };
-            Err(e)
-        }
-    }
-}
-
 fn transmission<R, W>(
     mut r: BufReader<R>,
     w: BufWriter<W>,
@@ -710,7 +625,6 @@ where
     let mut workers: Option<std::sync::mpsc::Sender<Job>> = None;
     let mut pipe: Option<Pipe> = None;
     let mut splice_ok = sock.is_some();
-    let mut sendfile_ok = sock.is_some();
     // After a spliced write the next header is read on its own, so that the
     // read buffer does not swallow (and force a copy of) the next payload.
     let mut exact_header = false;
@@ -751,24 +665,6 @@ where
                     continue;
                 }
                 // The backend cannot take this one in place: buffered path.
-            }
-        }
-        if let Some(fd) = sock {
-            if req.command == CMD_READ
-                && req.len >= SPLICE_MIN
-                && validate(backend.as_ref(), &req).is_none()
-            {
-                let mut g = lock(&w);
-                if read_sent(
-                    &mut g,
-                    fd,
-                    &mut sendfile_ok,
-                    backend.as_ref(),
-                    &req,
-                    structured,
-                )? {
-                    continue;
-                }
             }
         }
         let mut payload = if pbuf.capacity() > 0 {

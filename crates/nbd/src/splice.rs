@@ -6,8 +6,9 @@
 //! ordinary path (`recv` into a buffer, then `pwrite`) copies every byte
 //! twice. On loopback, where the sender's copy also runs on this machine's
 //! CPUs, that second copy is what limits sequential write throughput.
-//! Large READ replies go the other way with sendfile(2): the socket takes
-//! the page-cache pages by reference instead of a copy through a buffer.
+//! READ replies do not take the mirror path (sendfile(2)): on loopback it
+//! halved read throughput (the client's copy out of page-cache-backed
+//! socket buffers is the slow part), so reads use buffers (docs/nbd.md).
 
 use std::fs::File;
 use std::io;
@@ -152,41 +153,6 @@ impl Pipe {
     }
 }
 
-/// Sends exactly `len` bytes of `file` at `offset` to `sock`.
-/// `Unsupported` when the very first call fails with EINVAL (nothing sent);
-/// any other failure leaves a partial reply on the socket (`Socket`), and
-/// the file ending early is reported as `File`.
-pub fn file_to_socket(
-    sock: RawFd,
-    file: &File,
-    offset: u64,
-    len: usize,
-) -> Result<(), SpliceError> {
-    let mut off = offset as libc::off_t;
-    let mut left = len;
-    while left > 0 {
-        // SAFETY: sendfile reads from `file` at `off` (which it advances) and
-        // writes to the socket; it touches no memory of ours besides `off`.
-        let n = unsafe { libc::sendfile(sock, file.as_raw_fd(), &mut off, left) };
-        if n > 0 {
-            left -= n as usize;
-            continue;
-        }
-        if n == 0 {
-            return Err(SpliceError::File(io::ErrorKind::UnexpectedEof.into()));
-        }
-        let e = io::Error::last_os_error();
-        match e.raw_os_error() {
-            Some(libc::EINTR) => {}
-            Some(libc::EINVAL) | Some(libc::ENOSYS) if left == len => {
-                return Err(SpliceError::Unsupported)
-            }
-            _ => return Err(SpliceError::Socket(e)),
-        }
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -225,30 +191,6 @@ mod tests {
         let mut tail = [0u8; 4];
         std::io::Read::read_exact(&mut &b, &mut tail).unwrap();
         assert_eq!(&tail, b"tail");
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-
-    #[test]
-    fn sends_file_range_to_socket() {
-        let dir = std::env::temp_dir().join(format!("knbd-sendfile-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("f");
-        let data: Vec<u8> = (0..2_000_000u32).map(|i| (i % 241) as u8).collect();
-        std::fs::write(&path, &data).unwrap();
-        let file = File::open(&path).unwrap();
-        let (a, b) = UnixStream::pair().unwrap();
-        let a2 = a.try_clone().unwrap();
-        let t = std::thread::spawn(move || {
-            let mut got = vec![0u8; 1_500_000];
-            std::io::Read::read_exact(&mut &a2, &mut got).unwrap();
-            got
-        });
-        file_to_socket(b.as_raw_fd(), &file, 12345, 1_500_000).unwrap();
-        assert!(t.join().unwrap() == data[12345..12345 + 1_500_000]);
-        // Past the end of the file: reported as a file error, not a hang.
-        let r = file_to_socket(b.as_raw_fd(), &file, 1_999_000, 4096);
-        assert!(matches!(r, Err(SpliceError::File(_))), "{r:?}");
-        drop(a);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -381,19 +381,6 @@ impl Backend for Proxy {
     fn access_counts(&self) -> Option<AccessCounts> {
         Some(self.shared.counters.snapshot())
     }
-    fn read_via_file(
-        &self,
-        offset: u64,
-        len: u64,
-        send: &mut dyn FnMut(&std::fs::File) -> io::Result<()>,
-    ) -> Option<io::Result<()>> {
-        let sh = &self.shared;
-        if !sh.cut_over.load(Ordering::Acquire) && !sh.cache.range_cached(offset, len) {
-            return None;
-        }
-        sh.counters.record(offset, len, false);
-        Some(send(sh.cache.file()))
-    }
     fn write_via_file(
         &self,
         offset: u64,
