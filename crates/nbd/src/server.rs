@@ -667,7 +667,12 @@ where
                 // The backend cannot take this one in place: buffered path.
             }
         }
-        let mut payload = if pbuf.capacity() > 0 {
+        // Only a WRITE needs a payload buffer. Handing a pooled one to any
+        // other request would cost a memset of its whole capacity when the
+        // (cleared) buffer goes back to the pool.
+        let mut payload = if !req.has_payload() {
+            Vec::new()
+        } else if pbuf.capacity() > 0 {
             std::mem::take(&mut pbuf)
         } else {
             helpers.take()
@@ -701,7 +706,9 @@ where
         }
         if let Some(bad) = validate(backend.as_ref(), &req) {
             write_reply(&mut *lock(&w), structured, &req, &bad)?;
-            pbuf = payload;
+            if payload.capacity() > 0 {
+                pbuf = payload;
+            }
             continue;
         }
         // Large transfers also go to helpers, so that receiving the next
@@ -760,7 +767,9 @@ where
             continue;
         }
         let out = execute(backend.as_ref(), &req, &payload, std::mem::take(&mut buf));
-        pbuf = payload;
+        if payload.capacity() > 0 {
+            pbuf = payload;
+        }
         write_reply(&mut *lock(&w), structured, &req, &out)?;
         if let Outcome::Data(d) = out {
             buf = d;
