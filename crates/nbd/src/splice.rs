@@ -6,9 +6,9 @@
 //! ordinary path (`recv` into a buffer, then `pwrite`) copies every byte
 //! twice. On loopback, where the sender's copy also runs on this machine's
 //! CPUs, that second copy is what limits sequential write throughput.
-//! READ replies do not take the mirror path (sendfile(2)): on loopback it
-//! halved read throughput (the client's copy out of page-cache-backed
-//! socket buffers is the slow part), so reads use buffers (docs/nbd.md).
+//! READ replies do not take the mirror path (sendfile(2)): measured side by
+//! side on loopback it halved read throughput at every size, for a reason
+//! not found, so reads use buffers (docs/nbd.md).
 
 use std::fs::File;
 use std::io;
