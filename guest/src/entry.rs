@@ -171,11 +171,28 @@ fn run(cfg: &Config) -> ! {
         )
     });
 
+    // The longest stall of this loop since the last counter line, not
+    // counting the cost of printing that line (see counter.rs).
+    let mut last_turn_ns = crate::time::now_ns();
+    let mut longest_stall_ns = 0;
+    let mut cheapest_print_ns = u64::MAX;
+    let mut printed_at_ns = None;
     loop {
         let now_ns = crate::time::now_ns();
         let now_ms = now_ns / 1_000_000;
+        let mut turn_ns = now_ns.saturating_sub(last_turn_ns);
+        if let Some(at) = printed_at_ns.take() {
+            // The last turn printed: `at` is when its line was written.
+            cheapest_print_ns = cheapest_print_ns.min(now_ns.saturating_sub(at));
+            turn_ns = turn_ns.saturating_sub(cheapest_print_ns);
+        }
+        longest_stall_ns = longest_stall_ns.max(turn_ns);
+        last_turn_ns = now_ns;
         if let Some(c) = counter.as_mut() {
-            c.poll(now_ms);
+            if c.poll(now_ns / 1000, longest_stall_ns / 1000) {
+                longest_stall_ns = 0;
+                printed_at_ns = Some(now_ns);
+            }
         }
         if let Some(d) = dirty.as_mut() {
             d.poll(now_ns);

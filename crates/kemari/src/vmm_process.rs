@@ -397,7 +397,10 @@ fn handle_api(
                 limits.max_rounds = r.max(1);
             }
             match tcp::migrate_out(machine, &to, &key, limits, migration) {
-                Ok(report) => (ApiResponse::ok(json!(report)), After::Exit),
+                Ok(report) => {
+                    finish_at_idle_priority();
+                    (ApiResponse::ok(json!(report)), After::Exit)
+                }
                 Err(e) => (ApiResponse::error(409, e), After::Continue),
             }
         }
@@ -410,11 +413,27 @@ fn handle_api(
         ApiRequest::MigrateLocal { socket } => match local::migrate_out(machine, &socket) {
             Ok(report) => {
                 tracing::info!(?report, "local migration done: exiting");
+                finish_at_idle_priority();
                 (ApiResponse::ok(json!(report)), After::Exit)
             }
             Err(e) => (ApiResponse::error(409, e), After::Continue),
         },
         other => (handle_query(machine, other), After::Continue),
+    }
+}
+
+/// Once the VM runs in another process, this one only has to end: it does
+/// so at idle priority (SCHED_IDLE, inherited by the reaper it forks to
+/// destroy the KVM VM), so that its exit never takes a CPU from the new
+/// VMM's vCPUs, which are starting on the same host.
+fn finish_at_idle_priority() {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: sched_setscheduler only reads `param`; pid 0 is this thread.
+    if unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } != 0 {
+        tracing::debug!(
+            error = %std::io::Error::last_os_error(),
+            "cannot lower this thread's priority for its exit"
+        );
     }
 }
 
@@ -545,6 +564,7 @@ fn warm_restart(
             // Paused here until the successor runs the VM: the guest's pause.
             let downtime_ms = paused_at.elapsed().as_secs_f64() * 1000.0;
             tracing::info!(dir = %dir.display(), paused_ms = saved_ms, restore_ms, downtime_ms, "warm restart: the successor runs the VM, exiting");
+            finish_at_idle_priority();
             body["successor"] = json!({
                 "running": true,
                 "restore_ms": restore_ms,

@@ -315,6 +315,12 @@ fn zero_copy_local_migration_keeps_counter_disk_and_tcp() {
         report["state_bytes"].as_u64().unwrap() < 1 << 20,
         "only state moves, not memory"
     );
+    // The source left only once the destination said the guest runs there.
+    let running = report["running_ms"].as_f64().expect("running_ms");
+    assert!(
+        running >= report["downtime_ms"].as_f64().unwrap(),
+        "{report}"
+    );
     assert!(wait_exit(&mut src.child.0, "the source VMM").success());
     check_continuity(&src.console, &dst, echo, &disk);
 }

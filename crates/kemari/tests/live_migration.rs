@@ -197,7 +197,10 @@ fn live_migration_keeps_counter_disk_and_tcp() {
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report["status"], "completed");
     assert!(report["round"].as_u64().unwrap() >= 2, "{report}");
-    assert!(report["downtime_ms"].as_f64().is_some());
+    let downtime = report["downtime_ms"].as_f64().unwrap();
+    // The source left only once the destination said the guest runs there.
+    let running = report["running_ms"].as_f64().expect("running_ms");
+    assert!(running >= downtime, "{report}");
     let status = src.child.0.wait().unwrap();
     assert!(status.success());
     check_continuity(&src.console, &dst, echo, &disk);

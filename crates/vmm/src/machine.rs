@@ -531,6 +531,7 @@ impl Machine {
                 gate,
                 saved,
                 taps,
+                start_paused,
             )
         };
         let (setup, t_slots) = if slots_registered {
@@ -589,7 +590,7 @@ impl Machine {
             "machine set-up timing"
         );
         let state = if start_paused {
-            event_loop.pause()?;
+            // The event loop started paused.
             RunState::Paused
         } else {
             RunState::Running
@@ -632,6 +633,7 @@ impl Machine {
 
     /// Everything but the memory slots: legacy and virtio devices, the kernel
     /// and its boot structures, the vCPUs (created, not started).
+    #[allow(clippy::too_many_arguments)]
     fn setup_devices_kernel_vcpus(
         config: &MachineConfig,
         vm: &Vm,
@@ -640,6 +642,7 @@ impl Machine {
         gate: Arc<dyn OutputGate>,
         saved: Option<&VmState>,
         taps: Vec<std::fs::File>,
+        start_paused: bool,
     ) -> Result<Setup, MachineError> {
         // Legacy devices.
         let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(MachineError::EventFd)?;
@@ -692,6 +695,7 @@ impl Machine {
                 .map(|d| d.loop_device())
                 .collect::<Result<_, _>>()?,
             gate,
+            start_paused,
         )?;
 
         let vcpus = match saved {

@@ -99,6 +99,9 @@ impl Default for MigrationLimits {
     }
 }
 
+/// How long the source waits for `Running` after `Commit`.
+const RUNNING_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Live progress, readable through the API while the migration runs.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct MigrationProgress {
@@ -122,8 +125,12 @@ pub struct MigrationProgress {
     pub estimated_downtime_ms: f64,
     /// Time since start, ms.
     pub elapsed_ms: u64,
-    /// Final report: guest paused time as the source saw it, ms.
+    /// Final report: guest paused time as the source saw it (pause to
+    /// `Commit`), ms.
     pub downtime_ms: Option<f64>,
+    /// Final report: pause to the destination's `Running`, ms (None if it did
+    /// not confirm).
+    pub running_ms: Option<f64>,
     /// Final report: whole migration, ms.
     pub total_ms: Option<f64>,
     /// Why the last round was the last ("converged", "round limit").
@@ -672,6 +679,20 @@ fn migrate_out_inner(
     // Point of no return.
     ch.send_control(&Control::Commit)?;
     let downtime = paused_at.elapsed();
+    // Leave the CPU to the destination until its guest runs. Nothing from
+    // here on can undo the migration: a missing confirmation is only logged.
+    let _ = ch.stream().set_read_timeout(Some(RUNNING_TIMEOUT));
+    let running = match ch.recv_control(&mut buf) {
+        Ok(Control::Running) => Some(paused_at.elapsed()),
+        Ok(other) => {
+            tracing::warn!(got = ?other, "migration: the destination did not confirm it runs");
+            None
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "migration: the destination did not confirm it runs");
+            None
+        }
+    };
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     tracing::debug!(
         paused_and_saved = ms(t_paused),
@@ -680,6 +701,7 @@ fn migrate_out_inner(
         state_encoded = ms(t_saved),
         state_sent = ms(t_state_sent),
         committed = ms(downtime),
+        running = running.map(ms),
         "migration: final round timing (ms from the pause)"
     );
     shared.update(|p| {
@@ -688,6 +710,7 @@ fn migrate_out_inner(
         p.pages_sent = sender.pages;
         p.remaining_pages = 0;
         p.downtime_ms = Some(downtime.as_secs_f64() * 1000.0);
+        p.running_ms = running.map(ms);
         p.total_ms = Some(started.elapsed().as_secs_f64() * 1000.0);
         p.elapsed_ms = started.elapsed().as_millis() as u64;
         p.stop_reason = Some(stop_reason.into());
@@ -930,6 +953,10 @@ fn receive_vm(
         }
     }
     machine.resume()?;
+    // The source exits on this; the VM is ours whether it hears it or not.
+    if let Err(e) = ch.send_control(&Control::Running) {
+        tracing::warn!(error = %e, "live migration: cannot tell the source the VM runs");
+    }
     machine.announce_network();
     tracing::info!("live migration: VM taken over and running");
     Ok(machine)

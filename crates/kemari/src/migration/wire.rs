@@ -1,4 +1,4 @@
-//! The live-migration wire protocol (version 3): framing, authentication and
+//! The live-migration wire protocol (version 4): framing, authentication and
 //! message encoding. Pure over any `Read`/`Write`, so it is unit-tested and
 //! fuzzed without sockets. The exchange itself is in `tcp.rs` and in
 //! docs/migration-protocol.md.
@@ -31,7 +31,7 @@ use vmm::config::MachineConfig;
 /// Protocol magic in `Hello`.
 pub const MAGIC: &[u8; 10] = b"KEMARI-MIG";
 /// Protocol version.
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 /// Guest page size.
 pub const PAGE: usize = 4096;
 /// Largest frame payload accepted.
@@ -105,6 +105,9 @@ pub enum Control {
     },
     /// Source: the destination owns the VM now.
     Commit,
+    /// Destination: the guest runs here. The source exits only then, so that
+    /// its exit does not take the CPU the destination's vCPU needs to start.
+    Running,
     /// Either side: giving up, with the reason.
     Failed {
         /// Why.

@@ -66,10 +66,14 @@ pub struct DeviceEventLoop {
 }
 
 impl DeviceEventLoop {
-    /// Starts the loop over `devices`, outputs passing `gate`.
+    /// Starts the loop over `devices`, outputs passing `gate`. With `paused`
+    /// it serves nothing until the first [`resume`](Self::resume), as if
+    /// [`pause`](Self::pause) had been called, without waiting for the new
+    /// thread to say so (a restore pays that inside the guest's pause).
     pub fn start(
         devices: Vec<LoopDevice>,
         gate: Arc<dyn OutputGate>,
+        paused: bool,
     ) -> Result<Self, EventLoopError> {
         let epoll = Epoll::new().map_err(EventLoopError::Setup)?;
         let timer = TimerFd::new()
@@ -129,7 +133,7 @@ impl DeviceEventLoop {
             .spawn(move || {
                 let mut lp = Loop::new(devices, gate, timer);
                 lp.arm_timer();
-                lp.run(epoll, ctl, rx)
+                lp.run(epoll, ctl, rx, paused)
             })
             .map_err(EventLoopError::Setup)?;
         Ok(DeviceEventLoop {
@@ -300,9 +304,45 @@ impl Loop {
         self.release(&batch);
     }
 
-    fn run(&mut self, epoll: Epoll, control: EventFd, requests: Receiver<Request>) {
+    /// Serves one control request; false on `Exit`.
+    fn handle(&mut self, req: Request, paused: &mut bool) -> bool {
+        match req {
+            Request::Pause(ack) => {
+                *paused = true;
+                let _ = ack.send(());
+            }
+            Request::Resume => *paused = false,
+            Request::SetGate(gate, ack) => {
+                self.gate = gate;
+                self.arm_timer();
+                let _ = ack.send(());
+            }
+            Request::Exit => return false,
+        }
+        true
+    }
+
+    fn run(
+        &mut self,
+        epoll: Epoll,
+        control: EventFd,
+        requests: Receiver<Request>,
+        mut paused: bool,
+    ) {
         let mut events = vec![EpollEvent::default(); 64];
-        let mut paused = false;
+        // Started paused: wait for the requests that end it before looking at
+        // any event. The control eventfd's count is left to the loop below,
+        // which then finds the queue empty.
+        while paused {
+            match requests.recv() {
+                Ok(req) => {
+                    if !self.handle(req, &mut paused) {
+                        return;
+                    }
+                }
+                Err(_) => return,
+            }
+        }
         loop {
             let n = match epoll.wait(-1, &mut events) {
                 Ok(n) => n,
@@ -330,18 +370,8 @@ impl Loop {
                                 Err(_) => return,
                             }
                         };
-                        match req {
-                            Request::Pause(ack) => {
-                                paused = true;
-                                let _ = ack.send(());
-                            }
-                            Request::Resume => paused = false,
-                            Request::SetGate(gate, ack) => {
-                                self.gate = gate;
-                                self.arm_timer();
-                                let _ = ack.send(());
-                            }
-                            Request::Exit => return,
+                        if !self.handle(req, &mut paused) {
+                            return;
                         }
                     }
                     continue;
@@ -373,5 +403,90 @@ impl Loop {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Instant;
+
+    use super::*;
+    use crate::devices::virtio::{Activation, DeviceCounters, VirtioError, TYPE_NET};
+    use crate::output::PassThroughGate;
+
+    /// A device that only counts the notifications the loop hands it.
+    struct Counting(Arc<AtomicUsize>);
+
+    impl VirtioDevice for Counting {
+        fn device_type(&self) -> u32 {
+            TYPE_NET
+        }
+        fn name(&self) -> &str {
+            "counting"
+        }
+        fn queue_max_sizes(&self) -> &[u16] {
+            &[8]
+        }
+        fn features(&self) -> u64 {
+            0
+        }
+        fn read_config(&self, _offset: u64, _data: &mut [u8]) {}
+        fn activate(&mut self, _activation: Activation) -> Result<(), VirtioError> {
+            Ok(())
+        }
+        fn is_activated(&self) -> bool {
+            true
+        }
+        fn queue_notified(&mut self, _index: usize) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+        fn reset(&mut self) {}
+        fn counters(&self) -> DeviceCounters {
+            DeviceCounters::default()
+        }
+    }
+
+    fn wait_for(count: &AtomicUsize, want: usize) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if count.load(Ordering::SeqCst) == want {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        false
+    }
+
+    #[test]
+    fn a_loop_started_paused_serves_nothing_until_resumed() {
+        let count = Arc::new(AtomicUsize::new(0));
+        let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let kick = evt.try_clone().unwrap();
+        let device: Arc<Mutex<dyn VirtioDevice>> = Arc::new(Mutex::new(Counting(count.clone())));
+        let lp = DeviceEventLoop::start(
+            vec![LoopDevice {
+                device,
+                queue_events: vec![evt],
+            }],
+            Arc::new(PassThroughGate),
+            true,
+        )
+        .unwrap();
+        kick.write(1).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(count.load(Ordering::SeqCst), 0, "served while paused");
+        lp.resume().unwrap();
+        assert!(
+            wait_for(&count, 1),
+            "the notification made while paused was lost"
+        );
+        // Pausing again works as for a loop started running.
+        lp.pause().unwrap();
+        kick.write(1).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(count.load(Ordering::SeqCst), 1, "served while paused");
+        lp.resume().unwrap();
+        assert!(wait_for(&count, 2));
     }
 }

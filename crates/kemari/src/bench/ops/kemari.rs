@@ -239,6 +239,7 @@ pub fn run_kemari(
     show_logs(env, &[&src, &dst]);
     Ok(Sample {
         downtime: o.downtime,
+        resolution: o.resolution,
         total: t_first.max(t_done) - t0,
         dirty_seen,
         reported_downtime_ms: reported,

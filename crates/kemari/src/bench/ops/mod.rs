@@ -136,6 +136,8 @@ pub struct Env {
 pub struct Sample {
     /// Guest-visible downtime.
     pub downtime: Duration,
+    /// What `downtime` can tell apart (see `console::Outage::resolution`).
+    pub resolution: Duration,
     /// Request issued to the VM running in its new VMM.
     pub total: Duration,
     /// Dirty pages/s the guest reported last before the operation.

@@ -291,6 +291,7 @@ pub fn run_qemu(
     show_logs(env, &[&src, &dst]);
     Ok(Sample {
         downtime: o.downtime,
+        resolution: o.resolution,
         total: t_first.max(t_done) - t0,
         dirty_seen,
         reported_downtime_ms: st.downtime_ms.map(|d| d as f64),
