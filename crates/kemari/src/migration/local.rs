@@ -409,7 +409,7 @@ fn accept_vm(
         version,
         memory_size,
         taps,
-        ..
+        config: offered,
     } = offer
     else {
         return Err(unexpected("Offer", &offer));
@@ -440,6 +440,9 @@ fn accept_vm(
             Machine::prepare(memory)?
         }
     };
+    // KVM_CREATE_VCPU is slow here too: before the pause, not in it.
+    let mut prepared = prepared;
+    prepared.create_vcpus(offered.vcpus)?;
     send(stream, &Message::Ready, &[])?;
 
     let (msg, _) = recv(stream)?;
@@ -480,15 +483,24 @@ fn accept_vm(
         },
         &[],
     )?;
+    let t_restored = started.elapsed();
     match recv(stream)?.0 {
         Message::Commit => {}
         other => return Err(unexpected("Commit", &other)),
     }
+    let t_committed = started.elapsed();
     machine.resume()?;
     // The source exits on this; the VM is ours whether it hears it or not.
     if let Err(e) = send(stream, &Message::Running, &[]) {
         tracing::warn!(error = %e, "local migration: cannot tell the source the VM runs");
     }
+    let us = |d: Duration| d.as_micros() as u64;
+    tracing::debug!(
+        restored_us = us(t_restored),
+        commit_received_us = us(t_committed),
+        running_us = us(started.elapsed()),
+        "local migration: destination timeline (from the state's arrival)"
+    );
     tracing::info!("local migration: VM taken over and running");
     Ok(machine)
 }

@@ -864,14 +864,18 @@ fn receive_vm(
     // slots (milliseconds, more on a busy host) are built meanwhile, off the
     // transfer's path, as QEMU's -incoming has its VM ready.
     let for_vm = memory.clone();
+    let vcpus = config.vcpus;
     let preparing = std::thread::Builder::new()
         .name("vm-prepare".into())
         .spawn(move || {
             let t = Instant::now();
-            let prepared = Machine::prepare(for_vm);
+            let prepared = Machine::prepare(for_vm).and_then(|mut p| {
+                p.create_vcpus(vcpus)?;
+                Ok(p)
+            });
             tracing::debug!(
                 ms = t.elapsed().as_secs_f64() * 1000.0,
-                "migration: VM and memory slots prepared"
+                "migration: VM, memory slots and vCPUs prepared"
             );
             prepared
         })
@@ -944,6 +948,7 @@ fn receive_vm(
     ch.send_control(&Control::Restored {
         restore_ms: started.elapsed().as_millis() as u64,
     })?;
+    let t_restored = started.elapsed();
     match ch.recv_control(&mut buf)? {
         Control::Commit => {}
         other => {
@@ -952,11 +957,19 @@ fn receive_vm(
             )))
         }
     }
+    let t_committed = started.elapsed();
     machine.resume()?;
     // The source exits on this; the VM is ours whether it hears it or not.
     if let Err(e) = ch.send_control(&Control::Running) {
         tracing::warn!(error = %e, "live migration: cannot tell the source the VM runs");
     }
+    let us = |d: Duration| d.as_micros() as u64;
+    tracing::debug!(
+        restored_us = us(t_restored),
+        commit_received_us = us(t_committed),
+        running_us = us(started.elapsed()),
+        "live migration: destination timeline (from the state's arrival)"
+    );
     machine.announce_network();
     tracing::info!("live migration: VM taken over and running");
     Ok(machine)

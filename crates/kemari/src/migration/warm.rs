@@ -358,7 +358,8 @@ pub fn prepare(dir: &Path) -> Result<Prepared, WarmError> {
         )));
     }
     let memory = GuestMemoryFile::create(config.memory_bytes, &config.memory_backing)?;
-    let vm = Machine::prepare(memory)?;
+    let mut vm = Machine::prepare(memory)?;
+    vm.create_vcpus(config.vcpus)?;
     let socket = dir.join(SOCKET_FILE);
     if UnixStream::connect(&socket).is_ok() {
         return Err(WarmError::Busy(dir.to_path_buf()));
