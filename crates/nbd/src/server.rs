@@ -30,6 +30,10 @@ const LARGE_WORKERS: usize = 4;
 /// Writes at least this large are spliced from the socket into the file
 /// when the backend allows it (one copy instead of two).
 const SPLICE_MIN: u32 = 64 * 1024;
+/// How long a connection that has answered everything it had polls its
+/// socket for the next request before it sleeps in `read` (see
+/// [`await_request`]).
+const REQUEST_POLL: std::time::Duration = std::time::Duration::from_micros(50);
 
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -631,6 +635,10 @@ where
     let result = loop {
         if r.buffer().is_empty() {
             lock(&w).flush()?;
+            // Not while helpers run large transfers: they need the CPU.
+            if let (Some(fd), 0) = (sock, helpers.active.load(Ordering::Relaxed)) {
+                await_request(fd, REQUEST_POLL);
+            }
         }
         let mut hb = [0u8; REQUEST_LEN];
         let got = if exact_header && r.buffer().is_empty() {
@@ -783,6 +791,32 @@ where
     drop(c);
     let _ = lock(&w).flush();
     result
+}
+
+/// Polls `fd` for up to `limit` until it is readable. A client with requests
+/// in flight sends the next one as soon as a reply lands; a connection that
+/// went to sleep in `read` in between has to be woken for it, and on a
+/// small VM host that wake-up (an IPI) costs the *client* more CPU time than
+/// the request itself. The caller then reads as usual, blocking if nothing
+/// came.
+fn await_request(fd: RawFd, limit: std::time::Duration) {
+    if limit.is_zero() {
+        return;
+    }
+    let start = std::time::Instant::now();
+    loop {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd for the duration of the call; a zero
+        // timeout never blocks.
+        if unsafe { libc::poll(&mut p, 1, 0) } != 0 || start.elapsed() >= limit {
+            return;
+        }
+        std::hint::spin_loop();
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
