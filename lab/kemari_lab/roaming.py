@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from kemari_lab import images
 from kemari_lab.connection import LongConnection
 from kemari_lab.errors import LabError, step
 from kemari_lab.guests import Guest, GuestSpec
@@ -143,7 +144,16 @@ def roaming_guest(
             conn.expect_progress(10)
         rg = RoamingGuest(lab, disk, guest, conn)
         rg.measures["guest_ready_s"] = guest.ready_seconds or 0.0
-        yield rg
+        try:
+            yield rg
+        except BaseException:
+            # Keep the log of the kemari that runs the guest now (after a
+            # migration or failover, on another host) for the post-mortem.
+            try:
+                guest.console_text()
+            except Exception as e:  # noqa: BLE001 - best effort, the first error matters
+                images.log(f"could not save {guest.spec.name}'s console from {guest.host.name}: {e}")
+            raise
     finally:
         if conn is not None:
             conn.abort()
