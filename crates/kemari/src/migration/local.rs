@@ -55,8 +55,6 @@ const MAX_MESSAGE: usize = 64 << 20;
 const MAX_FDS: usize = 32;
 /// How long either side waits for the other at each step.
 const STEP_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long the source waits for `Running` after `Commit`.
-const RUNNING_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Errors of a local migration.
 #[derive(Debug, thiserror::Error)]
@@ -256,18 +254,14 @@ fn migrate_out_inner(
     let downtime = paused_at.map(|p| p.elapsed()).unwrap_or_default();
     // Leave the CPU to the destination until its guest runs (no error from
     // here on can undo the migration).
-    let _ = stream.set_read_timeout(Some(RUNNING_TIMEOUT));
-    let running = match recv(&stream) {
-        Ok((Message::Running, _)) => paused_at.map(|p| p.elapsed()),
-        Ok((other, _)) => {
-            tracing::warn!(got = ?other, "local migration: the destination did not confirm it runs");
-            None
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "local migration: the destination did not confirm it runs");
-            None
-        }
-    };
+    let _ = stream.set_read_timeout(Some(super::RUNNING_TIMEOUT));
+    let running = paused_at.and_then(|p| {
+        super::running_after_commit(
+            recv(&stream).map(|(m, _)| m),
+            |m| matches!(m, Message::Running),
+            p,
+        )
+    });
     let us = |d: Duration| d.as_micros() as u64;
     tracing::debug!(
         saved_us = us(t_saved),
@@ -428,7 +422,7 @@ fn accept_vm(
     }
     let memory_fd = files.remove(0);
     let tap_files = files;
-    let prepared = match ahead {
+    let mut prepared = match ahead {
         Some(ahead) => ahead.take_for(&memory_fd, memory_size)?,
         None => {
             // Build the VM around the same memory while the guest still runs
@@ -441,7 +435,6 @@ fn accept_vm(
         }
     };
     // KVM_CREATE_VCPU is slow here too: before the pause, not in it.
-    let mut prepared = prepared;
     prepared.create_vcpus(offered.vcpus)?;
     send(stream, &Message::Ready, &[])?;
 
@@ -494,13 +487,7 @@ fn accept_vm(
     if let Err(e) = send(stream, &Message::Running, &[]) {
         tracing::warn!(error = %e, "local migration: cannot tell the source the VM runs");
     }
-    let us = |d: Duration| d.as_micros() as u64;
-    tracing::debug!(
-        restored_us = us(t_restored),
-        commit_received_us = us(t_committed),
-        running_us = us(started.elapsed()),
-        "local migration: destination timeline (from the state's arrival)"
-    );
+    super::log_destination_timeline("local", started, t_restored, t_committed);
     tracing::info!("local migration: VM taken over and running");
     Ok(machine)
 }

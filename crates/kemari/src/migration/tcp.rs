@@ -99,9 +99,6 @@ impl Default for MigrationLimits {
     }
 }
 
-/// How long the source waits for `Running` after `Commit`.
-const RUNNING_TIMEOUT: Duration = Duration::from_secs(5);
-
 /// Live progress, readable through the API while the migration runs.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct MigrationProgress {
@@ -681,18 +678,12 @@ fn migrate_out_inner(
     let downtime = paused_at.elapsed();
     // Leave the CPU to the destination until its guest runs. Nothing from
     // here on can undo the migration: a missing confirmation is only logged.
-    let _ = ch.stream().set_read_timeout(Some(RUNNING_TIMEOUT));
-    let running = match ch.recv_control(&mut buf) {
-        Ok(Control::Running) => Some(paused_at.elapsed()),
-        Ok(other) => {
-            tracing::warn!(got = ?other, "migration: the destination did not confirm it runs");
-            None
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "migration: the destination did not confirm it runs");
-            None
-        }
-    };
+    let _ = ch.stream().set_read_timeout(Some(super::RUNNING_TIMEOUT));
+    let running = super::running_after_commit(
+        ch.recv_control(&mut buf),
+        |m| matches!(m, Control::Running),
+        paused_at,
+    );
     let ms = |d: Duration| d.as_secs_f64() * 1000.0;
     tracing::debug!(
         paused_and_saved = ms(t_paused),
@@ -963,13 +954,7 @@ fn receive_vm(
     if let Err(e) = ch.send_control(&Control::Running) {
         tracing::warn!(error = %e, "live migration: cannot tell the source the VM runs");
     }
-    let us = |d: Duration| d.as_micros() as u64;
-    tracing::debug!(
-        restored_us = us(t_restored),
-        commit_received_us = us(t_committed),
-        running_us = us(started.elapsed()),
-        "live migration: destination timeline (from the state's arrival)"
-    );
+    super::log_destination_timeline("tcp", started, t_restored, t_committed);
     machine.announce_network();
     tracing::info!("live migration: VM taken over and running");
     Ok(machine)
