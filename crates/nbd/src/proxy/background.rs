@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use tracing::{info, warn};
 
-use super::cache::BLOCK;
+use super::cache::{Cache, BLOCK};
 use super::Shared;
 use crate::client::{query_access_counts, Ticket};
 use crate::ext::{self, UsedBlocks};
@@ -73,6 +73,61 @@ pub fn plan(sh: &Shared) -> Plan {
 struct Window {
     q: VecDeque<(u64, u64, Result<Ticket, crate::client::ClientError>)>,
     bytes: u64,
+    /// Completed, contiguous extents not yet written to the cache.
+    pending: Pending,
+}
+
+/// Up to this much fetched data is gathered into one write to the cache
+/// file: the page cache keeps it in folios of the write's size, and later
+/// 1 MiB client transfers through the proxy cost as much as through the
+/// target only if the cache file's folios are that large
+/// (docs/benchmarks.md, "Proxy writes and the page cache").
+const COALESCE: usize = 1 << 20;
+/// ... but data is written once it has waited this long (checked as the
+/// next extent arrives, or at once when none is in flight), so that clients
+/// find it cached soon: over a WAN, where a 1 MiB run takes ~80 ms to
+/// arrive, it goes in pieces.
+const COALESCE_WAIT: Duration = Duration::from_millis(2);
+
+/// Fetched data waiting to be installed as one run.
+#[derive(Default)]
+struct Pending {
+    first_block: u64,
+    data: Vec<u8>,
+    since: Option<Instant>,
+}
+
+impl Pending {
+    /// Adds `data` fetched for blocks from `first_block`, writing out what
+    /// was gathered first if `data` does not continue it or there is no
+    /// room.
+    fn add(&mut self, cache: &Cache, first_block: u64, data: Vec<u8>) {
+        let continues = self.since.is_some()
+            && self.first_block + (self.data.len() as u64).div_ceil(BLOCK) == first_block
+            && (self.data.len() as u64).is_multiple_of(BLOCK)
+            && self.data.len() + data.len() <= COALESCE;
+        if !continues {
+            self.flush(cache);
+            self.first_block = first_block;
+            self.since = Some(Instant::now());
+            self.data = data;
+        } else {
+            self.data.extend_from_slice(&data);
+        }
+        if self.data.len() >= COALESCE || self.since.is_some_and(|t| t.elapsed() >= COALESCE_WAIT) {
+            self.flush(cache);
+        }
+    }
+
+    fn flush(&mut self, cache: &Cache) {
+        if self.since.take().is_none() {
+            return;
+        }
+        let data = std::mem::take(&mut self.data);
+        if let Err(e) = cache.install(self.first_block, &data) {
+            warn!(error = %e, "cache write failed in background copy");
+        }
+    }
 }
 
 /// Runs the copy to completion (or until cut-over), then cuts over.
@@ -82,6 +137,7 @@ pub fn run(sh: Arc<Shared>) {
     let mut win = Window {
         q: VecDeque::new(),
         bytes: 0,
+        pending: Pending::default(),
     };
     let mut pass = 0;
     while !sh.cache.complete() && !sh.cut_over.load(Ordering::Acquire) {
@@ -244,14 +300,60 @@ fn drain(sh: &Shared, win: &mut Window, target: u64) {
                 sh.stats
                     .background_bytes
                     .fetch_add(data.len() as u64, Ordering::Relaxed);
-                if let Err(e) = sh.cache.install(s, &data) {
-                    warn!(error = %e, "cache write failed in background copy");
-                }
+                win.pending.add(&sh.cache, s, data);
             }
             Err(e) => {
                 warn!(error = %e, block = s, "background fetch failed");
                 std::thread::sleep(Duration::from_millis(200));
             }
         }
+    }
+    if win.q.is_empty() {
+        // Nothing in flight could continue it: write it now (a pass must
+        // not end with blocks fetched but not cached).
+        win.pending.flush(&sh.cache);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn contiguous_extents_are_gathered_and_a_gap_or_a_full_run_writes_them() {
+        let dir = std::env::temp_dir().join(format!("knbd-pending-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cache = Cache::open(&dir, 4 << 20).unwrap();
+        let extent = |byte: u8| vec![byte; (128 << 10) as usize];
+        let blocks = (128 << 10) / BLOCK;
+        let mut p = Pending::default();
+        // Two contiguous extents wait (nothing cached yet)...
+        p.add(&cache, 0, extent(1));
+        p.add(&cache, blocks, extent(2));
+        if p.since.is_some() {
+            assert_eq!(cache.cached_blocks(), 0);
+            assert_eq!(p.data.len(), 2 * (128 << 10));
+        }
+        // ... until one that does not continue them: they are written, and
+        // it waits in turn.
+        p.add(&cache, 10 * blocks, extent(3));
+        assert_eq!(cache.cached_blocks(), 2 * blocks);
+        p.flush(&cache);
+        assert_eq!(cache.cached_blocks(), 3 * blocks);
+        let mut b = vec![0u8; 4096];
+        cache.read_at(&mut b, (blocks + 1) * BLOCK).unwrap();
+        assert!(b.iter().all(|&x| x == 2));
+        cache.read_at(&mut b, 10 * blocks * BLOCK).unwrap();
+        assert!(b.iter().all(|&x| x == 3));
+        // A full run (COALESCE bytes) is written at once.
+        let per_run = COALESCE as u64 / (128 << 10);
+        for i in 0..per_run {
+            p.add(&cache, 16 * blocks + i * blocks, extent(4));
+        }
+        assert!(p.since.is_none());
+        assert_eq!(cache.cached_blocks(), 3 * blocks + per_run * blocks);
+        // Flushing with nothing gathered does nothing.
+        p.flush(&cache);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
