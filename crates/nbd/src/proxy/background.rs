@@ -87,7 +87,7 @@ const COALESCE: usize = 1 << 20;
 /// next extent arrives, or at once when none is in flight), so that clients
 /// find it cached soon: over a WAN, where a 1 MiB run takes ~80 ms to
 /// arrive, it goes in pieces.
-const COALESCE_WAIT: Duration = Duration::from_millis(2);
+const COALESCE_WAIT: Duration = Duration::from_millis(10);
 
 /// Fetched data waiting to be installed as one run.
 #[derive(Default)]
