@@ -214,6 +214,12 @@ class Guest:
         self.ready_seconds = time.monotonic() - self.started_at
         return self.console_text()
 
+    def exited_silently(self) -> bool:
+        """Whether the VMM exited with status 0 before the guest printed
+        anything: with `-no-reboot`, how QEMU ends a guest that reset early in
+        its boot."""
+        return self.host.run(f"cat {self.console}").output.strip() == "KLAB-VMM-EXIT=0"
+
     def check_boot(self, console: str) -> None:
         """Checks the guest's boot report: CPUs, memory, disk and network."""
         name = self.host.name
