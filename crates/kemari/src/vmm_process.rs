@@ -312,12 +312,17 @@ fn ft_start(
             Ok(t) => t,
             Err(e) => return ApiResponse::error(400, e),
         };
+    let keep_writable = match ft::keep_writable(req.keep_writable_pages) {
+        Ok(k) => k,
+        Err(e) => return ApiResponse::error(400, e),
+    };
     let opts = ft::primary::FtStartOptions {
         peer: req.peer.clone(),
         key,
         mode,
         heartbeat,
         timeout,
+        keep_writable,
     };
     match ft::primary::start(machine, &opts, shared) {
         Ok(g) => {

@@ -242,6 +242,20 @@ impl MachineCore {
         Ok(self.dirty.harvest()?)
     }
 
+    /// [`harvest_dirty_paused`](Self::harvest_dirty_paused) leaving up to
+    /// `max_writable` guest-written pages writable (and reported again by
+    /// every harvest until they are re-protected): see
+    /// [`DirtyTracker::harvest_paused_keep_writable`](crate::dirty::DirtyTracker::harvest_paused_keep_writable).
+    pub fn harvest_dirty_paused_keep_writable(
+        &self,
+        max_writable: usize,
+    ) -> Result<crate::dirty::KeptHarvest, MachineError> {
+        if !self.vcpus.is_paused() {
+            return Err(MachineError::State(RunState::Running));
+        }
+        Ok(self.dirty.harvest_paused_keep_writable(max_writable)?)
+    }
+
     /// KVM's MSR list (fetched once).
     fn msr_indices(&self) -> Result<Arc<Vec<u32>>, MachineError> {
         if let Some(m) = self.msr_indices.get() {

@@ -137,6 +137,79 @@ fn bitmap_reports_exactly_the_pages_written() {
 }
 
 #[test]
+fn ring_keep_writable_carries_rewritten_pages_without_new_entries() {
+    if !have_kvm() {
+        return;
+    }
+    let writer = PageWriter::new(16, 16, PORT).unwrap();
+    let config = DirtyTrackerConfig {
+        mode: DirtyTrackingMode::Ring,
+        ..Default::default()
+    };
+    let Some(mut r) = rig(256, config, &writer) else {
+        return;
+    };
+    let set = |v: &[u64]| v.iter().copied().collect::<BTreeSet<u64>>();
+    let want: BTreeSet<u64> = writer.pfns().collect();
+    r.tracker.start().unwrap();
+
+    // First round: the pages are reported dirty and left writable.
+    run_round(&mut r.vcpu);
+    let h = r.tracker.harvest_paused_keep_writable(64).unwrap();
+    assert_eq!(set(&h.dirty), want);
+    assert!(h.carried.is_empty());
+    assert_eq!(set(&h.kept), want);
+
+    // Rewritten: natively a writable page takes no write-protection fault,
+    // so it leaves no ring entry and comes back as carried (the caller
+    // compares). Where KVM emulates the guest's instructions (PVM runs this
+    // real-mode writer that way) each write is recorded anyway and the page
+    // is dirty instead. Either way every page is in exactly one list.
+    for _ in 0..3 {
+        run_round(&mut r.vcpu);
+        let h = r.tracker.harvest_paused_keep_writable(64).unwrap();
+        assert!(set(&h.dirty).is_disjoint(&set(&h.carried)));
+        assert_eq!(&set(&h.dirty) | &set(&h.carried), want);
+        assert_eq!(set(&h.kept), want);
+    }
+
+    // A VMM write to a kept page makes it dirty, not carried; a VMM write
+    // elsewhere is dirty and not kept (the VMM's writes are always queued).
+    r.mem.write_obj(7u64, GuestAddress(16 << 12)).unwrap();
+    r.mem.write_obj(7u64, GuestAddress(1000 << 12)).unwrap();
+    let h = r.tracker.harvest_paused_keep_writable(64).unwrap();
+    assert_eq!(set(&h.dirty), BTreeSet::from([16, 1000]));
+    assert_eq!(h.carried.len(), 15);
+    assert!(!h.carried.contains(&16));
+    assert_eq!(set(&h.kept), want);
+
+    // A reset (limit 0) reports every writable page and re-protects it: the
+    // next round faults again and is reported dirty.
+    run_round(&mut r.vcpu);
+    let h = r.tracker.harvest_paused_keep_writable(0).unwrap();
+    assert_eq!(set(&h.dirty), want);
+    assert!(h.carried.is_empty() && h.kept.is_empty());
+    run_round(&mut r.vcpu);
+    let h = r.tracker.harvest_paused_keep_writable(8).unwrap();
+    assert_eq!(set(&h.dirty), want, "re-protected pages fault again");
+    assert!(
+        h.kept.is_empty(),
+        "16 new pages exceed a limit of 8: reset at once"
+    );
+
+    // A plain harvest after a keep-writable one also reports (and
+    // re-protects) the kept pages.
+    run_round(&mut r.vcpu);
+    let h = r.tracker.harvest_paused_keep_writable(64).unwrap();
+    assert_eq!(set(&h.kept), want);
+    run_round(&mut r.vcpu);
+    assert_eq!(set(&r.tracker.harvest().unwrap()), want);
+    run_round(&mut r.vcpu);
+    assert_eq!(set(&r.tracker.harvest().unwrap()), want);
+    r.tracker.stop().unwrap();
+}
+
+#[test]
 fn auto_prefers_the_ring() {
     if !have_kvm() {
         return;

@@ -16,7 +16,7 @@
 //! | PUT    | /vm/migrate     | {"to", "key_file", "max_downtime_ms"?, "max_rounds"?}: live migration |
 //! | GET    | /vm/migration   | progress of the running or last live migration |
 //! | PUT    | /vm/migration/cancel | cancel the running live migration |
-//! | PUT    | /vm/ft/start    | {"peer", "key_file", "periodic_ms"?, "heartbeat_ms"?, "timeout_ms"?}: protect the VM with a standby |
+//! | PUT    | /vm/ft/start    | {"peer", "key_file", "periodic_ms"?, "heartbeat_ms"?, "timeout_ms"?, "keep_writable_pages"?}: protect the VM with a standby |
 //! | GET    | /vm/ft          | fault-tolerance state and metrics |
 //! | PUT    | /vm/ft/stop     | stop protection (the standby exits) |
 
@@ -105,6 +105,10 @@ pub struct FtStartRequest {
     /// Peer declared lost after this long without a frame, ms (default 1000).
     #[serde(default)]
     pub timeout_ms: Option<u64>,
+    /// Pages the guest rewrites from sync to sync left writable, at most
+    /// (default 64; 0: every harvested page is write-protected again).
+    #[serde(default)]
+    pub keep_writable_pages: Option<usize>,
 }
 
 impl ApiRequest {
@@ -333,6 +337,17 @@ mod tests {
             ),
             Ok(ApiRequest::FtStart(FtStartRequest {
                 periodic_ms: Some(25),
+                ..
+            }))
+        ));
+        assert!(matches!(
+            route(
+                "PUT",
+                "/vm/ft/start",
+                br#"{"peer":"h:1","key_file":"/k","keep_writable_pages":0}"#
+            ),
+            Ok(ApiRequest::FtStart(FtStartRequest {
+                keep_writable_pages: Some(0),
                 ..
             }))
         ));

@@ -75,6 +75,10 @@ pub struct FtBenchArgs {
     /// compare with.
     #[arg(long)]
     pub kemari: Option<PathBuf>,
+    /// `ft start --keep-writable-pages` (default: kemari's own, 64; 0 turns
+    /// it off).
+    #[arg(long)]
+    pub keep_writable_pages: Option<usize>,
 }
 
 #[derive(Debug, Default, Clone)]
@@ -101,6 +105,7 @@ struct Env {
     guest_ip: String,
     key: PathBuf,
     scratch_root: PathBuf,
+    keep_writable_pages: Option<usize>,
 }
 
 /// A TAP with the host end at 10.202.N.1/24, removed on drop.
@@ -217,6 +222,9 @@ fn start(
         });
         if mode == "periodic" {
             body["periodic_ms"] = period_ms.into();
+        }
+        if let Some(k) = env.keep_writable_pages {
+            body["keep_writable_pages"] = k.into();
         }
         let r = api(&api_sock, "PUT", "/vm/ft/start", Some(body))
             .map_err(|e| format!("{e}: {}", primary.tail()))?;
@@ -456,6 +464,7 @@ pub fn run(args: &FtBenchArgs, kemari: PathBuf) -> Result<(), String> {
         guest_ip: format!("10.202.{}.2", args.subnet),
         key: key.clone(),
         scratch_root: root,
+        keep_writable_pages: args.keep_writable_pages,
     };
     println!(
         "fault tolerance: test guest, TCP echo (rr 64 B, stream 64 KiB), disk jobs \

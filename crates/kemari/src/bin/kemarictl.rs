@@ -110,6 +110,11 @@ enum FtCommand {
         /// The peer is lost after this long without a frame (default 1000 ms).
         #[arg(long)]
         timeout_ms: Option<u64>,
+        /// Leave up to N pages that the guest rewrites from sync to sync
+        /// writable (no write-protection fault on them; each is compared and
+        /// sent only if changed). Default 64; 0 re-protects every page.
+        #[arg(long, value_name = "N")]
+        keep_writable_pages: Option<usize>,
     },
     /// State (protected, degraded, standby, failed over) and metrics.
     Status,
@@ -156,6 +161,7 @@ fn main() -> ExitCode {
                     periodic_ms,
                     heartbeat_ms,
                     timeout_ms,
+                    keep_writable_pages,
                 },
         } => {
             body = Some(serde_json::json!({
@@ -164,6 +170,7 @@ fn main() -> ExitCode {
                 "periodic_ms": periodic_ms,
                 "heartbeat_ms": heartbeat_ms,
                 "timeout_ms": timeout_ms,
+                "keep_writable_pages": keep_writable_pages,
             }));
             ("PUT", "/vm/ft/start")
         }

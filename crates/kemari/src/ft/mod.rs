@@ -61,6 +61,24 @@ pub enum FtError {
     Memory(String),
 }
 
+/// Default of `keep_writable_pages` (see `ft start`).
+pub const DEFAULT_KEEP_WRITABLE: usize = 64;
+/// Largest `keep_writable_pages`: well inside a vCPU's dirty ring (4,032
+/// entries before KVM asks for a harvest), and each kept page costs a 4 KiB
+/// comparison in every sync's pause.
+pub const MAX_KEEP_WRITABLE: usize = 1024;
+
+/// Checks `keep_writable_pages` (default when absent).
+pub fn keep_writable(pages: Option<usize>) -> Result<usize, String> {
+    match pages {
+        None => Ok(DEFAULT_KEEP_WRITABLE),
+        Some(p) if p <= MAX_KEEP_WRITABLE => Ok(p),
+        Some(p) => Err(format!(
+            "keep_writable_pages must be 0..={MAX_KEEP_WRITABLE}, not {p}"
+        )),
+    }
+}
+
 /// Checks the timing an `ft start` asks for: periodic checkpoints (ms) or
 /// event-driven, heartbeat interval and peer timeout (defaults when absent).
 /// Out-of-range values are refused with the reason, not clamped.
@@ -139,5 +157,17 @@ mod tests {
         assert!(timing(None, None, Some(u64::MAX)).is_err());
         assert!(timing(None, Some(u64::MAX), None).is_err());
         assert!(timing(None, Some(500), Some(400)).is_err());
+    }
+
+    #[test]
+    fn keep_writable_default_and_range() {
+        assert_eq!(keep_writable(None), Ok(DEFAULT_KEEP_WRITABLE));
+        assert_eq!(keep_writable(Some(0)), Ok(0));
+        assert_eq!(
+            keep_writable(Some(MAX_KEEP_WRITABLE)),
+            Ok(MAX_KEEP_WRITABLE)
+        );
+        let e = keep_writable(Some(MAX_KEEP_WRITABLE + 1)).unwrap_err();
+        assert!(e.contains("keep_writable_pages"), "{e}");
     }
 }

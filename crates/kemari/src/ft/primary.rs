@@ -40,6 +40,8 @@ pub struct FtStartOptions {
     pub heartbeat: Duration,
     /// Peer lost after this long without a frame.
     pub timeout: Duration,
+    /// Pages the guest rewrites from sync to sync left writable, at most.
+    pub keep_writable: usize,
 }
 
 /// Pre-copy rounds before the first epoch (the guest runs during them).
@@ -306,6 +308,97 @@ fn fill_frames(
     Ok(used)
 }
 
+/// A kept page unchanged for this many syncs in a row is cold.
+const COLD_SYNCS: u32 = 8;
+/// The writable set is reset once this many kept pages are cold.
+const COLD_RESET: usize = 8;
+
+/// The contents the standby holds of the pages left writable (the last
+/// contents sent), so that a carried page is sent only if it changed.
+#[derive(Default)]
+struct KeptPages {
+    /// Each page's last contents sent, and for how many syncs in a row it
+    /// has not changed.
+    copies: std::collections::HashMap<u64, (Box<[u8; PAGE]>, u32)>,
+    /// Buffers of dropped copies, reused (no allocation in the pause).
+    spare: Vec<Box<[u8; PAGE]>>,
+    scratch: Vec<u8>,
+}
+
+impl KeptPages {
+    fn read(mem: &GuestMemoryMmap, pfn: u64, buf: &mut [u8]) -> Result<(), FtError> {
+        let addr = pfn
+            .checked_mul(PAGE as u64)
+            .ok_or_else(|| FtError::Memory(format!("page {pfn:#x}")))?;
+        mem.read_slice(buf, GuestAddress(addr))
+            .map_err(|e| FtError::Memory(format!("page {pfn:#x}: {e}")))
+    }
+
+    /// The pages of `carried` whose contents differ from the copy (or that
+    /// have none).
+    fn changed(&mut self, mem: &GuestMemoryMmap, carried: &[u64]) -> Result<Vec<u64>, FtError> {
+        self.scratch.resize(PAGE, 0);
+        let mut out = Vec::new();
+        for &pfn in carried {
+            Self::read(mem, pfn, &mut self.scratch)?;
+            match self.copies.get_mut(&pfn) {
+                Some((copy, same)) if copy[..] == self.scratch[..] => *same += 1,
+                _ => out.push(pfn),
+            }
+        }
+        Ok(out)
+    }
+
+    /// How many kept pages have not changed for [`COLD_SYNCS`] syncs.
+    fn cold(&self) -> usize {
+        self.copies
+            .values()
+            .filter(|(_, same)| *same >= COLD_SYNCS)
+            .count()
+    }
+
+    /// After a sync that sent `sent`: keeps a copy of each page of `kept`
+    /// (taken again if it was sent), drops the others.
+    fn refresh(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        kept: &[u64],
+        sent: &[u64],
+    ) -> Result<(), FtError> {
+        if kept.is_empty() {
+            self.spare.extend(self.copies.drain().map(|(_, (b, _))| b));
+            return Ok(());
+        }
+        let keep: std::collections::HashSet<u64> = kept.iter().copied().collect();
+        let gone: Vec<u64> = self
+            .copies
+            .keys()
+            .filter(|p| !keep.contains(p))
+            .copied()
+            .collect();
+        for pfn in gone {
+            if let Some((b, _)) = self.copies.remove(&pfn) {
+                self.spare.push(b);
+            }
+        }
+        let sent: std::collections::HashSet<u64> = sent.iter().copied().collect();
+        for &pfn in kept {
+            if self.copies.contains_key(&pfn) && !sent.contains(&pfn) {
+                continue;
+            }
+            let mut buf = self
+                .copies
+                .remove(&pfn)
+                .map(|(b, _)| b)
+                .or_else(|| self.spare.pop())
+                .unwrap_or_else(|| Box::new([0; PAGE]));
+            Self::read(mem, pfn, &mut buf[..])?;
+            self.copies.insert(pfn, (buf, 0));
+        }
+        Ok(())
+    }
+}
+
 /// The output gate of a protected VM.
 pub struct FtGate {
     core: Arc<MachineCore>,
@@ -319,6 +412,13 @@ pub struct FtGate {
     /// Keep the vCPUs paused until the standby acknowledged (the paper's
     /// way) instead of resuming them once the epoch is captured.
     hold_vcpus: bool,
+    /// Pages the guest rewrites from sync to sync are left writable (so it
+    /// takes no write-protection fault on them), up to this many (see
+    /// `DirtyTracker::harvest_paused_keep_writable`). Each costs a 4 KiB
+    /// comparison per sync, and is sent only when it changed.
+    keep_writable: usize,
+    /// The standby's copy of the pages left writable.
+    kept: Mutex<KeptPages>,
     shared: Arc<FtShared>,
 }
 
@@ -361,19 +461,35 @@ impl FtGate {
         let t_paused = started.elapsed();
         let captured = (|| -> Result<_, FtError> {
             let vcpus = vcpus?;
-            let mut pfns = self.core.harvest_dirty_paused()?;
+            let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+            // Pages that stopped changing are re-protected (all pages are: a
+            // reset cannot choose), so the writable set follows what the
+            // guest rewrites now.
+            let max_writable = if kept.cold() >= COLD_RESET {
+                0
+            } else {
+                self.keep_writable
+            };
+            let harvest = self.core.harvest_dirty_paused_keep_writable(max_writable)?;
             let t_harvest = started.elapsed();
+            let mem = self.core.guest_memory();
+            let mut pfns = harvest.dirty;
+            let carried = harvest.carried.len();
+            pfns.extend(kept.changed(mem, &harvest.carried)?);
             if !extra.is_empty() {
                 pfns.extend(extra);
                 pfns.sort_unstable();
                 pfns.dedup();
             }
-            let frames = fill_frames(self.core.guest_memory(), &pfns, &mut pool)?;
+            let frames = fill_frames(mem, &pfns, &mut pool)?;
+            kept.refresh(mem, &harvest.kept, &pfns)?;
             let t_pages = started.elapsed();
             let state = self.core.state_with_vcpus(vcpus)?;
             tracing::debug!(
                 epoch,
                 pages = pfns.len(),
+                carried,
+                kept = harvest.kept.len(),
                 paused_us = t_paused.as_micros() as u64,
                 harvested_us = t_harvest.as_micros() as u64,
                 copied_us = t_pages.as_micros() as u64,
@@ -667,6 +783,8 @@ fn initial_sync(
         prev_state: Mutex::new(Vec::new()),
         frames: Mutex::new(Vec::new()),
         hold_vcpus: std::env::var_os("KEMARI_FT_HOLD_VCPUS").is_some(),
+        keep_writable: opts.keep_writable,
+        kept: Mutex::new(KeptPages::default()),
         shared: shared.clone(),
     });
     let _ = on_lost.set(Arc::downgrade(&gate));
@@ -677,4 +795,60 @@ fn initial_sync(
     }
     shared.initial_sync_done(started.elapsed(), link.bytes());
     Ok(gate)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vmm::memory::{GuestMemoryFile, MemoryBacking};
+
+    fn page(mem: &GuestMemoryMmap, pfn: u64, byte: u8) {
+        mem.write_slice(&[byte; PAGE], GuestAddress(pfn * PAGE as u64))
+            .unwrap();
+    }
+
+    #[test]
+    fn kept_pages_are_sent_only_when_they_changed() {
+        let file = GuestMemoryFile::create(16 << 20, &MemoryBacking::Memfd).unwrap();
+        let mem = file.map().unwrap();
+        let mut kept = KeptPages::default();
+        // No copy yet: carried pages count as changed.
+        assert_eq!(kept.changed(&mem, &[1, 2]).unwrap(), vec![1, 2]);
+        page(&mem, 1, 0xaa);
+        kept.refresh(&mem, &[1, 2], &[1, 2]).unwrap();
+        // Unchanged: not sent; page 2 rewritten with other bytes: sent.
+        assert!(kept.changed(&mem, &[1, 2]).unwrap().is_empty());
+        page(&mem, 2, 0x55);
+        assert_eq!(kept.changed(&mem, &[1, 2]).unwrap(), vec![2]);
+        kept.refresh(&mem, &[1, 2], &[2]).unwrap();
+        assert!(kept.changed(&mem, &[1, 2]).unwrap().is_empty());
+        // The same bytes written again are no change (the standby has them).
+        page(&mem, 1, 0xaa);
+        assert!(kept.changed(&mem, &[1]).unwrap().is_empty());
+        // A page no longer kept loses its copy; a reset (nothing kept)
+        // drops every copy.
+        kept.refresh(&mem, &[2], &[]).unwrap();
+        assert_eq!(kept.changed(&mem, &[1]).unwrap(), vec![1]);
+        kept.refresh(&mem, &[], &[]).unwrap();
+        assert_eq!(kept.changed(&mem, &[2]).unwrap(), vec![2]);
+        assert!(kept.copies.is_empty() && !kept.spare.is_empty());
+    }
+
+    #[test]
+    fn pages_unchanged_for_several_syncs_are_cold() {
+        let file = GuestMemoryFile::create(16 << 20, &MemoryBacking::Memfd).unwrap();
+        let mem = file.map().unwrap();
+        let mut kept = KeptPages::default();
+        let pages: Vec<u64> = (0..COLD_RESET as u64 + 1).collect();
+        kept.refresh(&mem, &pages, &pages).unwrap();
+        for sync in 0..COLD_SYNCS {
+            assert_eq!(kept.cold(), 0, "sync {sync}");
+            // Page 0 changes every time; the others never do.
+            page(&mem, 0, sync as u8 + 1);
+            let changed = kept.changed(&mem, &pages).unwrap();
+            assert_eq!(changed, vec![0]);
+            kept.refresh(&mem, &pages, &changed).unwrap();
+        }
+        assert_eq!(kept.cold(), COLD_RESET);
+    }
 }

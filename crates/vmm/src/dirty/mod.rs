@@ -15,6 +15,6 @@ pub mod vmm_pages;
 pub use ring::DirtyRing;
 pub use tracker::{
     DirtyError, DirtyStats, DirtyTracker, DirtyTrackerConfig, DirtyTrackerKind, DirtyTrackingMode,
-    DEFAULT_RING_ENTRIES,
+    KeptHarvest, DEFAULT_RING_ENTRIES,
 };
 pub use vmm_pages::{VmmDirtyPages, PAGE_SIZE};

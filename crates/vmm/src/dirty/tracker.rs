@@ -254,6 +254,16 @@ impl PageSet {
     pub(crate) fn len(&self) -> usize {
         self.queue.len()
     }
+
+    /// Whether `page` is in the set.
+    pub(crate) fn contains(&self, page: u64) -> bool {
+        page < self.pages && self.flags[(page / 64) as usize] & (1 << (page % 64)) != 0
+    }
+
+    /// The pages, in insertion order, left in the set.
+    pub(crate) fn pages(&self) -> &[u64] {
+        &self.queue
+    }
 }
 
 /// State while tracking is on.
@@ -261,12 +271,45 @@ struct Tracking {
     slots: SlotMap,
     pending: PageSet,
     bitmap: Option<BitmapLog>,
+    /// Pages whose ring entries were harvested by
+    /// [`DirtyTracker::harvest_paused_keep_writable`] but not yet reset: KVM
+    /// still lets the guest write them without a fault, so without a ring
+    /// entry either. Every harvest returns them until a reset re-protects
+    /// them.
+    writable: PageSet,
+    /// Scratch: the ring entries of the keep-writable harvest under way.
+    fresh: PageSet,
+}
+
+/// Where [`DirtyTracker::read_rings`] puts the pages it reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RingTarget {
+    Pending,
+    Fresh,
+}
+
+/// What [`DirtyTracker::harvest_paused_keep_writable`] found (guest page
+/// frame numbers).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KeptHarvest {
+    /// Written since the previous harvest: the guest's ring entries and the
+    /// VMM's own writes, each once.
+    pub dirty: Vec<u64>,
+    /// Left writable by an earlier harvest (so untracked since), not in
+    /// `dirty`: each may or may not have changed.
+    pub carried: Vec<u64>,
+    /// Every page left writable after this harvest (`carried` and the
+    /// guest's new ones): the next harvest's `carried`, less what it finds
+    /// dirty. Empty after a reset.
+    pub kept: Vec<u64>,
 }
 
 struct State {
     /// Ring of each vCPU, by index.
     rings: Vec<Option<DirtyRing>>,
     tracking: Option<Tracking>,
+    /// Ring entries were harvested without KVM_RESET_DIRTY_RINGS since.
+    reset_owed: bool,
 }
 
 /// Dirty-page tracking of one VM. Share it as `Arc<DirtyTracker>`.
@@ -342,6 +385,7 @@ impl DirtyTracker {
             state: Mutex::new(State {
                 rings: Vec::new(),
                 tracking: None,
+                reset_owed: false,
             }),
             counters: Counters::default(),
         }))
@@ -449,6 +493,8 @@ impl DirtyTracker {
             slots,
             pending: PageSet::new(pages),
             bitmap,
+            writable: PageSet::new(pages),
+            fresh: PageSet::new(pages),
         });
         tracing::info!(kind = ?self.kind, pages, "dirty tracking started");
         Ok(())
@@ -492,6 +538,7 @@ impl DirtyTracker {
                     slots,
                     pending,
                     bitmap,
+                    ..
                 } = t;
                 if let Some(bitmap) = bitmap.as_mut() {
                     let mut bad = 0;
@@ -510,6 +557,90 @@ impl DirtyTracker {
         let Some(t) = state.tracking.as_mut() else {
             return Ok(Vec::new());
         };
+        Ok(self.take_pending(t))
+    }
+
+    /// Like [`harvest`](Self::harvest), for frequent harvests of a guest that
+    /// rewrites the same pages between them (fault tolerance: stack, socket
+    /// buffers, ring entries). The pages the rings name stay *writable* —
+    /// their entries are not reset — so the guest's next write to them costs
+    /// no write-protection fault; such a write leaves no ring entry either,
+    /// so every later harvest returns them as [`KeptHarvest::carried`]
+    /// (written or not: the caller compares) until a reset re-protects
+    /// them. The reset comes when more than `max_writable` pages would be
+    /// kept so, or at any harvest that resets (a full ring,
+    /// [`harvest`](Self::harvest)). With the bitmap this is
+    /// [`harvest`](Self::harvest): nothing is carried.
+    ///
+    /// The vCPUs must be out of KVM_RUN (paused), as for a complete
+    /// [`harvest`](Self::harvest) with the ring.
+    pub fn harvest_paused_keep_writable(
+        &self,
+        max_writable: usize,
+    ) -> Result<KeptHarvest, DirtyError> {
+        if self.kind != DirtyTrackerKind::Ring {
+            return Ok(KeptHarvest {
+                dirty: self.harvest()?,
+                ..KeptHarvest::default()
+            });
+        }
+        let mut state = self.lock();
+        if state.tracking.is_none() {
+            return Ok(KeptHarvest::default());
+        }
+        self.read_rings(&mut state, None, RingTarget::Fresh);
+        let reset = state
+            .tracking
+            .as_ref()
+            .is_some_and(|t| t.writable.len() + t.fresh.len() > max_writable);
+        if reset {
+            if let Some(t) = state.tracking.as_mut() {
+                for d in t.fresh.take() {
+                    t.pending.insert(d);
+                }
+            }
+            // Re-protects every page left writable; they are reported now.
+            self.drain_rings(&mut state, None)?;
+            let Some(t) = state.tracking.as_mut() else {
+                return Ok(KeptHarvest::default());
+            };
+            return Ok(KeptHarvest {
+                dirty: self.take_pending(t),
+                ..KeptHarvest::default()
+            });
+        }
+        let Some(t) = state.tracking.as_mut() else {
+            return Ok(KeptHarvest::default());
+        };
+        self.add_vmm_pages(t);
+        // Carried: writable before this harvest and not known to be dirty (a
+        // writable page has a new ring entry where KVM emulated the write).
+        let carried: Vec<u64> = t
+            .writable
+            .pages()
+            .iter()
+            .filter(|&&d| !t.pending.contains(d) && !t.fresh.contains(d))
+            .filter_map(|&d| t.slots.pfn_of_dense(d))
+            .collect();
+        for d in t.fresh.take() {
+            t.pending.insert(d);
+            t.writable.insert(d);
+        }
+        let kept = t
+            .writable
+            .pages()
+            .iter()
+            .filter_map(|&d| t.slots.pfn_of_dense(d))
+            .collect();
+        Ok(KeptHarvest {
+            dirty: self.take_pending(t),
+            carried,
+            kept,
+        })
+    }
+
+    /// Moves the VMM's own writes into the pending set.
+    fn add_vmm_pages(&self, t: &mut Tracking) {
         // VMM writes last: a page the VMM marked before this point is read by
         // the caller after its write (see vmm_pages.rs).
         let vmm = memory::harvest_vmm_dirty(&self.memory);
@@ -521,6 +652,12 @@ impl DirtyTracker {
                 t.pending.insert(d);
             }
         }
+    }
+
+    /// Pages the tracker holds plus the VMM's own writes, as pfns, each once;
+    /// empties the pending set.
+    fn take_pending(&self, t: &mut Tracking) -> Vec<u64> {
+        self.add_vmm_pages(t);
         let dense = t.pending.take();
         let pfns: Vec<u64> = dense
             .into_iter()
@@ -531,7 +668,7 @@ impl DirtyTracker {
             .pages
             .fetch_add(pfns.len() as u64, Ordering::Relaxed);
         tracing::trace!(pages = pfns.len(), "dirty harvest");
-        Ok(pfns)
+        pfns
     }
 
     /// A complete harvest while `vcpus` run: with the ring, each vCPU is first
@@ -562,9 +699,33 @@ impl DirtyTracker {
     }
 
     /// Harvests the rings (all, or one) into the pending set (or discards the
-    /// entries when tracking is off), then one KVM_RESET_DIRTY_RINGS.
+    /// entries when tracking is off), then one KVM_RESET_DIRTY_RINGS. Pages
+    /// left writable by an earlier keep-writable harvest are re-protected by
+    /// that reset, so they move to the pending set: a write they took
+    /// without a fault is reported by the next harvest.
     fn drain_rings(&self, state: &mut State, only: Option<usize>) -> Result<u32, DirtyError> {
-        let State { rings, tracking } = state;
+        let total = self.read_rings(state, only, RingTarget::Pending);
+        if total > 0 || state.reset_owed {
+            if let Some(t) = state.tracking.as_mut() {
+                for d in t.writable.take() {
+                    t.pending.insert(d);
+                }
+            }
+            self.vm.reset_dirty_rings()?;
+            state.reset_owed = false;
+        }
+        Ok(total)
+    }
+
+    /// Reads the rings' new entries (all rings, or one) into the pending or
+    /// the fresh set (or discards them when tracking is off). No reset: the
+    /// caller owes one.
+    fn read_rings(&self, state: &mut State, only: Option<usize>, target: RingTarget) -> u32 {
+        let State {
+            rings,
+            tracking,
+            reset_owed,
+        } = state;
         let mut total = 0;
         let mut bad = 0;
         for (i, ring) in rings.iter_mut().enumerate() {
@@ -575,6 +736,9 @@ impl DirtyTracker {
             total += ring.harvest(|slot, offset| {
                 if let Some(t) = tracking.as_mut() {
                     match t.slots.dense_of_entry(slot, offset) {
+                        Some(d) if target == RingTarget::Fresh => {
+                            t.fresh.insert(d);
+                        }
                         Some(d) => {
                             t.pending.insert(d);
                         }
@@ -583,9 +747,7 @@ impl DirtyTracker {
                 }
             });
         }
-        if total > 0 {
-            self.vm.reset_dirty_rings()?;
-        }
+        *reset_owed |= total > 0;
         self.counters
             .ring_entries
             .fetch_add(u64::from(total), Ordering::Relaxed);
@@ -593,7 +755,7 @@ impl DirtyTracker {
             self.counters.bad_entries.fetch_add(bad, Ordering::Relaxed);
             tracing::warn!(bad, "dirty ring entries outside every slot ignored");
         }
-        Ok(total)
+        total
     }
 
     /// Pages waiting in the pending set (harvested from full rings).
