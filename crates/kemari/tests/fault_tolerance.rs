@@ -268,9 +268,22 @@ fn primary_killed_at_random_moments_standby_takes_over() {
     for run in 0..runs {
         let dir = scratch(&format!("ft-kill-{run}"));
         let disk = disk_image(&dir);
-        let pair = protected_pair(&dir, &net, &disk, &[]);
+        // Every other run with no page kept writable (each harvested page
+        // write-protected again), the others with the default.
+        let keep = if run % 2 == 1 { "0" } else { "64" };
+        let pair = protected_pair(&dir, &net, &disk, &["--keep-writable-pages", keep]);
         std::thread::sleep(random_delay(1500));
-        eprintln!("run {}/{runs}", run + 1);
+        let st = ft_status(&pair.primary);
+        let skipped = st["unchanged_pages_skipped"].as_u64().unwrap();
+        if keep == "0" {
+            assert_eq!(skipped, 0, "nothing is kept writable: {st}");
+        } else {
+            assert!(
+                skipped > 0,
+                "the echo service's pages are kept writable: {st}"
+            );
+        }
+        eprintln!("run {}/{runs} (keep-writable-pages {keep})", run + 1);
         kill_primary_and_check(&dir, pair, &disk);
         let _ = std::fs::remove_dir_all(&dir);
     }

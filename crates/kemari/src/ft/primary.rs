@@ -475,7 +475,10 @@ impl FtGate {
             let mem = self.core.guest_memory();
             let mut pfns = harvest.dirty;
             let carried = harvest.carried.len();
-            pfns.extend(kept.changed(mem, &harvest.carried)?);
+            let changed = kept.changed(mem, &harvest.carried)?;
+            self.shared
+                .record_kept(harvest.kept.len() as u64, (carried - changed.len()) as u64);
+            pfns.extend(changed);
             if !extra.is_empty() {
                 pfns.extend(extra);
                 pfns.sort_unstable();

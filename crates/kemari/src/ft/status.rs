@@ -66,6 +66,11 @@ pub struct FtReport {
     pub pages: u64,
     /// Mean pages per sync.
     pub pages_per_sync: f64,
+    /// Primary: pages left writable after the last sync (the guest rewrites
+    /// them without a write-protection fault; see `keep_writable_pages`).
+    pub kept_writable_pages: u64,
+    /// Primary: kept pages found unchanged at a sync and so not sent.
+    pub unchanged_pages_skipped: u64,
     /// Mean payload bytes per sync.
     pub bytes_per_sync: f64,
     /// Sync-link payload bytes sent and received, initial copy included.
@@ -104,6 +109,8 @@ struct Inner {
     pages: u64,
     sync_bytes: u64,
     link_bytes: u64,
+    kept: u64,
+    skipped: u64,
     pauses: VecDeque<u32>,
     delays: VecDeque<u32>,
     protected_at: Option<Instant>,
@@ -136,6 +143,8 @@ impl Default for FtShared {
                 pages: 0,
                 sync_bytes: 0,
                 link_bytes: 0,
+                kept: 0,
+                skipped: 0,
                 pauses: VecDeque::new(),
                 delays: VecDeque::new(),
                 protected_at: None,
@@ -189,6 +198,8 @@ impl FtShared {
             i.period_ms = period.map(|p| p.as_millis() as u64);
             i.epoch = 0;
             i.syncs = 0;
+            i.kept = 0;
+            i.skipped = 0;
             i.outputs = 0;
             i.pages = 0;
             i.sync_bytes = 0;
@@ -261,6 +272,15 @@ impl FtShared {
         })
     }
 
+    /// Primary: `kept` pages left writable after a sync, `skipped` of them
+    /// not sent because unchanged.
+    pub fn record_kept(&self, kept: u64, skipped: u64) {
+        self.with(|i| {
+            i.kept = kept;
+            i.skipped += skipped;
+        })
+    }
+
     /// Link bytes outside epochs (heartbeats, pre-copy).
     pub fn add_link_bytes(&self, bytes: u64) {
         self.with(|i| i.link_bytes += bytes)
@@ -306,6 +326,8 @@ impl FtShared {
                 outputs: i.outputs,
                 pages: i.pages,
                 pages_per_sync: per(i.pages),
+                kept_writable_pages: i.kept,
+                unchanged_pages_skipped: i.skipped,
                 bytes_per_sync: per(i.sync_bytes),
                 link_bytes: i.link_bytes,
                 pause_us_p50: percentile(&i.pauses, 0.5),
