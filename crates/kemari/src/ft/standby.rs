@@ -325,7 +325,15 @@ fn follow(
                             }
                         }
                         // Complete: acknowledge, then apply.
-                        if let Err(e) = send(writer, &FtMessage::Ack { epoch }) {
+                        let checked = t.elapsed();
+                        let sent = send(writer, &FtMessage::Ack { epoch });
+                        tracing::debug!(
+                            epoch,
+                            checked_us = checked.as_micros() as u64,
+                            acked_us = t.elapsed().as_micros() as u64,
+                            "epoch acknowledged"
+                        );
+                        if let Err(e) = sent {
                             // The primary will not release the outputs; the
                             // epoch is still the latest complete image.
                             tracing::warn!(error = %e, "cannot acknowledge epoch {epoch}");
