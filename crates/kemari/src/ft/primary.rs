@@ -323,6 +323,9 @@ struct KeptPages {
     /// Buffers of dropped copies, reused (no allocation in the pause).
     spare: Vec<Box<[u8; PAGE]>>,
     scratch: Vec<u8>,
+    keep: std::collections::HashSet<u64>,
+    sent: std::collections::HashSet<u64>,
+    gone: Vec<u64>,
 }
 
 impl KeptPages {
@@ -369,21 +372,25 @@ impl KeptPages {
             self.spare.extend(self.copies.drain().map(|(_, (b, _))| b));
             return Ok(());
         }
-        let keep: std::collections::HashSet<u64> = kept.iter().copied().collect();
-        let gone: Vec<u64> = self
-            .copies
-            .keys()
-            .filter(|p| !keep.contains(p))
-            .copied()
-            .collect();
-        for pfn in gone {
+        // Reused sets: no allocation in the guest's pause once warm.
+        self.keep.clear();
+        self.keep.extend(kept.iter().copied());
+        self.gone.clear();
+        self.gone.extend(
+            self.copies
+                .keys()
+                .filter(|p| !self.keep.contains(p))
+                .copied(),
+        );
+        for pfn in self.gone.drain(..) {
             if let Some((b, _)) = self.copies.remove(&pfn) {
                 self.spare.push(b);
             }
         }
-        let sent: std::collections::HashSet<u64> = sent.iter().copied().collect();
+        self.sent.clear();
+        self.sent.extend(sent.iter().copied());
         for &pfn in kept {
-            if self.copies.contains_key(&pfn) && !sent.contains(&pfn) {
+            if self.copies.contains_key(&pfn) && !self.sent.contains(&pfn) {
                 continue;
             }
             let mut buf = self
@@ -476,8 +483,7 @@ impl FtGate {
             let mut pfns = harvest.dirty;
             let carried = harvest.carried.len();
             let changed = kept.changed(mem, &harvest.carried)?;
-            self.shared
-                .record_kept(harvest.kept.len() as u64, (carried - changed.len()) as u64);
+            let kept_stats = (harvest.kept.len() as u64, (carried - changed.len()) as u64);
             pfns.extend(changed);
             if !extra.is_empty() {
                 pfns.extend(extra);
@@ -499,7 +505,7 @@ impl FtGate {
                 saved_us = started.elapsed().as_micros() as u64,
                 "sync capture"
             );
-            Ok((pfns.len() as u64, frames, state))
+            Ok((pfns.len() as u64, frames, state, kept_stats))
         })();
         let hold = self.hold_vcpus && captured.is_ok();
         let resumed = if hold {
@@ -508,8 +514,9 @@ impl FtGate {
             self.core.resume_vcpus()
         };
         let pause = started.elapsed();
-        let (pages, frames, state) = captured?;
+        let (pages, frames, state, (kept, skipped)) = captured?;
         resumed?;
+        self.shared.record_kept(kept, skipped);
         let result = self.send_epoch(
             link,
             epoch,
