@@ -594,9 +594,10 @@ impl DirtyTracker {
             .as_ref()
             .is_some_and(|t| t.writable.len() + t.fresh.len() > max_writable);
         if reset {
+            // Writable until the reset succeeds (see drain_rings).
             if let Some(t) = state.tracking.as_mut() {
                 for d in t.fresh.take() {
-                    t.pending.insert(d);
+                    t.writable.insert(d);
                 }
             }
             // Re-protects every page left writable; they are reported now.
@@ -706,13 +707,16 @@ impl DirtyTracker {
     fn drain_rings(&self, state: &mut State, only: Option<usize>) -> Result<u32, DirtyError> {
         let total = self.read_rings(state, only, RingTarget::Pending);
         if total > 0 || state.reset_owed {
+            self.vm.reset_dirty_rings()?;
+            state.reset_owed = false;
+            // Only once re-protected: a page KVM still lets the guest write
+            // (the reset failed) must stay in the writable set, or a later
+            // write to it would go unreported.
             if let Some(t) = state.tracking.as_mut() {
                 for d in t.writable.take() {
                     t.pending.insert(d);
                 }
             }
-            self.vm.reset_dirty_rings()?;
-            state.reset_owed = false;
         }
         Ok(total)
     }
