@@ -295,17 +295,20 @@ fn fill_frames(
         let frame = &mut pool[used];
         frame.clear();
         for &pfn in chunk {
-            frame.push_with(pfn, false, |data| {
-                let addr = pfn
-                    .checked_mul(PAGE as u64)
-                    .ok_or_else(|| FtError::Memory(format!("page {pfn:#x}")))?;
-                mem.read_slice(data, GuestAddress(addr))
-                    .map_err(|e| FtError::Memory(format!("page {pfn:#x}: {e}")))
-            })?;
+            frame.push_with(pfn, false, |data| read_page(mem, pfn, data))?;
         }
         used += 1;
     }
     Ok(used)
+}
+
+/// Reads guest page `pfn` into `buf` (one page long).
+fn read_page(mem: &GuestMemoryMmap, pfn: u64, buf: &mut [u8]) -> Result<(), FtError> {
+    let addr = pfn
+        .checked_mul(PAGE as u64)
+        .ok_or_else(|| FtError::Memory(format!("page {pfn:#x}")))?;
+    mem.read_slice(buf, GuestAddress(addr))
+        .map_err(|e| FtError::Memory(format!("page {pfn:#x}: {e}")))
 }
 
 /// A kept page unchanged for this many syncs in a row is cold.
@@ -329,21 +332,13 @@ struct KeptPages {
 }
 
 impl KeptPages {
-    fn read(mem: &GuestMemoryMmap, pfn: u64, buf: &mut [u8]) -> Result<(), FtError> {
-        let addr = pfn
-            .checked_mul(PAGE as u64)
-            .ok_or_else(|| FtError::Memory(format!("page {pfn:#x}")))?;
-        mem.read_slice(buf, GuestAddress(addr))
-            .map_err(|e| FtError::Memory(format!("page {pfn:#x}: {e}")))
-    }
-
     /// The pages of `carried` whose contents differ from the copy (or that
     /// have none).
     fn changed(&mut self, mem: &GuestMemoryMmap, carried: &[u64]) -> Result<Vec<u64>, FtError> {
         self.scratch.resize(PAGE, 0);
         let mut out = Vec::new();
         for &pfn in carried {
-            Self::read(mem, pfn, &mut self.scratch)?;
+            read_page(mem, pfn, &mut self.scratch)?;
             match self.copies.get_mut(&pfn) {
                 Some((copy, same)) if copy[..] == self.scratch[..] => *same += 1,
                 _ => out.push(pfn),
@@ -399,7 +394,7 @@ impl KeptPages {
                 .map(|(b, _)| b)
                 .or_else(|| self.spare.pop())
                 .unwrap_or_else(|| Box::new([0; PAGE]));
-            Self::read(mem, pfn, &mut buf[..])?;
+            read_page(mem, pfn, &mut buf[..])?;
             self.copies.insert(pfn, (buf, 0));
         }
         Ok(())
