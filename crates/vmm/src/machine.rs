@@ -326,12 +326,13 @@ impl MachineCore {
             return Err(MachineError::State(RunState::Running));
         }
         let kvm = persist::KvmVmState::save(self.vm.fd()).map_err(MachineError::VmState)?;
-        let serial = self
-            .serial
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .state()
-            .into();
+        let serial = {
+            let mut serial = self.serial.lock().unwrap_or_else(|p| p.into_inner());
+            // What the guest printed before the pause is out before anything
+            // can end this VMM (a migration, a warm restart, a failover).
+            serial.flush_output();
+            serial.state().into()
+        };
         let virtio = self.virtio.iter().map(|d| d.save()).collect();
         Ok(VmState {
             kemari_version: env!("CARGO_PKG_VERSION").to_owned(),
@@ -384,6 +385,12 @@ impl Drop for Machine {
     fn drop(&mut self) {
         self.core.vcpus.exit_all();
         self.event_loop = None;
+        // The last partial line, even if a vCPU thread still holds the UART.
+        self.core
+            .serial
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .flush_output();
     }
 }
 

@@ -12,6 +12,7 @@ use vm_superio::{I8042Device, Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::bus::BusDevice;
+use super::console_buffer::ConsoleBuffer;
 use crate::vstate::{VmEvent, VmEventSink};
 
 /// COM1 base port.
@@ -143,7 +144,7 @@ impl SerialSocket {
 
 /// COM1.
 pub struct SerialDevice {
-    serial: Serial<IrqTrigger, NoEvents, SerialOutput>,
+    serial: Serial<IrqTrigger, NoEvents, ConsoleBuffer>,
     bytes_out: u64,
 }
 
@@ -151,7 +152,7 @@ impl SerialDevice {
     /// A UART raising `irq` and writing to `out`.
     pub fn new(irq: EventFd, out: SerialOutput) -> Self {
         SerialDevice {
-            serial: Serial::new(IrqTrigger(irq), out),
+            serial: Serial::new(IrqTrigger(irq), ConsoleBuffer::new(out)),
             bytes_out: 0,
         }
     }
@@ -162,12 +163,19 @@ impl SerialDevice {
         out: SerialOutput,
         state: &vm_superio::serial::SerialState,
     ) -> Result<Self, String> {
-        let serial = Serial::from_state(state, IrqTrigger(irq), NoEvents, out)
+        let serial = Serial::from_state(state, IrqTrigger(irq), NoEvents, ConsoleBuffer::new(out))
             .map_err(|e| format!("serial state: {e:?}"))?;
         Ok(SerialDevice {
             serial,
             bytes_out: 0,
         })
+    }
+
+    /// Writes out the console bytes still buffered (see
+    /// [`ConsoleBuffer`]): before the VM pauses for a save, so that nothing
+    /// the guest printed stays behind in a VMM that is about to end.
+    pub fn flush_output(&mut self) {
+        self.serial.writer_mut().flush_pending();
     }
 
     /// Bytes the guest has written.

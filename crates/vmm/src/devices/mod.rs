@@ -3,6 +3,7 @@
 
 pub mod block_backend;
 pub mod bus;
+pub mod console_buffer;
 pub mod event_loop;
 pub mod legacy;
 pub mod virtio;
