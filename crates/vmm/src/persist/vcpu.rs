@@ -156,14 +156,31 @@ pub fn save_with(
 }
 
 /// Restores `state` into `fd` (a freshly created vCPU of the same index).
-pub fn restore(fd: &VcpuFd, state: &VcpuState) -> Result<(), VcpuStateError> {
+/// `cpuid_in_place` is the CPUID the vCPU was given ahead, if it was
+/// ([`crate::vstate::vcpu::Vcpu::preset_cpuid`]): when the saved CPUID is
+/// equivalent, KVM_SET_CPUID2 is skipped.
+pub fn restore(
+    fd: &VcpuFd,
+    state: &VcpuState,
+    cpuid_in_place: Option<&[kvm_cpuid_entry2]>,
+) -> Result<(), VcpuStateError> {
     let index = state.index;
     let cpuid = CpuId::from_entries(&state.cpuid).map_err(|_| VcpuStateError::Invalid {
         index,
         what: "CPUID",
     })?;
-    fd.set_cpuid2(&cpuid)
-        .map_err(kvm(index, "KVM_SET_CPUID2"))?;
+    let difference = cpuid_in_place.map(|set| crate::vstate::cpuid::difference(&state.cpuid, set));
+    match difference {
+        Some(None) => tracing::debug!(vcpu = index, "CPUID already in place"),
+        Some(Some(why)) => {
+            tracing::debug!(vcpu = index, %why, "the CPUID set ahead is not the saved one");
+            fd.set_cpuid2(&cpuid)
+                .map_err(kvm(index, "KVM_SET_CPUID2"))?;
+        }
+        None => fd
+            .set_cpuid2(&cpuid)
+            .map_err(kvm(index, "KVM_SET_CPUID2"))?,
+    }
     if let Some(khz) = state.tsc_khz {
         let here = fd.get_tsc_khz().ok();
         if here != Some(khz) {

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, Once};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use kvm_bindings::{kvm_fpu, kvm_msr_entry, kvm_regs, kvm_segment, CpuId, Msrs};
+use kvm_bindings::{kvm_cpuid_entry2, kvm_fpu, kvm_msr_entry, kvm_regs, kvm_segment, CpuId, Msrs};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
@@ -139,6 +139,8 @@ pub struct Vcpu {
     index: u8,
     fd: VcpuFd,
     dirty_ring_full: Option<DirtyRingFullHandler>,
+    /// The CPUID [`preset_cpuid`](Self::preset_cpuid) gave the vCPU.
+    cpuid_in_place: Option<Vec<kvm_cpuid_entry2>>,
 }
 
 impl Vcpu {
@@ -155,7 +157,43 @@ impl Vcpu {
             index,
             fd,
             dirty_ring_full: None,
+            cpuid_in_place: None,
         })
+    }
+
+    /// Gives a vCPU made ahead of a restore the CPUID kemari would boot it
+    /// with (`base`, adjusted for this vCPU of `vcpus`), so that a restore of
+    /// a state holding the same CPUID (a VM kemari booted on this kind of
+    /// host) can skip KVM_SET_CPUID2 inside the guest's pause (see
+    /// [`take_cpuid_in_place`](Self::take_cpuid_in_place)).
+    pub fn preset_cpuid(&mut self, base: &CpuId, vcpus: u8) -> Result<(), VcpuError> {
+        let mut cpuid = base.clone();
+        super::cpuid::patch_for_vcpu(&mut cpuid, self.index, vcpus);
+        self.fd
+            .set_cpuid2(&cpuid)
+            .map_err(|source| VcpuError::Kvm {
+                index: self.index,
+                what: "KVM_SET_CPUID2",
+                source,
+            })?;
+        // What KVM holds, which is not always what was set: a PVM host, whose
+        // guests run CPUID natively, reports the CPU's own leaf 1.
+        let held = self
+            .fd
+            .get_cpuid2(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+            .map_err(|source| VcpuError::Kvm {
+                index: self.index,
+                what: "KVM_GET_CPUID2",
+                source,
+            })?;
+        self.cpuid_in_place = Some(held.as_slice().to_vec());
+        Ok(())
+    }
+
+    /// The CPUID [`preset_cpuid`](Self::preset_cpuid) set, if it did; a
+    /// restore compares it with the saved one.
+    pub fn take_cpuid_in_place(&mut self) -> Option<Vec<kvm_cpuid_entry2>> {
+        self.cpuid_in_place.take()
     }
 
     /// The TSC frequency KVM gives this vCPU, if it knows it.

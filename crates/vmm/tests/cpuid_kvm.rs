@@ -1,0 +1,86 @@
+//! CPUID given ahead against real KVM: a restore into a vCPU whose CPUID was
+//! preset skips KVM_SET_CPUID2 only when the saved CPUID is the one in
+//! place, and sets the saved one otherwise.
+
+use kvm_bindings::{kvm_cpuid_entry2, KVM_MAX_CPUID_ENTRIES};
+use vmm::persist;
+use vmm::vstate::cpuid;
+use vmm::vstate::vcpu::Vcpu;
+use vmm::vstate::vm::Vm;
+
+const TIMING_LEAF: u32 = 0x4000_0010;
+
+fn have_kvm() -> bool {
+    let ok = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_ok();
+    if !ok {
+        eprintln!("SKIP: /dev/kvm is not usable here");
+    }
+    ok
+}
+
+/// A vCPU with kemari's boot CPUID preset, as a migration destination makes
+/// it before the state arrives.
+fn preset_vcpu(vm: &Vm, index: u8) -> Vcpu {
+    let mut base = vm.kvm().get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).unwrap();
+    let mut vcpu = Vcpu::new(vm.fd(), index).unwrap();
+    cpuid::add_timing_leaf(&mut base, Some(2_000_000));
+    vcpu.preset_cpuid(&base, 1).unwrap();
+    vcpu
+}
+
+fn cpuid_of(vcpu: &mut Vcpu) -> Vec<kvm_cpuid_entry2> {
+    vcpu.fd()
+        .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
+        .unwrap()
+        .as_slice()
+        .to_vec()
+}
+
+fn timing_eax(entries: &[kvm_cpuid_entry2]) -> u32 {
+    entries
+        .iter()
+        .find(|e| e.function == TIMING_LEAF)
+        .expect("the timing leaf")
+        .eax
+}
+
+#[test]
+fn a_preset_cpuid_is_kept_only_when_it_is_the_saved_one() {
+    if !have_kvm() {
+        return;
+    }
+    let vm = Vm::new().unwrap();
+    let mut source = preset_vcpu(&vm, 0);
+    let indices = vm.kvm().get_msr_index_list().unwrap().as_slice().to_vec();
+    let mut state = persist::vcpu::save(source.fd(), 0, &indices).unwrap();
+    assert_eq!(timing_eax(&state.cpuid), 2_000_000);
+
+    // The same CPUID: kept (and, read back, still the saved one).
+    let other = Vm::new().unwrap();
+    let mut same = preset_vcpu(&other, 0);
+    let in_place = same.take_cpuid_in_place().expect("preset");
+    assert_eq!(cpuid::difference(&state.cpuid, &in_place), None);
+    persist::vcpu::restore(same.fd(), &state, Some(&in_place)).unwrap();
+    assert_eq!(cpuid::difference(&state.cpuid, &cpuid_of(&mut same)), None);
+
+    // A CPUID that differs (another TSC rate in the timing leaf): the saved
+    // one is set, not the one in place.
+    let changed = &mut state;
+    for e in &mut changed.cpuid {
+        if e.function == TIMING_LEAF {
+            e.eax = 1_234_567;
+        }
+    }
+    let third = Vm::new().unwrap();
+    let mut differs = preset_vcpu(&third, 0);
+    let in_place = differs.take_cpuid_in_place().expect("preset");
+    assert!(cpuid::difference(&changed.cpuid, &in_place).is_some());
+    persist::vcpu::restore(differs.fd(), changed, Some(&in_place)).unwrap();
+    let now = cpuid_of(&mut differs);
+    assert_eq!(timing_eax(&now), 1_234_567);
+    assert_eq!(cpuid::difference(&changed.cpuid, &now), None);
+}
