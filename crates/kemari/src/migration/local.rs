@@ -106,22 +106,40 @@ pub(crate) fn send<M: Serialize>(
     msg: &M,
     fds: &[RawFd],
 ) -> Result<(), LocalMigrationError> {
+    send_with(stream, msg, fds, &[])
+}
+
+/// [`send`], then `trailer` (raw bytes the message announces), in one
+/// system call where the socket takes it all: each write wakes the peer,
+/// and inside the guest's pause on a two-core host every wake-up may cost
+/// the writer its CPU.
+pub(crate) fn send_with<M: Serialize>(
+    stream: &UnixStream,
+    msg: &M,
+    fds: &[RawFd],
+    trailer: &[u8],
+) -> Result<(), LocalMigrationError> {
     let payload =
         serde_json::to_vec(msg).map_err(|e| LocalMigrationError::Protocol(e.to_string()))?;
-    let len = (payload.len() as u32).to_le_bytes();
-    if fds.is_empty() {
-        (&*stream).write_all(&len)?;
+    let mut frame = Vec::with_capacity(4 + payload.len() + trailer.len());
+    frame.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    frame.extend_from_slice(&payload);
+    frame.extend_from_slice(trailer);
+    let sent = if fds.is_empty() {
+        0
     } else {
-        let n = stream
-            .send_with_fds(&[&len[..]], fds)
-            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))?;
-        if n != len.len() {
-            return Err(LocalMigrationError::Protocol(
-                "short write of a header".into(),
-            ));
-        }
+        // The fds ride on the first byte; a stream socket may take less.
+        stream
+            .send_with_fds(&[&frame[..]], fds)
+            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))?
+    };
+    if fds.is_empty() || sent > 0 {
+        (&*stream).write_all(&frame[sent..])?;
+    } else {
+        return Err(LocalMigrationError::Protocol(
+            "the socket took no byte of a message carrying fds".into(),
+        ));
     }
-    (&*stream).write_all(&payload)?;
     Ok(())
 }
 
@@ -234,14 +252,14 @@ fn migrate_out_inner(
     let t_saved = paused_at.map(|p| p.elapsed()).unwrap_or_default();
     let bytes = format::encode(&state).map_err(|e| LocalMigrationError::Protocol(e.to_string()))?;
     let state_bytes = bytes.len();
-    send(
+    send_with(
         &stream,
         &Message::State {
             bytes: state_bytes as u64,
         },
         &[],
+        &bytes,
     )?;
-    (&stream).write_all(&bytes)?;
     let t_sent = paused_at.map(|p| p.elapsed()).unwrap_or_default();
     let restore_ms = match recv(&stream)?.0 {
         Message::Restored { restore_ms } => restore_ms,
