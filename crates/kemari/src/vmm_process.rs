@@ -546,6 +546,9 @@ fn warm_restart(
         Ok(s) => s,
         Err(e) => return (ApiResponse::error(409, e), After::Continue),
     };
+    // The first encode of a process is cold (see format::warm_up): not in
+    // the pause.
+    vmm::persist::format::warm_up();
     let paused_at = Instant::now();
     let (stats, saved_ms) =
         match pause_and_save(machine, |state, mem| snapshot::save_warm(dir, state, mem)) {

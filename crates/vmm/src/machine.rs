@@ -207,6 +207,8 @@ impl PreparedVm {
         if let Err(e) = preset {
             tracing::debug!(error = %e, "cannot give the vCPUs their CPUID ahead");
         }
+        // The state's decode, the restore's first, is cold otherwise.
+        persist::format::warm_up();
         Ok(())
     }
 }

@@ -247,6 +247,9 @@ fn migrate_out_inner(
         Message::Failed { reason } => return Err(LocalMigrationError::Refused(reason)),
         other => return Err(unexpected("Ready", &other)),
     }
+    // The first encode of a process is cold (see format::warm_up): not in
+    // the pause.
+    format::warm_up();
     *paused_at = Some(Instant::now());
     let state = machine.pause_and_save()?;
     let t_saved = paused_at.map(|p| p.elapsed()).unwrap_or_default();

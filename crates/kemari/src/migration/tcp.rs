@@ -642,6 +642,9 @@ fn migrate_out_inner(
         send_time += took;
     }
 
+    // The first encode of a process is cold (see format::warm_up): not in
+    // the pause.
+    format::warm_up();
     // Final round with the guest paused.
     let paused_at = Instant::now();
     // Paused and saved in one go (one wake-up per vCPU); nothing runs while
