@@ -357,6 +357,18 @@ fn show_logs(env: &Env, vmms: &[&Vmm]) {
     if !env.verbose {
         return;
     }
+    // The guest's own account of the move: its last lines on the old VMM,
+    // its first on the new one (their gap_us and how late the first came).
+    if let [old, new, ..] = vmms {
+        let old_lines = old.console.lines();
+        let skip = old_lines.len().saturating_sub(2);
+        for l in &old_lines[skip..] {
+            eprintln!("    [{} console] {}", old.name, l.text);
+        }
+        for l in new.console.lines().iter().take(3) {
+            eprintln!("    [{} console] {}", new.name, l.text);
+        }
+    }
     for v in vmms {
         for l in v.log.lines() {
             eprintln!("    [{}] {}", v.name, l.text);
