@@ -135,12 +135,21 @@ pub fn save_with(
     msr_indices: &[u32],
     constants: &VcpuConstants,
 ) -> Result<VcpuState, VcpuStateError> {
+    // On the vCPU's own thread right after an exit, KVM has already stored
+    // the registers, special registers and events in `kvm_run`.
+    let synced = crate::vstate::vcpu::synced_registers(fd);
     Ok(VcpuState {
         index,
         cpuid: constants.cpuid.clone(),
         mp_state: fd.get_mp_state().map_err(kvm(index, "KVM_GET_MP_STATE"))?,
-        regs: fd.get_regs().map_err(kvm(index, "KVM_GET_REGS"))?,
-        sregs: fd.get_sregs().map_err(kvm(index, "KVM_GET_SREGS"))?,
+        regs: match &synced {
+            Some(s) => s.regs,
+            None => fd.get_regs().map_err(kvm(index, "KVM_GET_REGS"))?,
+        },
+        sregs: match &synced {
+            Some(s) => s.sregs,
+            None => fd.get_sregs().map_err(kvm(index, "KVM_GET_SREGS"))?,
+        },
         xsave: fd.get_xsave().map_err(kvm(index, "KVM_GET_XSAVE"))?,
         xcrs: fd.get_xcrs().map_err(kvm(index, "KVM_GET_XCRS"))?,
         debugregs: fd
@@ -148,9 +157,12 @@ pub fn save_with(
             .map_err(kvm(index, "KVM_GET_DEBUGREGS"))?,
         lapic: fd.get_lapic().map_err(kvm(index, "KVM_GET_LAPIC"))?,
         msrs: read_msrs(fd, index, msr_indices)?,
-        events: fd
-            .get_vcpu_events()
-            .map_err(kvm(index, "KVM_GET_VCPU_EVENTS"))?,
+        events: match &synced {
+            Some(s) => s.events,
+            None => fd
+                .get_vcpu_events()
+                .map_err(kvm(index, "KVM_GET_VCPU_EVENTS"))?,
+        },
         tsc_khz: constants.tsc_khz,
     })
 }
