@@ -135,13 +135,19 @@ pub fn save_with(
     msr_indices: &[u32],
     constants: &VcpuConstants,
 ) -> Result<VcpuState, VcpuStateError> {
+    // KVM_GET_MP_STATE first: it processes a pending INIT, which resets the
+    // registers.
+    let mp_state = fd.get_mp_state().map_err(kvm(index, "KVM_GET_MP_STATE"))?;
     // On the vCPU's own thread right after an exit, KVM has already stored
-    // the registers, special registers and events in `kvm_run`.
-    let synced = crate::vstate::vcpu::synced_registers(fd);
+    // the registers and special registers in `kvm_run`; trusted only for a
+    // runnable vCPU (one that took an INIT since is not).
+    let synced = (mp_state.mp_state == kvm_bindings::KVM_MP_STATE_RUNNABLE)
+        .then(|| crate::vstate::vcpu::synced_registers(fd))
+        .flatten();
     Ok(VcpuState {
         index,
         cpuid: constants.cpuid.clone(),
-        mp_state: fd.get_mp_state().map_err(kvm(index, "KVM_GET_MP_STATE"))?,
+        mp_state,
         regs: match &synced {
             Some(s) => s.regs,
             None => fd.get_regs().map_err(kvm(index, "KVM_GET_REGS"))?,
@@ -157,12 +163,10 @@ pub fn save_with(
             .map_err(kvm(index, "KVM_GET_DEBUGREGS"))?,
         lapic: fd.get_lapic().map_err(kvm(index, "KVM_GET_LAPIC"))?,
         msrs: read_msrs(fd, index, msr_indices)?,
-        events: match &synced {
-            Some(s) => s.events,
-            None => fd
-                .get_vcpu_events()
-                .map_err(kvm(index, "KVM_GET_VCPU_EVENTS"))?,
-        },
+        // Always by ioctl: it folds in an NMI queued since the exit.
+        events: fd
+            .get_vcpu_events()
+            .map_err(kvm(index, "KVM_GET_VCPU_EVENTS"))?,
         tsc_khz: constants.tsc_khz,
     })
 }

@@ -158,11 +158,7 @@ impl Vcpu {
                 source,
             })?;
         if sync_regs {
-            for reg in [
-                SyncReg::Register,
-                SyncReg::SystemRegister,
-                SyncReg::VcpuEvents,
-            ] {
+            for reg in [SyncReg::Register, SyncReg::SystemRegister] {
                 fd.set_sync_valid_reg(reg);
             }
         }
@@ -909,17 +905,19 @@ thread_local! {
 }
 
 /// What KVM_RUN asks KVM to store in `kvm_run` at every exit
-/// (KVM_CAP_SYNC_REGS): general and special registers and pending events.
-const SYNC_REGS_WANTED: u64 =
-    SyncReg::Register as u64 | SyncReg::SystemRegister as u64 | SyncReg::VcpuEvents as u64;
+/// (KVM_CAP_SYNC_REGS): general and special registers. Not the pending
+/// events: an NMI can be queued for a vCPU after its exit (another vCPU's
+/// IPI), and only KVM_GET_VCPU_EVENTS, which folds queued NMIs in, sees it.
+const SYNC_REGS_WANTED: u64 = SyncReg::Register as u64 | SyncReg::SystemRegister as u64;
 
-/// The registers, special registers and pending events of `fd`, as KVM
-/// stored them in its `kvm_run` at the vCPU's last exit — if the caller is
-/// that vCPU's thread, no job has run since that exit, and KVM supports it;
-/// `None` otherwise (the caller then reads them with KVM_GET_REGS,
-/// KVM_GET_SREGS and KVM_GET_VCPU_EVENTS). Spares a save three ioctls
-/// (~6 µs each on this PVM host), which a fault-tolerance sync pays at
-/// every output.
+/// The registers and special registers of `fd` (in the returned
+/// `kvm_sync_regs`, whose `events` are not kept up to date), as KVM stored
+/// them in its `kvm_run` at the vCPU's last exit — if the caller is that
+/// vCPU's thread, no job has run since that exit, and KVM supports it;
+/// `None` otherwise (the caller then reads them with KVM_GET_REGS and
+/// KVM_GET_SREGS). Nothing but an ioctl changes them while the vCPU is out
+/// of KVM_RUN. Spares a save two ioctls (~6 µs each on this PVM host), which
+/// a fault-tolerance sync pays at every output.
 pub fn synced_registers(fd: &VcpuFd) -> Option<kvm_bindings::kvm_sync_regs> {
     REGS_SYNCED.with(|s| s.get()).then(|| fd.sync_regs())
 }
