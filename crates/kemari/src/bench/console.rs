@@ -121,6 +121,37 @@ impl Outage {
 /// did not stand still: the console path's jitter.
 const FROZEN_MIN: Duration = Duration::from_micros(500);
 
+/// Whole counter lines compared on each side by [`clock_shift`].
+pub const SHIFT_LINES: usize = 5;
+
+/// How far the guest's clock fell behind the host's across the operation:
+/// the smallest (host arrival − guest uptime) of the new VMM's first whole
+/// counter lines (after `since`) less that of the old VMM's last ones. A
+/// line reaches the host some time after the guest printed it — more when
+/// its reader waits for a CPU — so one line's offset is an upper bound, and
+/// the smallest of a few is the offset itself: a clock that stood still
+/// shifts every later line, a late line only itself.
+fn clock_shift(old: &[Line], new: &[Line], since: Instant) -> Duration {
+    // Host arrival less guest uptime: the instant the guest's clock read 0
+    // as seen from each line (shifted by a constant so that it cannot fall
+    // before the host clock's start).
+    let epoch = |l: &Line| -> Option<Instant> {
+        let us = parse_counter(&l.text)?.fine?.uptime_us;
+        (l.at + Duration::from_secs(1 << 20)).checked_sub(Duration::from_micros(us))
+    };
+    let before = old.iter().rev().filter_map(epoch).take(SHIFT_LINES).min();
+    let after = new
+        .iter()
+        .filter(|l| l.at >= since)
+        .filter_map(epoch)
+        .take(SHIFT_LINES)
+        .min();
+    match (before, after) {
+        (Some(b), Some(a)) => a.saturating_duration_since(b),
+        _ => Duration::ZERO,
+    }
+}
+
 /// The 90th percentile of the `gap_us` of the counter lines in `lines`.
 fn stall_floor(lines: &[Line]) -> Option<Duration> {
     let mut gaps: Vec<u64> = lines
@@ -163,14 +194,13 @@ pub fn outage(old: &[Line], new: &[Line], since: Instant, period: Duration) -> O
     };
     let last_whole = old.iter().rev().find_map(whole);
     let first_whole = new.iter().filter(|l| l.at >= since).find_map(whole);
-    let (Some((t_a, n_a, a)), Some((t_b, n_b, b))) = (last_whole, first_whole) else {
+    let (Some((_, n_a, a)), Some((_, n_b, b))) = (last_whole, first_whole) else {
         return Some(coarse);
     };
     if first.n <= last.n || n_b <= n_a || b.uptime_us < a.uptime_us {
         return Some(coarse); // rebooted: its clock started again
     }
-    let host_gap = t_b.saturating_duration_since(t_a);
-    let frozen = host_gap.saturating_sub(Duration::from_micros(b.uptime_us - a.uptime_us));
+    let frozen = clock_shift(old, new, since);
     let stalled = Duration::from_micros(b.gap_us);
     Some(Outage {
         downtime: if frozen > FROZEN_MIN {
@@ -442,6 +472,63 @@ mod tests {
         assert_eq!(o.downtime, Duration::from_millis(10));
         assert_eq!(o.resolution, Duration::from_millis(10));
         assert!(!o.fine && !o.continued());
+    }
+
+    #[test]
+    fn a_line_that_reached_the_host_late_is_not_a_frozen_clock() {
+        let t0 = Instant::now();
+        let old: Vec<Line> = (0..4)
+            .map(|i| {
+                line(
+                    t0,
+                    2 * i,
+                    &format!(
+                        "counter: {i} uptime_ms={} uptime_us={} gap_us=50",
+                        2 * i,
+                        2000 * i
+                    ),
+                )
+            })
+            .collect();
+        let at_us = |us: u64| t0 + Duration::from_micros(us);
+        let fine = |n: u64, uptime_us: u64, gap_us: u64| {
+            format!(
+                "counter: {n} uptime_ms={} uptime_us={uptime_us} gap_us={gap_us}",
+                uptime_us / 1000
+            )
+        };
+        // Line 4 was printed on time but its reader ran 0.7 ms late; lines 5
+        // and 6 arrived on time: the guest's clock kept up, the stall is 0.6.
+        let late = vec![
+            Line {
+                at: at_us(8_700),
+                text: fine(4, 8_000, 600),
+            },
+            Line {
+                at: at_us(10_020),
+                text: fine(5, 10_000, 200),
+            },
+            Line {
+                at: at_us(12_010),
+                text: fine(6, 12_000, 60),
+            },
+        ];
+        let o = outage(&old, &late, t0, Duration::from_millis(2)).unwrap();
+        assert_eq!(o.downtime, Duration::from_micros(600));
+        // The same first line with every later one as late: a clock that
+        // stood still 0.7 ms (then it is added).
+        let frozen = vec![
+            Line {
+                at: at_us(8_700),
+                text: fine(4, 8_000, 600),
+            },
+            Line {
+                at: at_us(10_700),
+                text: fine(5, 10_000, 60),
+            },
+        ];
+        let o = outage(&old, &frozen, t0, Duration::from_millis(2)).unwrap();
+        assert_eq!(o.downtime, Duration::from_micros(1_300));
     }
 
     #[test]

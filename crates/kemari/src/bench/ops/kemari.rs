@@ -10,7 +10,8 @@ use serde_json::json;
 
 use super::{
     api, continued, no_lost_writes, outage, show_logs, spawn, timeout, unreachable_op, wait_exit,
-    wait_first_counter, wait_more_counters, wait_steady, Env, Op, OpError, Sample, Workload, STEP,
+    wait_first_counter, wait_lines_after, wait_more_counters, wait_steady, Env, Op, OpError,
+    Sample, Workload, STEP,
 };
 use crate::bench::procs::{wait_listening, wait_path, Scratch};
 
@@ -229,6 +230,7 @@ pub fn run_kemari(
         _ => unreachable_op(op),
     };
     let t_first = wait_first_counter(&dst, t0)?;
+    wait_lines_after(&dst, t0);
     phases.push(("first counter line", t_first - t0));
     wait_exit(&mut src)?;
     let o = outage(&src, &dst, t0, w)?;

@@ -312,6 +312,21 @@ fn wait_first_counter(vmm: &Vmm, since: Instant) -> Result<Instant, OpError> {
         .ok_or_else(|| timeout("the first counter line of the new VMM", vmm))
 }
 
+/// Lets the new VMM print [`console::SHIFT_LINES`] counter lines after
+/// `since` (10 ms at the default period), so that a late first line is not
+/// taken for a clock that stood still; goes on with fewer after a while.
+fn wait_lines_after(vmm: &Vmm, since: Instant) {
+    let enough = |lines: &[Line]| {
+        (lines
+            .iter()
+            .filter(|l| l.at >= since && console::parse_counter(&l.text).is_some())
+            .count()
+            >= console::SHIFT_LINES)
+            .then_some(())
+    };
+    let _ = vmm.console.wait_for(Duration::from_secs(1), enough);
+}
+
 fn wait_exit(vmm: &mut Vmm) -> Result<(), OpError> {
     vmm.wait_exit(STEP)
         .map(|_| ())
@@ -359,14 +374,36 @@ fn show_logs(env: &Env, vmms: &[&Vmm]) {
     }
     // The guest's own account of the move: its last lines on the old VMM,
     // its first on the new one (their gap_us and how late the first came).
+    // Host arrival times are relative to the old console's last line: with
+    // uptime_us they show whether the guest's clock ran with the host's.
     if let [old, new, ..] = vmms {
         let old_lines = old.console.lines();
         let skip = old_lines.len().saturating_sub(2);
+        let Some(base) = old_lines.last().map(|l| l.at) else {
+            return;
+        };
+        let rel = |at: std::time::Instant| {
+            if at >= base {
+                (at - base).as_micros() as i64
+            } else {
+                -((base - at).as_micros() as i64)
+            }
+        };
         for l in &old_lines[skip..] {
-            eprintln!("    [{} console] {}", old.name, l.text);
+            eprintln!(
+                "    [{} console, host {:+} us] {}",
+                old.name,
+                rel(l.at),
+                l.text
+            );
         }
         for l in new.console.lines().iter().take(3) {
-            eprintln!("    [{} console] {}", new.name, l.text);
+            eprintln!(
+                "    [{} console, host {:+} us] {}",
+                new.name,
+                rel(l.at),
+                l.text
+            );
         }
     }
     for v in vmms {
