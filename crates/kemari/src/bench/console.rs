@@ -193,7 +193,13 @@ pub fn outage(old: &[Line], new: &[Line], since: Instant, period: Duration) -> O
         Some((l.at, c.n, c.fine?))
     };
     let last_whole = old.iter().rev().find_map(whole);
-    let first_whole = new.iter().filter(|l| l.at >= since).find_map(whole);
+    let mut new_whole = new.iter().filter(|l| l.at >= since).filter_map(whole);
+    let first_whole = new_whole.next();
+    // The line after it: when the guest's clock lagged after the move and
+    // then caught up (kvmclock brought up to date after the restore), the
+    // first line reports too short a stall and the catch-up shows as one in
+    // the next.
+    let second_gap_us = new_whole.next().map_or(0, |(_, _, c)| c.gap_us);
     let (Some((_, n_a, a)), Some((_, n_b, b))) = (last_whole, first_whole) else {
         return Some(coarse);
     };
@@ -201,7 +207,7 @@ pub fn outage(old: &[Line], new: &[Line], since: Instant, period: Duration) -> O
         return Some(coarse); // rebooted: its clock started again
     }
     let frozen = clock_shift(old, new, since);
-    let stalled = Duration::from_micros(b.gap_us);
+    let stalled = Duration::from_micros(b.gap_us.max(second_gap_us));
     Some(Outage {
         downtime: if frozen > FROZEN_MIN {
             stalled + frozen
@@ -529,6 +535,25 @@ mod tests {
         ];
         let o = outage(&old, &frozen, t0, Duration::from_millis(2)).unwrap();
         assert_eq!(o.downtime, Duration::from_micros(1_300));
+        // A clock that lagged after the move and caught up: the first line
+        // (late on the host by the lag) reports a short stall, the next the
+        // catch-up; the later lines are on time. The stall is the larger.
+        let caught_up = vec![
+            Line {
+                at: at_us(8_720),
+                text: fine(4, 8_000, 65),
+            },
+            Line {
+                at: at_us(10_010),
+                text: fine(5, 10_000, 690),
+            },
+            Line {
+                at: at_us(12_005),
+                text: fine(6, 12_000, 90),
+            },
+        ];
+        let o = outage(&old, &caught_up, t0, Duration::from_millis(2)).unwrap();
+        assert_eq!(o.downtime, Duration::from_micros(690));
     }
 
     #[test]
