@@ -272,60 +272,26 @@ pub fn warm_up() {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use crate::config::{MachineConfig, SerialConfig};
-    use crate::memory::MemoryBacking;
-    use crate::persist::{KvmVmState, MemoryState, SerialStateData, VcpuState};
 
+    /// The warm-up placeholder, with values a round trip must keep.
     pub(crate) fn sample_state() -> VmState {
-        let config = MachineConfig {
-            vcpus: 1,
-            memory_bytes: 64 << 20,
-            memory_backing: MemoryBacking::Memfd,
-            kernel: "/k".into(),
-            initramfs: None,
-            cmdline: "counter=1".into(),
-            serial: SerialConfig::Null,
-            disks: vec![],
-            nets: vec![],
-        };
-        let regs = kvm_bindings::kvm_regs {
-            rip: 0x1234_5678,
+        let mut state = placeholder();
+        state.kemari_version = "test".into();
+        state.saved_at_ms = 1;
+        state.config.memory_bytes = 64 << 20;
+        state.config.kernel = "/k".into();
+        state.config.cmdline = "counter=1".into();
+        state.memory.size = 64 << 20;
+        let vcpu = &mut state.vcpus[0];
+        vcpu.cpuid = vec![];
+        vcpu.regs.rip = 0x1234_5678;
+        vcpu.msrs = vec![kvm_bindings::kvm_msr_entry {
+            index: 0x10,
+            data: 42,
             ..Default::default()
-        };
-        VmState {
-            kemari_version: "test".into(),
-            saved_at_ms: 1,
-            config,
-            memory: MemoryState {
-                size: 64 << 20,
-                backing: MemoryBacking::Memfd,
-            },
-            kvm: KvmVmState {
-                irqchips: vec![Default::default(); 3],
-                pit: Default::default(),
-                clock: Default::default(),
-            },
-            vcpus: vec![VcpuState {
-                index: 0,
-                cpuid: vec![],
-                regs,
-                sregs: Default::default(),
-                xsave: Default::default(),
-                xcrs: Default::default(),
-                lapic: Default::default(),
-                events: Default::default(),
-                debugregs: Default::default(),
-                mp_state: Default::default(),
-                msrs: vec![kvm_bindings::kvm_msr_entry {
-                    index: 0x10,
-                    data: 42,
-                    ..Default::default()
-                }],
-                tsc_khz: Some(2_000_000),
-            }],
-            serial: SerialStateData::default(),
-            virtio: vec![],
-        }
+        }];
+        vcpu.tsc_khz = Some(2_000_000);
+        state
     }
 
     #[test]
