@@ -2,25 +2,17 @@
 //! preset skips KVM_SET_CPUID2 only when the saved CPUID is the one in
 //! place, and sets the saved one otherwise.
 
+mod common;
+
 use kvm_bindings::{kvm_cpuid_entry2, KVM_MAX_CPUID_ENTRIES};
 use vmm::persist;
 use vmm::vstate::cpuid;
 use vmm::vstate::vcpu::Vcpu;
 use vmm::vstate::vm::Vm;
 
-const TIMING_LEAF: u32 = 0x4000_0010;
+use common::have_kvm;
 
-fn have_kvm() -> bool {
-    let ok = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_ok();
-    if !ok {
-        eprintln!("SKIP: /dev/kvm is not usable here");
-    }
-    ok
-}
+const TIMING_LEAF: u32 = 0x4000_0010;
 
 /// A vCPU with kemari's boot CPUID preset, as a migration destination makes
 /// it before the state arrives.

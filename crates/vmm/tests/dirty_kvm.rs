@@ -3,6 +3,8 @@
 //! report exactly those pages, VMM writes are merged in, and a tiny ring that
 //! fills up many times per round loses nothing and never hangs the vCPU.
 
+mod common;
+
 use std::collections::BTreeSet;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -17,19 +19,9 @@ use vmm::vstate::vcpu::Vcpu;
 use vmm::vstate::vm::Vm;
 use vmm::vstate::VmEventSink;
 
-const PORT: u16 = 0x510;
+use common::have_kvm;
 
-fn have_kvm() -> bool {
-    let ok = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_ok();
-    if !ok {
-        eprintln!("SKIP: /dev/kvm is not usable here");
-    }
-    ok
-}
+const PORT: u16 = 0x510;
 
 struct Rig {
     _file: GuestMemoryFile,

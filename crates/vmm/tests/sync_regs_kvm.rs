@@ -3,18 +3,53 @@
 //! return, a save on the vCPU's thread right after a pause takes them from
 //! there, and nobody else does.
 
+mod common;
+
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use vmm::devices::bus::{Bus, BusDevice};
 use vmm::dirty::page_writer::PageWriter;
-use vmm::memory::{GuestMemoryFile, MemoryBacking};
+use vmm::memory::{GuestMemoryFile, GuestMemoryMmap, MemoryBacking};
 use vmm::vstate::vcpu::{synced_registers, Vcpu};
 use vmm::vstate::vm::Vm;
 use vmm::vstate::VmEventSink;
 
+use common::have_kvm;
+
 const PORT: u16 = 0x510;
+
+/// A 16 MiB VM whose one vCPU runs a [`PageWriter`] (an `out` to [`PORT`]
+/// per round); None where KVM lacks the sync area.
+struct Rig {
+    _file: GuestMemoryFile,
+    /// The mapping KVM's memory slot points into.
+    _mem: GuestMemoryMmap,
+    _vm: Vm,
+    vcpu: Vcpu,
+    writer: PageWriter,
+}
+
+fn rig() -> Option<Rig> {
+    let file = GuestMemoryFile::create(16 << 20, &MemoryBacking::Memfd).unwrap();
+    let mem = file.map().unwrap();
+    let vm = Vm::new().unwrap();
+    if !have_sync_regs(&vm) {
+        return None;
+    }
+    vm.register_memory(&mem).unwrap();
+    let mut vcpu = Vcpu::new(vm.fd(), 0).unwrap();
+    let writer = PageWriter::new(16, 4, PORT).unwrap();
+    writer.install(&mem, &mut vcpu).unwrap();
+    Some(Rig {
+        _file: file,
+        _mem: mem,
+        _vm: vm,
+        vcpu,
+        writer,
+    })
+}
 
 fn have_sync_regs(vm: &Vm) -> bool {
     let mask = vm.fd().check_extension_int(kvm_ioctls::Cap::SyncRegs);
@@ -25,33 +60,22 @@ fn have_sync_regs(vm: &Vm) -> bool {
     true
 }
 
-fn kvm_usable() -> bool {
-    let ok = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_ok();
-    if !ok {
-        eprintln!("SKIP: /dev/kvm is not usable here");
-    }
-    ok
-}
-
 #[test]
 fn the_sync_area_holds_what_the_ioctls_return() {
-    if !kvm_usable() {
+    if !have_kvm() {
         return;
     }
-    let file = GuestMemoryFile::create(16 << 20, &MemoryBacking::Memfd).unwrap();
-    let mem = file.map().unwrap();
-    let vm = Vm::new().unwrap();
-    if !have_sync_regs(&vm) {
+    // Every part bound (a `..` would drop the memory mapping at once).
+    let Some(Rig {
+        _file,
+        _mem,
+        _vm,
+        mut vcpu,
+        writer,
+    }) = rig()
+    else {
         return;
-    }
-    vm.register_memory(&mem).unwrap();
-    let mut vcpu = Vcpu::new(vm.fd(), 0).unwrap();
-    let writer = PageWriter::new(16, 4, PORT).unwrap();
-    writer.install(&mem, &mut vcpu).unwrap();
+    };
     for round in 0..3 {
         writer.run_round(&mut vcpu).unwrap();
         let fd = vcpu.fd();
@@ -90,19 +114,19 @@ fn read_both(fd: &mut kvm_ioctls::VcpuFd) -> Registers {
 
 #[test]
 fn a_paused_vcpu_thread_saves_from_the_sync_area_once() {
-    if !kvm_usable() {
+    if !have_kvm() {
         return;
     }
-    let file = GuestMemoryFile::create(16 << 20, &MemoryBacking::Memfd).unwrap();
-    let mem = file.map().unwrap();
-    let vm = Vm::new().unwrap();
-    if !have_sync_regs(&vm) {
+    let Some(Rig {
+        _file,
+        _mem,
+        _vm,
+        vcpu,
+        writer: _writer,
+    }) = rig()
+    else {
         return;
-    }
-    vm.register_memory(&mem).unwrap();
-    let mut vcpu = Vcpu::new(vm.fd(), 0).unwrap();
-    let writer = PageWriter::new(16, 4, PORT).unwrap();
-    writer.install(&mem, &mut vcpu).unwrap();
+    };
     let (tx, rounds): (Sender<()>, Receiver<()>) = channel();
     let mut io = Bus::new();
     io.insert(Arc::new(Mutex::new(Rounds(tx))), u64::from(PORT), 1)
