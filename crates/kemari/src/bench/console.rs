@@ -483,76 +483,40 @@ mod tests {
     #[test]
     fn a_line_that_reached_the_host_late_is_not_a_frozen_clock() {
         let t0 = Instant::now();
-        let old: Vec<Line> = (0..4)
-            .map(|i| {
-                line(
-                    t0,
-                    2 * i,
-                    &format!(
-                        "counter: {i} uptime_ms={} uptime_us={} gap_us=50",
-                        2 * i,
-                        2000 * i
-                    ),
-                )
-            })
-            .collect();
-        let at_us = |us: u64| t0 + Duration::from_micros(us);
-        let fine = |n: u64, uptime_us: u64, gap_us: u64| {
-            format!(
+        // Counter line `n` printed at guest time `uptime_us` with stall
+        // `gap_us`, read by the host at `host_us`.
+        let fine = |host_us: u64, n: u64, uptime_us: u64, gap_us: u64| Line {
+            at: t0 + Duration::from_micros(host_us),
+            text: format!(
                 "counter: {n} uptime_ms={} uptime_us={uptime_us} gap_us={gap_us}",
                 uptime_us / 1000
-            )
+            ),
         };
+        let old: Vec<Line> = (0..4).map(|i| fine(2000 * i, i, 2000 * i, 50)).collect();
+        let period = Duration::from_millis(2);
         // Line 4 was printed on time but its reader ran 0.7 ms late; lines 5
         // and 6 arrived on time: the guest's clock kept up, the stall is 0.6.
-        let late = vec![
-            Line {
-                at: at_us(8_700),
-                text: fine(4, 8_000, 600),
-            },
-            Line {
-                at: at_us(10_020),
-                text: fine(5, 10_000, 200),
-            },
-            Line {
-                at: at_us(12_010),
-                text: fine(6, 12_000, 60),
-            },
+        let late = [
+            fine(8_700, 4, 8_000, 600),
+            fine(10_020, 5, 10_000, 200),
+            fine(12_010, 6, 12_000, 60),
         ];
-        let o = outage(&old, &late, t0, Duration::from_millis(2)).unwrap();
+        let o = outage(&old, &late, t0, period).unwrap();
         assert_eq!(o.downtime, Duration::from_micros(600));
         // The same first line with every later one as late: a clock that
         // stood still 0.7 ms (then it is added).
-        let frozen = vec![
-            Line {
-                at: at_us(8_700),
-                text: fine(4, 8_000, 600),
-            },
-            Line {
-                at: at_us(10_700),
-                text: fine(5, 10_000, 60),
-            },
-        ];
-        let o = outage(&old, &frozen, t0, Duration::from_millis(2)).unwrap();
+        let frozen = [fine(8_700, 4, 8_000, 600), fine(10_700, 5, 10_000, 60)];
+        let o = outage(&old, &frozen, t0, period).unwrap();
         assert_eq!(o.downtime, Duration::from_micros(1_300));
         // A clock that lagged after the move and caught up: the first line
         // (late on the host by the lag) reports a short stall, the next the
         // catch-up; the later lines are on time. The stall is the larger.
-        let caught_up = vec![
-            Line {
-                at: at_us(8_720),
-                text: fine(4, 8_000, 65),
-            },
-            Line {
-                at: at_us(10_010),
-                text: fine(5, 10_000, 690),
-            },
-            Line {
-                at: at_us(12_005),
-                text: fine(6, 12_000, 90),
-            },
+        let caught_up = [
+            fine(8_720, 4, 8_000, 65),
+            fine(10_010, 5, 10_000, 690),
+            fine(12_005, 6, 12_000, 90),
         ];
-        let o = outage(&old, &caught_up, t0, Duration::from_millis(2)).unwrap();
+        let o = outage(&old, &caught_up, t0, period).unwrap();
         assert_eq!(o.downtime, Duration::from_micros(690));
     }
 
