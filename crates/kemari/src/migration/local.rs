@@ -128,18 +128,19 @@ pub(crate) fn send_with<M: Serialize>(
     let sent = if fds.is_empty() {
         0
     } else {
-        // The fds ride on the first byte; a stream socket may take less.
-        stream
+        // The fds ride on the first bytes; a stream socket may take fewer
+        // than all, the rest follows below.
+        let n = stream
             .send_with_fds(&[&frame[..]], fds)
-            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))?
+            .map_err(|e| std::io::Error::from_raw_os_error(e.errno()))?;
+        if n == 0 {
+            return Err(LocalMigrationError::Protocol(
+                "the socket took no byte of a message carrying fds".into(),
+            ));
+        }
+        n
     };
-    if fds.is_empty() || sent > 0 {
-        (&*stream).write_all(&frame[sent..])?;
-    } else {
-        return Err(LocalMigrationError::Protocol(
-            "the socket took no byte of a message carrying fds".into(),
-        ));
-    }
+    (&*stream).write_all(&frame[sent..])?;
     Ok(())
 }
 
