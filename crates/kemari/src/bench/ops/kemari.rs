@@ -9,9 +9,9 @@ use std::time::Instant;
 use serde_json::json;
 
 use super::{
-    api, continued, no_lost_writes, outage, show_logs, spawn, timeout, unreachable_op, wait_exit,
-    wait_first_counter, wait_lines_after, wait_more_counters, wait_steady, Env, Op, OpError,
-    Sample, Workload, STEP,
+    api, at_random_phase, continued, no_lost_writes, outage, show_logs, spawn, timeout,
+    unreachable_op, wait_exit, wait_first_counter, wait_lines_after, wait_more_counters,
+    wait_steady, Env, Op, OpError, Sample, Workload, STEP,
 };
 use crate::bench::procs::{wait_listening, wait_path, Scratch};
 
@@ -148,6 +148,7 @@ pub fn run_kemari(
         pre_dst = Some(d);
         wait_more_counters(&src, 3)?;
     }
+    at_random_phase(w);
     let t0 = Instant::now();
     let mut t_done = t0;
     let mut phases = Vec::new();

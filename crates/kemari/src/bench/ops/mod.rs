@@ -272,6 +272,30 @@ fn wait_steady(vmm: &Vmm, w: &Workload) -> Result<Option<u64>, OpError> {
     got.ok_or_else(|| timeout("the guest's steady state", vmm))
 }
 
+/// Sleeps a random part of the guest's counter period. Every wait before a
+/// request ends when a counter line arrives, so without this each request
+/// would come at the same point of the guest's print cycle, and so would the
+/// pause (an idle guest then always resumed right into its next line, on
+/// cold shadow page tables). Both VMMs' requests go through here.
+fn at_random_phase(w: &Workload) {
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    std::thread::sleep(phase(w.period, seed));
+}
+
+/// A point in `[0, period)` picked by `seed` (splitmix64: the clock's low
+/// bits alone do not spread evenly).
+fn phase(period: Duration, seed: u64) -> Duration {
+    let period = period.as_nanos().clamp(1, u128::from(u64::MAX)) as u64;
+    let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    Duration::from_nanos(z % period)
+}
+
 /// Waits until `vmm` has printed `n` more counter lines: lets the machine
 /// settle after a destination VMM started, so its start does not overlap the
 /// measurement.
@@ -416,4 +440,22 @@ fn show_logs(env: &Env, vmms: &[&Vmm]) {
 fn unreachable_op(op: Op) -> ! {
     // The callers dispatch kemari and QEMU operations separately.
     panic!("operation {op:?} dispatched to the wrong runner")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn phases_stay_within_the_period_and_cover_it() {
+        let period = Duration::from_millis(2);
+        let mut quarters = [0u32; 4];
+        // Consecutive seeds, as nanosecond clock readings a few apart are.
+        for seed in 1_000_000..1_000_400u64 {
+            let p = phase(period, seed);
+            assert!(p < period);
+            quarters[(p.as_nanos() * 4 / period.as_nanos()) as usize] += 1;
+        }
+        assert!(quarters.iter().all(|&n| n > 60), "{quarters:?}");
+    }
 }

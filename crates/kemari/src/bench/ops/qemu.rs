@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use super::{
-    continued, no_lost_writes, outage, show_logs, spawn, timeout, unreachable_op, wait_exit,
-    wait_first_counter, wait_lines_after, wait_more_counters, wait_steady, Env, Op, OpError,
-    QemuLocalMode, Sample, Workload, STEP,
+    at_random_phase, continued, no_lost_writes, outage, show_logs, spawn, timeout, unreachable_op,
+    wait_exit, wait_first_counter, wait_lines_after, wait_more_counters, wait_steady, Env, Op,
+    OpError, QemuLocalMode, Sample, Workload, STEP,
 };
 use crate::bench::procs::{wait_path, Scratch, Vmm};
 use crate::bench::qmp::{Qmp, QmpError};
@@ -195,6 +195,7 @@ pub fn run_qemu(
         pre_local = Some(d);
         wait_more_counters(&src, 3)?;
     }
+    at_random_phase(w);
     let t0 = Instant::now();
     let mut phases = Vec::new();
     let mut mark = |name: &'static str| phases.push((name, t0.elapsed()));
