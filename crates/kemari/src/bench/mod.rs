@@ -4,6 +4,7 @@
 //! - [`availability`]: whole-VM operations (reboot, snapshot/restore, warm
 //!   restart, zero-copy migration) against QEMU's closest equivalents;
 //! - [`ops`]: one measurement of one operation;
+//! - [`floor`]: what this host charges every fault-tolerance sync;
 //! - [`console`]: guest console lines timestamped on the host, downtime;
 //! - [`procs`]: child processes and scratch files, cleaned up on drop;
 //! - [`qmp`]: a small QMP client for QEMU.
@@ -16,6 +17,7 @@ pub const QEMU_CPU: &str = "host,-arch-capabilities";
 
 pub mod availability;
 pub mod console;
+pub mod floor;
 pub mod ft;
 pub mod ops;
 pub mod procs;

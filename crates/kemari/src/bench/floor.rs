@@ -1,0 +1,201 @@
+//! What this host charges every fault-tolerance sync, whatever the VMM does:
+//! measured beside `kemari-bench ft`'s figures so that its request/response
+//! ratio can be read against the best any event-driven synchronizer could do
+//! here.
+//!
+//! An output may leave only once the standby holds a state taken after the
+//! guest asked for it. So every protected request/response exchange pays, on
+//! top of the unprotected exchange, at least
+//! - the save of the vCPU that produced the output ([`vcpu_save`]: kemari's
+//!   own `save_with`, on the vCPU's thread right after a guest exit — the
+//!   cheapest moment, with registers from `kvm_run`), and
+//! - one round trip to the standby process ([`loopback_round_trip`]: 64 bytes
+//!   out, 16 back, between two threads over loopback TCP), measured twice:
+//!   with both ends sleeping in `read` until data comes (what a synchronizer
+//!   sharing its cores with the guest must do), and with both ends polling
+//!   (no wake-up, but a core burned on each side).
+//!
+//! Everything else a sync does (stopping the vCPU, harvesting and copying
+//! pages, encoding, authenticating, the standby's checks) comes on top; the
+//! ceiling [`Floor::ceiling`] leaves it out, so it is an upper bound.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use vmm::dirty::page_writer::PageWriter;
+use vmm::memory::{GuestMemoryFile, MemoryBacking};
+use vmm::persist::vcpu::{read_constants, save_with};
+use vmm::vstate::vcpu::Vcpu;
+use vmm::vstate::vm::Vm;
+
+/// The host's per-sync minimums, medians.
+#[derive(Debug, Clone, Copy)]
+pub struct Floor {
+    /// One vCPU state save after a guest exit.
+    pub vcpu_save: Duration,
+    /// One loopback round trip between two threads sleeping in `read`.
+    pub round_trip_sleeping: Duration,
+    /// The same with both threads polling their sockets.
+    pub round_trip_polling: Duration,
+}
+
+impl Floor {
+    /// Measures both.
+    pub fn measure() -> Result<Floor, String> {
+        Ok(Floor {
+            vcpu_save: vcpu_save(200)?,
+            round_trip_sleeping: loopback_round_trip(2000, false)?,
+            round_trip_polling: loopback_round_trip(5000, true)?,
+        })
+    }
+
+    /// The highest protected ÷ unprotected request/response ratio possible
+    /// here when an unprotected exchange takes `unprotected` and a round
+    /// trip to the standby takes `round_trip`: every protected exchange
+    /// takes at least `unprotected + vcpu_save + round_trip`.
+    pub fn ceiling(&self, unprotected: Duration, round_trip: Duration) -> f64 {
+        let t = unprotected.as_secs_f64();
+        t / (t + self.vcpu_save.as_secs_f64() + round_trip.as_secs_f64())
+    }
+}
+
+fn ctx<E: std::fmt::Display>(what: &'static str) -> impl FnOnce(E) -> String {
+    move |e| format!("{what}: {e}")
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort_unstable();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+/// The median time of kemari's vCPU save (`persist::vcpu::save_with`, as the
+/// fault-tolerance primary calls it on every sync), each taken right after a
+/// guest exit, on the vCPU's own thread, over `rounds` rounds.
+pub fn vcpu_save(rounds: usize) -> Result<Duration, String> {
+    let file =
+        GuestMemoryFile::create(64 << 20, &MemoryBacking::Memfd).map_err(ctx("guest memory"))?;
+    let mem = file.map().map_err(ctx("guest memory"))?;
+    let vm = Vm::new().map_err(ctx("KVM VM"))?;
+    vm.register_memory(&mem).map_err(ctx("memory slots"))?;
+    let mut vcpu = Vcpu::new(vm.fd(), 0).map_err(ctx("vCPU"))?;
+    let writer = PageWriter::new(16, 1, 0x510).map_err(ctx("guest program"))?;
+    writer
+        .install(&mem, &mut vcpu)
+        .map_err(ctx("guest program"))?;
+    let msrs = vm
+        .kvm()
+        .get_msr_index_list()
+        .map_err(ctx("KVM_GET_MSR_INDEX_LIST"))?;
+    let constants = read_constants(vcpu.fd(), 0).map_err(ctx("vCPU constants"))?;
+    let mut times = Vec::with_capacity(rounds);
+    for i in 0..rounds + 10 {
+        writer.run_round(&mut vcpu).map_err(ctx("guest"))?;
+        let t = Instant::now();
+        save_with(vcpu.fd(), 0, msrs.as_slice(), &constants).map_err(ctx("vCPU save"))?;
+        if i >= 10 {
+            times.push(t.elapsed());
+        }
+    }
+    Ok(median(times))
+}
+
+/// The median round trip of a 64-byte message answered by 16 bytes between
+/// two threads over loopback TCP (no Nagle), over `iters` exchanges. With
+/// `polling`, both ends poll their non-blocking sockets instead of sleeping
+/// in `read`: the fastest exchange this host's TCP allows, with no thread
+/// wake-up in it.
+pub fn loopback_round_trip(iters: usize, polling: bool) -> Result<Duration, String> {
+    let io = |e: std::io::Error| format!("loopback: {e}");
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(io)?;
+    let addr = listener.local_addr().map_err(io)?;
+    let echo = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        s.set_nodelay(true)?;
+        s.set_nonblocking(polling)?;
+        let mut req = [0u8; 64];
+        loop {
+            if !read_polling(&mut s, &mut req)? {
+                return Ok(());
+            }
+            s.write_all(&req[..16])?;
+        }
+    });
+    let mut s = TcpStream::connect(addr).map_err(io)?;
+    s.set_nodelay(true).map_err(io)?;
+    s.set_nonblocking(polling).map_err(io)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .map_err(io)?;
+    let req = [0x5au8; 64];
+    let mut ack = [0u8; 16];
+    let mut times = Vec::with_capacity(iters);
+    for i in 0..iters + 100 {
+        let t = Instant::now();
+        s.write_all(&req).map_err(io)?;
+        if !read_polling(&mut s, &mut ack).map_err(io)? {
+            return Err("loopback: the echo thread hung up".into());
+        }
+        if i >= 100 {
+            times.push(t.elapsed());
+        }
+    }
+    drop(s);
+    echo.join()
+        .map_err(|_| "loopback: the echo thread panicked".to_owned())?
+        .map_err(io)?;
+    Ok(median(times))
+}
+
+/// Fills `buf` from `s` (polling if it is non-blocking); `false` at end of
+/// stream before the first byte. Gives up after 5 s without progress.
+fn read_polling(s: &mut TcpStream, buf: &mut [u8]) -> std::io::Result<bool> {
+    let mut got = 0;
+    let mut since = Instant::now();
+    while got < buf.len() {
+        match s.read(&mut buf[got..]) {
+            Ok(0) if got == 0 => return Ok(false),
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => {
+                got += n;
+                since = Instant::now();
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if since.elapsed() > Duration::from_secs(5) {
+                    return Err(std::io::ErrorKind::TimedOut.into());
+                }
+                std::hint::spin_loop();
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ceiling_adds_the_floor_to_every_exchange() {
+        let f = Floor {
+            vcpu_save: Duration::from_micros(40),
+            round_trip_sleeping: Duration::from_micros(20),
+            round_trip_polling: Duration::from_micros(5),
+        };
+        let us = Duration::from_micros;
+        // 30 µs unprotected: at best 30 / (30 + 40 + 20).
+        assert!((f.ceiling(us(30), f.round_trip_sleeping) - 1.0 / 3.0).abs() < 1e-9);
+        // A slower unprotected exchange, or a faster link, leaves more room.
+        assert!(f.ceiling(us(120), f.round_trip_sleeping) > 0.6);
+        assert!((f.ceiling(us(30), f.round_trip_polling) - 0.4).abs() < 1e-9);
+    }
+
+    #[test]
+    fn loopback_round_trip_is_measured_both_ways() {
+        for polling in [false, true] {
+            let rtt = loopback_round_trip(50, polling).unwrap();
+            assert!(rtt > Duration::ZERO && rtt < Duration::from_secs(5));
+        }
+    }
+}
