@@ -7,6 +7,7 @@ pub mod client;
 pub mod control;
 pub mod ext;
 pub mod loadgen;
+pub mod page_buf;
 pub mod protocol;
 pub mod proxy;
 pub mod relay;

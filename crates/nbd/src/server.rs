@@ -17,6 +17,7 @@ use thiserror::Error;
 use tracing::{debug, info, warn};
 
 use crate::backend::Backend;
+use crate::page_buf::PageBuf;
 use crate::protocol::*;
 use crate::splice::{Pipe, SpliceError};
 
@@ -358,7 +359,7 @@ fn negotiate<R: Read, W: Write>(
 /// A request's outcome: data for reads, or an errno.
 enum Outcome {
     Ok,
-    Data(Vec<u8>),
+    Data(PageBuf),
     Err(u32, &'static str),
 }
 
@@ -435,16 +436,12 @@ fn write_header_and_data<W: Write>(w: &mut BufWriter<W>, h: &[u8], d: &[u8]) -> 
 }
 
 /// Executes one request (a WRITE's payload already read into `payload`).
-fn execute(b: &dyn Backend, req: &Request, payload: &[u8], mut buf: Vec<u8>) -> Outcome {
+fn execute(b: &dyn Backend, req: &Request, payload: &[u8], mut buf: PageBuf) -> Outcome {
     let fua = req.flags & CMD_FLAG_FUA != 0;
     let len = u64::from(req.len);
     let res = match req.command {
         CMD_READ => {
-            let n = req.len as usize;
-            if buf.len() < n {
-                buf.resize(n, 0);
-            }
-            buf.truncate(n);
+            buf.set_len(req.len as usize);
             match b.read_at(&mut buf, req.offset) {
                 Ok(()) => return Outcome::Data(buf),
                 Err(e) => Err(e),
@@ -499,21 +496,17 @@ struct Helpers {
     idle: Condvar,
     active: AtomicUsize,
     /// Recycled data buffers (so large transfers do not allocate and zero
-    /// a fresh buffer per request).
-    pool: Mutex<Vec<Vec<u8>>>,
+    /// a fresh buffer per request; a [`PageBuf`] grows without a memset).
+    pool: Mutex<Vec<PageBuf>>,
 }
 
 impl Helpers {
-    fn take(&self) -> Vec<u8> {
+    fn take(&self) -> PageBuf {
         lock(&self.pool).pop().unwrap_or_default()
     }
-    fn give(&self, mut b: Vec<u8>) {
+    fn give(&self, b: PageBuf) {
         let mut p = lock(&self.pool);
         if p.len() < 32 && b.capacity() > 0 {
-            // Keep the buffer initialized to its capacity: reusing it for a
-            // read of the same size then costs no memset.
-            let cap = b.capacity();
-            b.resize(cap, 0);
             p.push(b);
         }
     }
@@ -624,8 +617,8 @@ where
         active: AtomicUsize::new(0),
         pool: Mutex::new(Vec::new()),
     });
-    let mut buf: Vec<u8> = Vec::new();
-    let mut pbuf: Vec<u8> = Vec::new();
+    let mut buf = PageBuf::new();
+    let mut pbuf = PageBuf::new();
     let mut workers: Option<std::sync::mpsc::Sender<Job>> = None;
     let mut pipe: Option<Pipe> = None;
     let mut splice_ok = sock.is_some();
@@ -679,7 +672,7 @@ where
         // other request would cost a memset of its whole capacity when the
         // (cleared) buffer goes back to the pool.
         let mut payload = if !req.has_payload() {
-            Vec::new()
+            PageBuf::new()
         } else if pbuf.capacity() > 0 {
             std::mem::take(&mut pbuf)
         } else {
@@ -704,13 +697,9 @@ where
                 }
                 .into());
             }
-            // read_to_end fills spare capacity without zeroing it first.
-            let want = req.len as usize;
-            payload.reserve(want);
-            (&mut r).take(want as u64).read_to_end(&mut payload)?;
-            if payload.len() != want {
-                return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
-            }
+            // Within its capacity a PageBuf grows without zeroing.
+            payload.set_len(req.len as usize);
+            r.read_exact(&mut payload)?;
         }
         if let Some(bad) = validate(backend.as_ref(), &req) {
             write_reply(&mut *lock(&w), structured, &req, &bad)?;
