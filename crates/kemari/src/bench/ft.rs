@@ -11,7 +11,9 @@
 //!   job (the application rewrites a hot working set while its file cache is
 //!   written back in bursts — buffered writes the way an OS does them).
 //!
-//! Then the goals of issue 7 as ratios.
+//! Then this host's floor per sync ([`super::floor`]) and the goals of
+//! issue 7 as ratios, each request/response ratio next to the most the
+//! floor allows.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
