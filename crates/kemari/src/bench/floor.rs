@@ -231,14 +231,14 @@ mod tests {
             return;
         }
         let save = vcpu_save(5).unwrap();
-        assert!(save > Duration::ZERO && save < Duration::from_secs(1));
+        assert!(save > Duration::ZERO);
     }
 
     #[test]
     fn loopback_round_trip_is_measured_both_ways() {
         for polling in [false, true] {
             let rtt = loopback_round_trip(50, polling).unwrap();
-            assert!(rtt > Duration::ZERO && rtt < Duration::from_secs(5));
+            assert!(rtt > Duration::ZERO);
         }
     }
 }
