@@ -24,6 +24,7 @@ use crate::output::{OutputGate, PassThroughGate};
 use crate::persist::{self, VmState};
 use crate::virtio_devices::{self, AttachError, AttachedDevice};
 use crate::vstate::cpuid;
+pub use crate::vstate::vcpu::PauseLength;
 use crate::vstate::vcpu::{BootEntry, Vcpu, VcpuError, VcpuSet};
 use crate::vstate::vm::{Vm, VmError};
 use crate::vstate::VmEventSink;
@@ -300,8 +301,12 @@ impl MachineCore {
     /// [`resume_vcpus`](Self::resume_vcpus) — also when this fails) and
     /// saves each one's state on its own thread as soon as it has stopped:
     /// one wake-up per vCPU for both, which is what a fault-tolerance sync
-    /// pays for on every output.
-    pub fn pause_and_save_vcpus(&self) -> Result<Vec<persist::VcpuState>, MachineError> {
+    /// pays for on every output. `length` says how soon the resume will come
+    /// (see [`PauseLength`]).
+    pub fn pause_and_save_vcpus(
+        &self,
+        length: PauseLength,
+    ) -> Result<Vec<persist::VcpuState>, MachineError> {
         let msrs = match self.msr_indices() {
             Ok(m) => m,
             Err(e) => {
@@ -312,7 +317,9 @@ impl MachineCore {
         };
         let constants = self.vcpu_constants.clone();
         self.vcpus
-            .pause_with(move |index, fd| save_vcpu(fd, index, &msrs, &constants))?
+            .pause_with(length, move |index, fd| {
+                save_vcpu(fd, index, &msrs, &constants)
+            })?
             .into_iter()
             .map(|r| r.map_err(MachineError::VcpuState))
             .collect()
@@ -920,7 +927,9 @@ impl Machine {
         // From here on a resume() undoes both pauses, also when saving fails.
         self.state = RunState::Paused;
         self.pauses += 1;
-        let vcpus = self.core.pause_and_save_vcpus()?;
+        // Long: the pause of a migration or a restart ends in another
+        // process, or late; a polling vCPU would only take a CPU from it.
+        let vcpus = self.core.pause_and_save_vcpus(PauseLength::Long)?;
         let t_vcpus = started.elapsed();
         let state = self.core.state_with_vcpus(vcpus)?;
         tracing::info!(

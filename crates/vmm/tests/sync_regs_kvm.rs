@@ -12,7 +12,7 @@ use std::time::Duration;
 use vmm::devices::bus::{Bus, BusDevice};
 use vmm::dirty::page_writer::PageWriter;
 use vmm::memory::{GuestMemoryFile, GuestMemoryMmap, MemoryBacking};
-use vmm::vstate::vcpu::{synced_registers, Vcpu};
+use vmm::vstate::vcpu::{synced_registers, PauseLength, Vcpu};
 use vmm::vstate::vm::Vm;
 use vmm::vstate::VmEventSink;
 
@@ -147,7 +147,9 @@ fn a_paused_vcpu_thread_saves_from_the_sync_area_once() {
         for _ in 0..3 {
             rounds.recv_timeout(Duration::from_secs(30)).unwrap();
         }
-        let rx = handle.start_pause_with(read_both).unwrap();
+        let rx = handle
+            .start_pause_with(PauseLength::Long, read_both)
+            .unwrap();
         let (synced, regs, sregs) = handle.wait_job(&rx).unwrap();
         let synced = synced.unwrap_or_else(|| panic!("pause {pause}: no synced registers"));
         assert_eq!(synced.regs, regs, "pause {pause}");

@@ -29,7 +29,7 @@ use vmm::devices::bus::Bus;
 use vmm::dirty::page_writer::PageWriter;
 use vmm::memory::{GuestMemoryFile, MemoryBacking};
 use vmm::persist::vcpu::{read_constants, save_with};
-use vmm::vstate::vcpu::{Vcpu, VcpuSet};
+use vmm::vstate::vcpu::{PauseLength, Vcpu, VcpuSet};
 use vmm::vstate::vm::Vm;
 use vmm::vstate::VmEventSink;
 
@@ -112,7 +112,7 @@ pub fn vcpu_save(rounds: usize) -> Result<Duration, String> {
         // Let the guest run between pauses, as between syncs.
         std::thread::sleep(Duration::from_micros(200));
         let (msrs, constants) = (msrs.clone(), constants.clone());
-        let saved = vcpus.pause_with(move |index, fd| {
+        let saved = vcpus.pause_with(PauseLength::Brief, move |index, fd| {
             let t = Instant::now();
             let r = save_with(fd, index, &msrs, &constants);
             (t.elapsed(), r.map(|_| ()).map_err(|e| e.to_string()))

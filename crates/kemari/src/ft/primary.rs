@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use vm_memory::{Bytes, GuestAddress};
-use vmm::machine::{Machine, MachineCore, RunState};
+use vmm::machine::{Machine, MachineCore, PauseLength, RunState};
 use vmm::memory::GuestMemoryMmap;
 use vmm::output::{OutputEvent, OutputGate, Release};
 use vmm::persist::format;
@@ -459,7 +459,7 @@ impl FtGate {
         let epoch = self.epoch.load(Ordering::SeqCst) + 1;
         let mut pool = self.frames.lock().unwrap_or_else(|p| p.into_inner());
         // Each vCPU saves its own state as soon as it has stopped.
-        let vcpus = self.core.pause_and_save_vcpus();
+        let vcpus = self.core.pause_and_save_vcpus(PauseLength::Brief);
         let t_paused = started.elapsed();
         let captured = (|| -> Result<_, FtError> {
             let vcpus = vcpus?;

@@ -460,7 +460,11 @@ pub fn migrate_out(
     });
     let started = Instant::now();
     let result = migrate_out_inner(machine, to, key, limits, shared, started);
-    let _ = machine.stop_dirty_log();
+    // After a commit the VM never runs here again: its tracking ends with it
+    // (stopping it is a memory-slot update, SRCU grace period included).
+    if result.is_err() {
+        let _ = machine.stop_dirty_log();
+    }
     match &result {
         Ok(_) => shared.update(|p| p.status = "completed".into()),
         Err(e) => {
@@ -679,6 +683,7 @@ fn migrate_out_inner(
     // Point of no return.
     ch.send_control(&Control::Commit)?;
     let downtime = paused_at.elapsed();
+    crate::teardown::yield_cpu_to_successor();
     // Leave the CPU to the destination until its guest runs. Nothing from
     // here on can undo the migration: a missing confirmation is only logged.
     let _ = ch.stream().set_read_timeout(Some(super::RUNNING_TIMEOUT));

@@ -94,8 +94,23 @@ impl VcpuExitCounters {
 
 type VcpuJob = Box<dyn FnOnce(&mut VcpuFd) + Send>;
 
+/// How soon a pause is expected to end, which decides how a paused vCPU
+/// thread waits for its resume.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PauseLength {
+    /// A fault-tolerance sync's pause (~100 µs): the thread polls for the
+    /// resume for up to [`SPIN_WAIT`] before it sleeps, since a futex
+    /// wake-up costs ~25 µs on this kind of host.
+    Brief,
+    /// A migration's, a warm restart's, a snapshot's or the API's pause:
+    /// the thread sleeps at once, leaving the CPU to the threads that end
+    /// the pause (on two cores a polling vCPU took one from a migration's
+    /// final round and the destination's restore).
+    Long,
+}
+
 enum VcpuRequest {
-    Pause(Sender<()>),
+    Pause(Sender<()>, PauseLength),
     Resume,
     Run(VcpuJob),
     Exit,
@@ -339,6 +354,7 @@ impl Vcpu {
             dirty_ring_full: self.dirty_ring_full,
             io_in_flight: false,
             sync_regs: self.sync_regs,
+            resume_poll: SPIN_WAIT,
         };
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{index}"))
@@ -391,7 +407,7 @@ impl VcpuHandle {
     /// Stops the vCPU outside KVM_RUN; returns once it is stopped.
     pub fn pause(&self) -> Result<(), VcpuError> {
         let (ack_tx, ack_rx) = channel();
-        self.send(VcpuRequest::Pause(ack_tx))?;
+        self.send(VcpuRequest::Pause(ack_tx, PauseLength::Long))?;
         self.wait_kicking(&ack_rx)
     }
 
@@ -401,6 +417,7 @@ impl VcpuHandle {
     /// vCPU instead of twice (pause, then a job).
     pub fn start_pause_with<R: Send + 'static>(
         &self,
+        length: PauseLength,
         job: impl FnOnce(&mut VcpuFd) -> R + Send + 'static,
     ) -> Result<Receiver<Box<R>>, VcpuError> {
         // Nobody waits on the pause's own acknowledgement: the job's result
@@ -412,7 +429,7 @@ impl VcpuHandle {
         // an munmap with a TLB shootdown: ~40 µs of the guest's downtime.
         let (ack_tx, _) = channel();
         let (tx, rx) = channel();
-        self.send(VcpuRequest::Pause(ack_tx))?;
+        self.send(VcpuRequest::Pause(ack_tx, length))?;
         self.send(VcpuRequest::Run(Box::new(move |fd| {
             let _ = tx.send(Box::new(job(fd)));
         })))?;
@@ -555,6 +572,7 @@ impl VcpuSet {
     /// [`resume`](Self::resume), also when this fails.
     pub fn pause_with<R: Send + 'static>(
         &self,
+        length: PauseLength,
         job: impl Fn(u8, &mut VcpuFd) -> R + Clone + Send + 'static,
     ) -> Result<Vec<R>, VcpuError> {
         let mut pauses = self.pauses.lock().unwrap_or_else(|p| p.into_inner());
@@ -575,7 +593,7 @@ impl VcpuSet {
             .iter()
             .map(|v| {
                 let (job, index) = (job.clone(), v.index());
-                v.start_pause_with(move |fd| job(index, fd))
+                v.start_pause_with(length, move |fd| job(index, fd))
             })
             .collect::<Result<_, _>>()?;
         self.handles
@@ -626,6 +644,9 @@ struct VcpuRunner {
     io_in_flight: bool,
     /// KVM stores registers in `kvm_run` at every exit.
     sync_regs: bool,
+    /// How long a paused thread polls for its next request before it
+    /// sleeps: set by the last pause's [`PauseLength`].
+    resume_poll: Duration,
 }
 
 /// Most KVM_RUN calls spent completing one I/O (a long string I/O exits once
@@ -677,8 +698,9 @@ impl VcpuRunner {
         loop {
             let req = if *paused {
                 // A synchronizer's pause lasts ~100 µs: poll for the resume
-                // that long before sleeping.
-                match spin_recv(&self.requests, SPIN_WAIT).map_or_else(|| self.requests.recv(), Ok)
+                // that long before sleeping (not through a long pause).
+                match spin_recv(&self.requests, self.resume_poll)
+                    .map_or_else(|| self.requests.recv(), Ok)
                 {
                     Ok(r) => r,
                     Err(_) => return Flow::Stop,
@@ -691,8 +713,12 @@ impl VcpuRunner {
                 }
             };
             match req {
-                VcpuRequest::Pause(ack) => {
+                VcpuRequest::Pause(ack, length) => {
                     *paused = true;
+                    self.resume_poll = match length {
+                        PauseLength::Brief => SPIN_WAIT,
+                        PauseLength::Long => Duration::ZERO,
+                    };
                     let _ = ack.send(());
                 }
                 VcpuRequest::Resume => *paused = false,
