@@ -11,6 +11,7 @@ pub mod layout;
 pub mod machine;
 pub mod memory;
 pub mod output;
+pub mod parked_threads;
 pub mod persist;
 pub mod unix_socket;
 pub mod virtio_devices;
