@@ -40,37 +40,3 @@ pub fn fork_reaper() {
         tracing::debug!(error = %std::io::Error::last_os_error(), "no reaper: the VM is destroyed in this process");
     }
 }
-
-/// Puts the calling thread in `SCHED_IDLE` once the VM belongs to another
-/// process (a migration committed, a successor given the state): what this
-/// thread still does — answering, unmapping, forking the reaper (which
-/// inherits the policy), exiting — must never delay the new VMM's threads,
-/// which need the CPU right then to resume the guest. On two cores the old
-/// VMM's teardown otherwise ran in the same few hundred microseconds as the
-/// new VMM's resume. Best effort.
-pub fn yield_cpu_to_successor() {
-    // SAFETY: sched_setscheduler on the calling thread (0) with a valid,
-    // initialised sched_param; no memory is handed to the kernel beyond it.
-    let r = unsafe {
-        let param = libc::sched_param { sched_priority: 0 };
-        libc::sched_setscheduler(0, libc::SCHED_IDLE, &param)
-    };
-    if r != 0 {
-        tracing::debug!(error = %std::io::Error::last_os_error(), "cannot lower the old VMM's priority");
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn yielding_the_cpu_puts_the_thread_in_sched_idle() {
-        std::thread::spawn(|| {
-            super::yield_cpu_to_successor();
-            // SAFETY: a plain query of the calling thread's policy.
-            let policy = unsafe { libc::sched_getscheduler(0) };
-            assert_eq!(policy, libc::SCHED_IDLE);
-        })
-        .join()
-        .unwrap();
-    }
-}

@@ -274,7 +274,6 @@ fn migrate_out_inner(
     // Point of no return: from here on the destination owns the VM.
     send(&stream, &Message::Commit, &[])?;
     let downtime = paused_at.map(|p| p.elapsed()).unwrap_or_default();
-    crate::teardown::yield_cpu_to_successor();
     // Leave the CPU to the destination until its guest runs (no error from
     // here on can undo the migration).
     let _ = stream.set_read_timeout(Some(super::RUNNING_TIMEOUT));

@@ -683,7 +683,6 @@ fn migrate_out_inner(
     // Point of no return.
     ch.send_control(&Control::Commit)?;
     let downtime = paused_at.elapsed();
-    crate::teardown::yield_cpu_to_successor();
     // Leave the CPU to the destination until its guest runs. Nothing from
     // here on can undo the migration: a missing confirmation is only logged.
     let _ = ch.stream().set_read_timeout(Some(super::RUNNING_TIMEOUT));

@@ -286,7 +286,6 @@ impl Successor {
         )?;
         // The successor holds its own references now.
         drop(taps);
-        crate::teardown::yield_cpu_to_successor();
         match recv(&self.stream)?.0 {
             Message::Running { restore_ms } => Ok(restore_ms),
             Message::Failed { reason } => Err(WarmError::Refused(reason)),
