@@ -505,7 +505,6 @@ fn accept_vm(
     }
     let t_committed = started.elapsed();
     machine.resume()?;
-    super::let_vcpus_run();
     // The source exits on this; the VM is ours whether it hears it or not.
     if let Err(e) = send(stream, &Message::Running, &[]) {
         tracing::warn!(error = %e, "local migration: cannot tell the source the VM runs");

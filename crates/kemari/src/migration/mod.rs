@@ -32,15 +32,6 @@ fn running_after_commit<M: Debug, E: Display>(
     }
 }
 
-/// Right after the destination resumed the guest: lets the woken vCPU
-/// threads have this CPU. The scheduler tends to wake them on the CPU of
-/// the thread that woke them, which then went on (answering the source,
-/// logging) for 50–180 µs while the other CPU of this 2-core host sat idle
-/// (traced with `perf sched`): guest downtime.
-fn let_vcpus_run() {
-    std::thread::yield_now();
-}
-
 /// The destination's debug timeline, µs from the state's arrival.
 fn log_destination_timeline(kind: &str, started: Instant, restored: Duration, committed: Duration) {
     let us = |d: Duration| d.as_micros() as u64;

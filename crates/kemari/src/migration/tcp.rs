@@ -957,7 +957,6 @@ fn receive_vm(
     }
     let t_committed = started.elapsed();
     machine.resume()?;
-    super::let_vcpus_run();
     // The source exits on this; the VM is ours whether it hears it or not.
     if let Err(e) = ch.send_control(&Control::Running) {
         tracing::warn!(error = %e, "live migration: cannot tell the source the VM runs");

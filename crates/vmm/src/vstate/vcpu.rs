@@ -367,11 +367,7 @@ impl Vcpu {
             dirty_ring_full: self.dirty_ring_full,
             io_in_flight: false,
             sync_regs: self.sync_regs,
-            // A thread that starts paused waits for a restore's resume,
-            // which comes after a round trip to the migration's source: it
-            // sleeps meanwhile (polling, on two cores, it kept the source
-            // from sending that `Commit`).
-            resume_poll: Duration::ZERO,
+            resume_poll: SPIN_WAIT,
         };
         let thread = spawn_on(thread, &format!("vcpu{index}"), move || {
             runner.run(start_paused)
