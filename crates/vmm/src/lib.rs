@@ -11,7 +11,6 @@ pub mod layout;
 pub mod machine;
 pub mod memory;
 pub mod output;
-pub mod parked_threads;
 pub mod persist;
 pub mod unix_socket;
 pub mod virtio_devices;

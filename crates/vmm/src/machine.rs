@@ -21,7 +21,6 @@ use crate::devices::virtio::DeviceCounters;
 use crate::dirty::{DirtyError, DirtyTracker, DirtyTrackerConfig};
 use crate::memory::{GuestMemoryFile, GuestMemoryMmap, MemoryError};
 use crate::output::{OutputGate, PassThroughGate};
-use crate::parked_threads::ParkedThreads;
 use crate::persist::{self, VmState};
 use crate::virtio_devices::{self, AttachError, AttachedDevice};
 use crate::vstate::cpuid;
@@ -165,9 +164,6 @@ pub struct PreparedVm {
     /// that had to come before them.
     dirty: Option<Arc<DirtyTracker>>,
     vcpus: Vec<Vcpu>,
-    /// Started by [`create_vcpus`](Self::create_vcpus) for the device loop,
-    /// the vCPUs and the console.
-    threads: ParkedThreads,
 }
 
 impl PreparedVm {
@@ -192,13 +188,6 @@ impl PreparedVm {
         self.dirty = Some(dirty);
         for index in 0..count {
             self.vcpus.push(Vcpu::new(self.vm.fd(), index)?);
-        }
-        // The restore's threads, started now rather than in the guest's
-        // pause: one per vCPU, the device loop's and the console's. Best
-        // effort: without them the restore starts its own.
-        match ParkedThreads::start(usize::from(count) + 2) {
-            Ok(t) => self.threads = t,
-            Err(e) => tracing::debug!(error = %e, "cannot start the restore's threads ahead"),
         }
         // The CPUID a VM kemari boots here has: a restore of such a VM skips
         // KVM_SET_CPUID2 (~60 µs of the pause here). Best effort: a restore
@@ -529,7 +518,6 @@ impl Machine {
             vm,
             dirty: None,
             vcpus: Vec::new(),
-            threads: ParkedThreads::default(),
         })
     }
 
@@ -575,7 +563,6 @@ impl Machine {
             vm,
             dirty: None,
             vcpus: Vec::new(),
-            threads: ParkedThreads::default(),
         };
         Self::assemble_in(
             config,
@@ -609,7 +596,6 @@ impl Machine {
             vm,
             dirty: dirty_ahead,
             vcpus: vcpus_ahead,
-            threads,
         } = prepared;
         // Before any vCPU exists: the dirty ring must be enabled first.
         let dirty = match dirty_ahead {
@@ -629,7 +615,6 @@ impl Machine {
                 taps,
                 start_paused,
                 vcpus_ahead,
-                &threads,
             )
         };
         let (setup, t_slots) = if slots_registered {
@@ -672,8 +657,7 @@ impl Machine {
         let mut vcpus = Vec::with_capacity(created.len());
         for mut vcpu in created {
             dirty.attach_vcpu(&mut vcpu)?;
-            vcpus.push(vcpu.start_on(
-                threads.take(),
+            vcpus.push(vcpu.start(
                 io_bus.clone(),
                 mmio_bus.clone(),
                 events.clone(),
@@ -743,20 +727,16 @@ impl Machine {
         taps: Vec<std::fs::File>,
         start_paused: bool,
         vcpus_ahead: Vec<Vcpu>,
-        threads: &ParkedThreads,
     ) -> Result<Setup, MachineError> {
         // Legacy devices.
         let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(MachineError::EventFd)?;
         vm.register_irqfd(&serial_irq, SERIAL_GSI)?;
         let (serial_out, serial_backend) = open_serial(&config.serial)?;
-        let mut serial = match saved {
+        let serial = match saved {
             None => SerialDevice::new(serial_irq, serial_out),
             Some(s) => SerialDevice::from_state(serial_irq, serial_out, &(&s.serial).into())
                 .map_err(MachineError::InvalidState)?,
         };
-        if let Some(t) = threads.take() {
-            serial.give_console_thread(t);
-        }
         let serial = Arc::new(Mutex::new(serial));
         let mut io_bus = Bus::new();
         io_bus.insert(serial.clone(), SERIAL_PORT, 8)?;
@@ -793,8 +773,7 @@ impl Machine {
                 d.info.address, d.info.gsi
             ));
         }
-        let event_loop = DeviceEventLoop::start_on(
-            threads.take(),
+        let event_loop = DeviceEventLoop::start(
             virtio
                 .iter()
                 .map(|d| d.loop_device())

@@ -16,7 +16,6 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::legacy::SerialOutput;
-use crate::parked_threads::{spawn_on, ParkedThread};
 
 /// How long a partial line may wait for its newline.
 pub const PARTIAL_DELAY: Duration = Duration::from_millis(2);
@@ -36,9 +35,6 @@ struct Pending {
     flusher_asleep: bool,
     /// The flusher thread is to end.
     closed: bool,
-    /// A thread started ahead to become the flusher (see
-    /// [`ConsoleBuffer::give_flusher_thread`]).
-    parked: Option<ParkedThread>,
 }
 
 struct Shared {
@@ -70,7 +66,6 @@ impl ConsoleBuffer {
                     flusher: false,
                     flusher_asleep: false,
                     closed: false,
-                    parked: None,
                 }),
                 wake: Condvar::new(),
             }),
@@ -82,16 +77,6 @@ impl ConsoleBuffer {
         write_out(&mut self.shared.lock(), usize::MAX);
     }
 
-    /// A thread to run the flusher on once it is needed, instead of one
-    /// started then — by the vCPU writing the console, in the guest's time
-    /// (a restored VM's first line after a migration, ~50 µs here).
-    pub fn give_flusher_thread(&self, thread: ParkedThread) {
-        let mut p = self.shared.lock();
-        if !p.flusher {
-            p.parked = Some(thread);
-        }
-    }
-
     /// Bytes waiting (for tests and metrics).
     pub fn pending_len(&self) -> usize {
         self.shared.lock().buf.len()
@@ -99,9 +84,9 @@ impl ConsoleBuffer {
 
     fn start_flusher(&self, p: &mut Pending) {
         let shared = self.shared.clone();
-        let started = spawn_on(p.parked.take(), "console", move || {
-            flush_partial_lines(&shared)
-        });
+        let started = std::thread::Builder::new()
+            .name("console".into())
+            .spawn(move || flush_partial_lines(&shared));
         match started {
             Ok(_) => p.flusher = true,
             Err(e) => {

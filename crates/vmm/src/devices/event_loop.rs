@@ -21,7 +21,6 @@ use vmm_sys_util::timerfd::TimerFd;
 
 use super::virtio::{PendingOutputs, VirtioDevice, TYPE_BLOCK};
 use crate::output::{OutputEvent, OutputGate, OutputKind, Release};
-use crate::parked_threads::{spawn_on, ParkedThread};
 
 /// Errors of the event loop.
 #[derive(Debug, thiserror::Error)]
@@ -72,16 +71,6 @@ impl DeviceEventLoop {
     /// [`pause`](Self::pause) had been called, without waiting for the new
     /// thread to say so (a restore pays that inside the guest's pause).
     pub fn start(
-        devices: Vec<LoopDevice>,
-        gate: Arc<dyn OutputGate>,
-        paused: bool,
-    ) -> Result<Self, EventLoopError> {
-        Self::start_on(None, devices, gate, paused)
-    }
-
-    /// [`start`](Self::start) on a thread started ahead, if given.
-    pub fn start_on(
-        thread: Option<ParkedThread>,
         devices: Vec<LoopDevice>,
         gate: Arc<dyn OutputGate>,
         paused: bool,
@@ -139,12 +128,14 @@ impl DeviceEventLoop {
         }
         let (tx, rx) = channel();
         let ctl = control.try_clone().map_err(EventLoopError::Setup)?;
-        let thread = spawn_on(thread, "devices", move || {
-            let mut lp = Loop::new(devices, gate, timer);
-            lp.arm_timer();
-            lp.run(epoll, ctl, rx, paused)
-        })
-        .map_err(EventLoopError::Setup)?;
+        let thread = std::thread::Builder::new()
+            .name("devices".into())
+            .spawn(move || {
+                let mut lp = Loop::new(devices, gate, timer);
+                lp.arm_timer();
+                lp.run(epoll, ctl, rx, paused)
+            })
+            .map_err(EventLoopError::Setup)?;
         Ok(DeviceEventLoop {
             requests: tx,
             control,

@@ -171,12 +171,6 @@ impl SerialDevice {
         })
     }
 
-    /// A thread started ahead for the console's flusher (see
-    /// [`ConsoleBuffer::give_flusher_thread`]).
-    pub fn give_console_thread(&mut self, thread: crate::parked_threads::ParkedThread) {
-        self.serial.writer_mut().give_flusher_thread(thread);
-    }
-
     /// Writes out the console bytes still buffered (see
     /// [`ConsoleBuffer`]): before the VM pauses for a save, so that nothing
     /// the guest printed stays behind in a VMM that is about to end.

@@ -17,7 +17,6 @@ use kvm_ioctls::{SyncReg, VcpuExit, VcpuFd};
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use crate::devices::bus::Bus;
-use crate::parked_threads::{spawn_on, ParkedThread};
 use crate::vstate::{VmEvent, VmEventSink};
 
 /// Signal used to kick vCPUs out of KVM_RUN.
@@ -338,18 +337,6 @@ impl Vcpu {
         events: VmEventSink,
         start_paused: bool,
     ) -> Result<VcpuHandle, VcpuError> {
-        self.start_on(None, io_bus, mmio_bus, events, start_paused)
-    }
-
-    /// [`start`](Self::start) on a thread started ahead, if given.
-    pub fn start_on(
-        self,
-        thread: Option<ParkedThread>,
-        io_bus: Arc<Bus>,
-        mmio_bus: Arc<Bus>,
-        events: VmEventSink,
-        start_paused: bool,
-    ) -> Result<VcpuHandle, VcpuError> {
         install_kick_handler()?;
         let index = self.index;
         let (tx, rx) = channel();
@@ -369,10 +356,10 @@ impl Vcpu {
             sync_regs: self.sync_regs,
             resume_poll: SPIN_WAIT,
         };
-        let thread = spawn_on(thread, &format!("vcpu{index}"), move || {
-            runner.run(start_paused)
-        })
-        .map_err(|source| VcpuError::Spawn { index, source })?;
+        let thread = std::thread::Builder::new()
+            .name(format!("vcpu{index}"))
+            .spawn(move || runner.run(start_paused))
+            .map_err(|source| VcpuError::Spawn { index, source })?;
         Ok(VcpuHandle {
             index,
             requests: tx,
