@@ -787,7 +787,7 @@ fn initial_sync(
         epoch: AtomicU64::new(0),
         prev_state: Mutex::new(Vec::new()),
         frames: Mutex::new(Vec::new()),
-        hold_vcpus: std::env::var_os("KEMARI_FT_HOLD_VCPUS").is_some(),
+        hold_vcpus: env_flag(std::env::var_os("KEMARI_FT_HOLD_VCPUS")),
         keep_writable: opts.keep_writable,
         kept: Mutex::new(KeptPages::default()),
         shared: shared.clone(),
@@ -802,10 +802,33 @@ fn initial_sync(
     Ok(gate)
 }
 
+/// A switch in the environment: on when set to anything but nothing, `0`,
+/// `false`, `no` or `off` (`KEMARI_FT_HOLD_VCPUS=0` once switched it *on*).
+fn env_flag(value: Option<std::ffi::OsString>) -> bool {
+    value.is_some_and(|v| {
+        !matches!(
+            v.to_string_lossy().trim().to_ascii_lowercase().as_str(),
+            "" | "0" | "false" | "no" | "off"
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use vmm::memory::{GuestMemoryFile, MemoryBacking};
+
+    #[test]
+    fn an_environment_switch_is_off_unless_set_to_something_true() {
+        let f = |v: Option<&str>| env_flag(v.map(std::ffi::OsString::from));
+        assert!(!f(None));
+        for off in ["", "0", "false", "No", " off "] {
+            assert!(!f(Some(off)), "{off:?}");
+        }
+        for on in ["1", "yes", "true"] {
+            assert!(f(Some(on)), "{on:?}");
+        }
+    }
 
     fn page(mem: &GuestMemoryMmap, pfn: u64, byte: u8) {
         mem.write_slice(&[byte; PAGE], GuestAddress(pfn * PAGE as u64))
