@@ -339,6 +339,81 @@ fn source_killed_mid_migration_leaves_nothing_half_made() {
     );
 }
 
+#[test]
+fn source_killed_before_the_commit_leaves_nothing_of_the_destinations_run() {
+    if !have_kvm() {
+        return;
+    }
+    let _turn = one_at_a_time();
+    let dir = scratch("lm-kill-src-run");
+    let br = Bridge::create("w", 27);
+    let disk = disk_image(&dir);
+    let key = key_file(&dir, KEY);
+    let (mut src, echo) = start(&dir, &br, &disk, "");
+    let to = format!("127.0.0.1:{}", port(0) + 2001);
+    // The destination restores the VM and runs it (its outputs held) for
+    // 2 s before it tells the source; the source dies meanwhile.
+    let mut dst = destination(
+        &dir,
+        &br,
+        &to,
+        &key,
+        &[("KEMARI_FAULT_HOLD_BEFORE_COMMIT_MS", "2000")],
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let api = src.api.clone();
+    let (to2, key2) = (to.clone(), key.clone());
+    let m = std::thread::spawn(move || migrate(&api, &to2, &key2, &[]));
+    std::thread::sleep(Duration::from_millis(1000));
+    src.child.0.kill().unwrap(); // power failure of the source, before its commit
+    let _ = src.child.0.wait();
+    let _ = m.join();
+    drop(echo);
+    // The source is gone: the disk holds what it wrote. The destination's
+    // guest has been writing too, into its held requests.
+    let disk_then = std::fs::read(&disk).unwrap();
+    let st = dst.child.0.wait().unwrap();
+    assert_eq!(st.code(), Some(1), "the destination must discard the VM");
+    let mut log = String::new();
+    let _ = dst.child.0.stderr.take().unwrap().read_to_string(&mut log);
+    // It did run the guest: what it printed was held, and then dropped.
+    let log = strip_ansi(&log);
+    let held: u64 = log
+        .lines()
+        .find(|l| l.contains("no commit; the run of the guest here is discarded"))
+        .and_then(|l| l.split("held_console_bytes=").nth(1))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no discard report in the destination's log:\n{log}"));
+    assert!(held > 0, "the destination's guest did not run:\n{log}");
+    assert!(
+        counters(&dst.console).is_empty(),
+        "the discarded run reached the console: {}",
+        read_text(&dst.console)
+    );
+    assert!(
+        std::fs::read(&disk).unwrap() == disk_then,
+        "the discarded run wrote to the disk"
+    );
+}
+
+/// `text` without its terminal colour sequences (`ESC [ … m`).
+fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            for d in chars.by_ref() {
+                if d == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// A TCP relay the test can cut: forwards both ways until `cut` is set.
 /// Returns its two sockets, so that a cut takes effect at once (shut them
 /// down) rather than when the next bytes arrive.

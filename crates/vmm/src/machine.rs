@@ -25,7 +25,7 @@ use crate::persist::{self, VmState};
 use crate::virtio_devices::{self, AttachError, AttachedDevice};
 use crate::vstate::cpuid;
 pub use crate::vstate::vcpu::PauseLength;
-use crate::vstate::vcpu::{BootEntry, Vcpu, VcpuError, VcpuSet};
+use crate::vstate::vcpu::{BootEntry, Vcpu, VcpuError, VcpuSet, VcpuThreadAhead};
 use crate::vstate::vm::{Vm, VmError};
 use crate::vstate::VmEventSink;
 
@@ -164,9 +164,34 @@ pub struct PreparedVm {
     /// that had to come before them.
     dirty: Option<Arc<DirtyTracker>>,
     vcpus: Vec<Vcpu>,
+    /// Threads for the vCPUs, made by
+    /// [`start_vcpu_threads_ahead`](Self::start_vcpu_threads_ahead).
+    threads_ahead: Vec<VcpuThreadAhead>,
 }
 
 impl PreparedVm {
+    /// Starts a thread for each vCPU made by
+    /// [`create_vcpus`](Self::create_vcpus), to run it once restored: see
+    /// [`VcpuThreadAhead`]. Does nothing if they exist.
+    pub fn start_vcpu_threads_ahead(&mut self) -> Result<(), MachineError> {
+        if !self.threads_ahead.is_empty() {
+            return Ok(());
+        }
+        for v in &self.vcpus {
+            self.threads_ahead.push(VcpuThreadAhead::spawn(v.index())?);
+        }
+        Ok(())
+    }
+
+    /// The restore comes now: the threads made ahead poll for their vCPUs
+    /// rather than sleep (they sleep again if it does not come within a
+    /// few milliseconds).
+    pub fn get_vcpu_threads_ready(&self) {
+        for t in &self.threads_ahead {
+            t.get_ready();
+        }
+    }
+
     /// The guest memory the VM was prepared around.
     pub fn memory_file(&self) -> &GuestMemoryFile {
         &self.memory_file
@@ -223,6 +248,8 @@ struct Setup {
     vcpus: Vec<Vcpu>,
     io_bus: Arc<Bus>,
     mmio_bus: Arc<Bus>,
+    /// When the devices (and their event loop) were ready.
+    devices_done: Instant,
 }
 
 /// The parts of a machine that other threads may use while it runs: a
@@ -423,6 +450,26 @@ impl Drop for Machine {
 }
 
 impl Machine {
+    /// Starts the console's flusher thread now (see
+    /// [`ConsoleBuffer::start_flusher_now`](crate::devices::console_buffer::ConsoleBuffer::start_flusher_now)).
+    pub fn start_console_flusher(&self) {
+        self.core
+            .serial
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .start_output_flusher();
+    }
+
+    /// Console bytes the machine has not written out yet: what a gate that
+    /// holds the console ([`OutputGate::console_may_write`]) keeps back.
+    pub fn console_bytes_pending(&self) -> usize {
+        self.core
+            .serial
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pending_output()
+    }
+
     /// Builds and boots a machine; its vCPUs run at once unless `start_paused`.
     /// Guest events (poweroff, reset, errors) are reported to `events`.
     pub fn build(
@@ -518,6 +565,7 @@ impl Machine {
             vm,
             dirty: None,
             vcpus: Vec::new(),
+            threads_ahead: Vec::new(),
         })
     }
 
@@ -563,6 +611,7 @@ impl Machine {
             vm,
             dirty: None,
             vcpus: Vec::new(),
+            threads_ahead: Vec::new(),
         };
         Self::assemble_in(
             config,
@@ -596,6 +645,7 @@ impl Machine {
             vm,
             dirty: dirty_ahead,
             vcpus: vcpus_ahead,
+            threads_ahead,
         } = prepared;
         // Before any vCPU exists: the dirty ring must be enabled first.
         let dirty = match dirty_ahead {
@@ -614,7 +664,6 @@ impl Machine {
                 saved,
                 taps,
                 start_paused,
-                vcpus_ahead,
             )
         };
         let (setup, t_slots) = if slots_registered {
@@ -641,7 +690,17 @@ impl Machine {
             vcpus: created,
             io_bus,
             mmio_bus,
+            devices_done,
         } = setup?;
+        let t_devices = devices_done.saturating_duration_since(built_at);
+        // A restore's vCPUs, their registers written, each with its thread
+        // made ahead if there is one.
+        let restoring = match saved {
+            Some(state) => Self::restore_vcpus(vm.fd(), state, vcpus_ahead, threads_ahead, &dirty)?,
+            // A boot makes its own vCPUs.
+            None => Vec::new(),
+        };
+        let t_vcpus = built_at.elapsed();
         if let Some(state) = saved {
             // Last, so that the clock resumes as close as possible to the start.
             state.kvm.restore(vm.fd()).map_err(MachineError::VmState)?;
@@ -654,7 +713,14 @@ impl Machine {
             }
         }
         let t_setup = built_at.elapsed();
-        let mut vcpus = Vec::with_capacity(created.len());
+        let mut vcpus = Vec::with_capacity(created.len() + restoring.len());
+        for (vcpu, thread) in restoring {
+            let (io, mmio, events) = (io_bus.clone(), mmio_bus.clone(), events.clone());
+            vcpus.push(match thread {
+                Some(t) => t.start(vcpu, io, mmio, events, start_paused)?,
+                None => vcpu.start(io, mmio, events, start_paused)?,
+            });
+        }
         for mut vcpu in created {
             dirty.attach_vcpu(&mut vcpu)?;
             vcpus.push(vcpu.start(
@@ -668,6 +734,8 @@ impl Machine {
             memory_us = t_memory.as_micros() as u64,
             vm_us = (t_vm - t_memory).as_micros() as u64,
             memslots_done_us = t_slots.as_micros() as u64,
+            devices_done_us = t_devices.as_micros() as u64,
+            vcpus_done_us = t_vcpus.as_micros() as u64,
             setup_done_us = t_setup.as_micros() as u64,
             started_us = built_at.elapsed().as_micros() as u64,
             "machine set-up timing"
@@ -726,16 +794,17 @@ impl Machine {
         saved: Option<&VmState>,
         taps: Vec<std::fs::File>,
         start_paused: bool,
-        vcpus_ahead: Vec<Vcpu>,
     ) -> Result<Setup, MachineError> {
         // Legacy devices.
         let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(MachineError::EventFd)?;
         vm.register_irqfd(&serial_irq, SERIAL_GSI)?;
         let (serial_out, serial_backend) = open_serial(&config.serial)?;
         let serial = match saved {
-            None => SerialDevice::new(serial_irq, serial_out),
-            Some(s) => SerialDevice::from_state(serial_irq, serial_out, &(&s.serial).into())
-                .map_err(MachineError::InvalidState)?,
+            None => SerialDevice::new(serial_irq, serial_out, gate.clone()),
+            Some(s) => {
+                SerialDevice::from_state(serial_irq, serial_out, &(&s.serial).into(), gate.clone())
+                    .map_err(MachineError::InvalidState)?
+            }
         };
         let serial = Arc::new(Mutex::new(serial));
         let mut io_bus = Bus::new();
@@ -781,6 +850,7 @@ impl Machine {
             gate,
             start_paused,
         )?;
+        let devices_done = Instant::now();
 
         let vcpus = match saved {
             None => {
@@ -794,35 +864,8 @@ impl Machine {
                     .collect();
                 Self::boot_fresh(config, vm, guest_memory, cmdline.trim(), &descs)?
             }
-            Some(state) => {
-                let ahead = vcpus_ahead.len();
-                if ahead > 0 && ahead != state.vcpus.len() {
-                    return Err(MachineError::InvalidState(format!(
-                        "the state has {} vCPUs, this VM was prepared with {ahead}",
-                        state.vcpus.len()
-                    )));
-                }
-                let mut ahead: Vec<Option<Vcpu>> = vcpus_ahead.into_iter().map(Some).collect();
-                let mut vcpus = Vec::with_capacity(state.vcpus.len());
-                for vs in &state.vcpus {
-                    let made = ahead.get_mut(usize::from(vs.index)).and_then(Option::take);
-                    let mut vcpu = match made {
-                        Some(v) => v,
-                        None if ahead.is_empty() => Vcpu::new(vm.fd(), vs.index)?,
-                        None => {
-                            return Err(MachineError::InvalidState(format!(
-                                "vCPU index {} is out of range or repeated",
-                                vs.index
-                            )))
-                        }
-                    };
-                    let cpuid_in_place = vcpu.take_cpuid_in_place();
-                    persist::vcpu::restore(vcpu.fd(), vs, cpuid_in_place.as_deref())
-                        .map_err(MachineError::VcpuState)?;
-                    vcpus.push(vcpu);
-                }
-                vcpus
-            }
+            // Restored by restore_vcpus.
+            Some(_) => Vec::new(),
         };
         Ok(Setup {
             serial,
@@ -832,7 +875,54 @@ impl Machine {
             vcpus,
             io_bus: Arc::new(io_bus),
             mmio_bus: Arc::new(mmio_bus),
+            devices_done,
         })
+    }
+
+    /// Writes each vCPU's saved registers of `state` into the vCPU made
+    /// ahead (or a new one), and pairs it with its thread made ahead, if
+    /// there is one.
+    fn restore_vcpus(
+        vm: &kvm_ioctls::VmFd,
+        state: &VmState,
+        vcpus_ahead: Vec<Vcpu>,
+        threads_ahead: Vec<VcpuThreadAhead>,
+        dirty: &Arc<DirtyTracker>,
+    ) -> Result<Vec<(Vcpu, Option<VcpuThreadAhead>)>, MachineError> {
+        let ahead = vcpus_ahead.len();
+        if ahead > 0 && ahead != state.vcpus.len() {
+            return Err(MachineError::InvalidState(format!(
+                "the state has {} vCPUs, this VM was prepared with {ahead}",
+                state.vcpus.len()
+            )));
+        }
+        let mut ahead: Vec<Option<Vcpu>> = vcpus_ahead.into_iter().map(Some).collect();
+        let mut threads: Vec<Option<VcpuThreadAhead>> =
+            threads_ahead.into_iter().map(Some).collect();
+        let mut restoring = Vec::with_capacity(state.vcpus.len());
+        for vs in &state.vcpus {
+            let made = ahead.get_mut(usize::from(vs.index)).and_then(Option::take);
+            let mut vcpu = match made {
+                Some(v) => v,
+                None if ahead.is_empty() => Vcpu::new(vm, vs.index)?,
+                None => {
+                    return Err(MachineError::InvalidState(format!(
+                        "vCPU index {} is out of range or repeated",
+                        vs.index
+                    )))
+                }
+            };
+            let cpuid_in_place = vcpu.take_cpuid_in_place();
+            dirty.attach_vcpu(&mut vcpu)?;
+            let thread = threads
+                .iter_mut()
+                .find(|t| t.as_ref().is_some_and(|t| t.index() == vs.index))
+                .and_then(Option::take);
+            persist::vcpu::restore(vcpu.fd(), vs, cpuid_in_place.as_deref())
+                .map_err(MachineError::VcpuState)?;
+            restoring.push((vcpu, thread));
+        }
+        Ok(restoring)
     }
 
     /// Loads the kernel and creates the vCPUs in their boot state.

@@ -66,6 +66,14 @@ pub trait OutputGate: Send + Sync + fmt::Debug {
     /// A periodic checkpoint; the outputs in `batch` (everything pending when
     /// it began) are performed once it returns.
     fn checkpoint(&self, _batch: &[OutputEvent]) {}
+
+    /// Whether the serial console may write what the guest printed, now
+    /// (the default: always). Asked from a vCPU thread at each console
+    /// write, so it must not block; held bytes wait in the console's buffer
+    /// (see [`crate::devices::console_buffer`]).
+    fn console_may_write(&self) -> bool {
+        true
+    }
 }
 
 /// The gate without fault tolerance: every output passes at once.
@@ -75,5 +83,140 @@ pub struct PassThroughGate;
 impl OutputGate for PassThroughGate {
     fn before_output(&self, _batch: &[OutputEvent]) -> Release {
         Release::Now
+    }
+}
+
+/// Holds every output until the run it belongs to is confirmed: a live
+/// migration's destination runs the guest before the source's `Commit`
+/// arrives, and nothing of that run may leave the VM unless the commit comes
+/// (the source resumes the guest otherwise, and the outside world must not
+/// have seen this copy). [`commit`](Self::commit) lets outputs go from then
+/// on; after [`discard`](Self::discard) none ever goes (the VM is being torn
+/// down). The device event loop waits inside
+/// [`before_output`](OutputGate::before_output) while the decision is
+/// pending, and the console keeps what the guest prints; the guest's vCPUs
+/// run on.
+#[derive(Debug, Default)]
+pub struct CommitGate {
+    decision: std::sync::atomic::AtomicU8,
+    /// Output requests that waited for the decision.
+    held_requests: std::sync::atomic::AtomicU64,
+    waiting: std::sync::Mutex<()>,
+    decided: std::sync::Condvar,
+}
+
+const PENDING: u8 = 0;
+const COMMITTED: u8 = 1;
+const DISCARDED: u8 = 2;
+
+impl CommitGate {
+    /// Outputs held so far, and all later ones, may go.
+    pub fn commit(&self) {
+        self.decide(COMMITTED);
+    }
+
+    /// No output held so far, or later, ever goes.
+    pub fn discard(&self) {
+        self.decide(DISCARDED);
+    }
+
+    /// Output requests (disk requests, frames to send) that had to wait for
+    /// the decision.
+    pub fn held_requests(&self) -> u64 {
+        self.held_requests
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether [`commit`](Self::commit) was called.
+    pub fn is_committed(&self) -> bool {
+        self.decision.load(std::sync::atomic::Ordering::Acquire) == COMMITTED
+    }
+
+    fn decide(&self, decision: u8) {
+        // Under the lock, so a waiter cannot miss the notification between
+        // its check and its wait.
+        let _guard = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = self.decision.compare_exchange(
+            PENDING,
+            decision,
+            std::sync::atomic::Ordering::AcqRel,
+            std::sync::atomic::Ordering::Acquire,
+        );
+        self.decided.notify_all();
+    }
+}
+
+impl OutputGate for CommitGate {
+    fn console_may_write(&self) -> bool {
+        self.is_committed()
+    }
+
+    fn before_output(&self, batch: &[OutputEvent]) -> Release {
+        use std::sync::atomic::Ordering;
+        if self.decision.load(Ordering::Acquire) == PENDING {
+            let n: u64 = batch.iter().map(|e| u64::from(e.requests)).sum();
+            self.held_requests.fetch_add(n, Ordering::Relaxed);
+        }
+        let mut guard = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            match self.decision.load(Ordering::Acquire) {
+                COMMITTED => return Release::Now,
+                // Held for good: with no checkpoint interval, no checkpoint
+                // ever releases the batch.
+                DISCARDED => return Release::AtCheckpoint,
+                _ => {
+                    guard = self.decided.wait(guard).unwrap_or_else(|p| p.into_inner());
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    const BATCH: [OutputEvent; 1] = [OutputEvent {
+        device: 0,
+        kind: OutputKind::BlockRequests,
+        requests: 1,
+    }];
+
+    #[test]
+    fn commit_gate_holds_until_committed() {
+        let gate = Arc::new(CommitGate::default());
+        let waiter = {
+            let gate = gate.clone();
+            std::thread::spawn(move || gate.before_output(&BATCH))
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!waiter.is_finished(), "an output went before the commit");
+        assert!(!gate.console_may_write());
+        gate.commit();
+        assert!(gate.console_may_write());
+        assert_eq!(waiter.join().unwrap(), Release::Now);
+        assert!(gate.is_committed());
+        // Later outputs go at once.
+        assert_eq!(gate.before_output(&BATCH), Release::Now);
+    }
+
+    #[test]
+    fn a_discarded_gate_never_releases() {
+        let gate = Arc::new(CommitGate::default());
+        let waiter = {
+            let gate = gate.clone();
+            std::thread::spawn(move || gate.before_output(&BATCH))
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        gate.discard();
+        assert_eq!(waiter.join().unwrap(), Release::AtCheckpoint);
+        // A commit after the discard changes nothing.
+        gate.commit();
+        assert!(!gate.is_committed());
+        assert!(!gate.console_may_write());
+        assert_eq!(gate.before_output(&BATCH), Release::AtCheckpoint);
+        assert_eq!(gate.checkpoint_interval(), None);
     }
 }

@@ -107,6 +107,18 @@ impl Results {
     fn downtime(&self, c: Cell) -> Option<Duration> {
         median_by(self.samples.get(&c)?, |s| s.downtime)
     }
+    /// The median downtime of the runs whose pause fell inside a console
+    /// line (`mid_line`) or between lines, and how many runs that was.
+    fn downtime_where(&self, c: Cell, mid_line: bool) -> Option<(Duration, usize)> {
+        let runs: Vec<Sample> = self
+            .samples
+            .get(&c)?
+            .iter()
+            .filter(|s| s.mid_line == mid_line)
+            .cloned()
+            .collect();
+        Some((median_by(&runs, |s| s.downtime)?, runs.len()))
+    }
     fn total(&self, c: Cell) -> Option<Duration> {
         median_by(self.samples.get(&c)?, |s| s.total)
     }
@@ -229,14 +241,15 @@ pub fn run(opts: &Options) -> Result<(), AvailabilityError> {
             match attempt {
                 Ok(s) => {
                     eprintln!(
-                        "  run {} {:<34} {:>5} dirty={:<6} downtime {:>8.2} ms (resolution {:.2})  total {:>8.1} ms",
+                        "  run {} {:<34} {:>5} dirty={:<6} downtime {:>8.2} ms (resolution {:.2})  total {:>8.1} ms{}",
                         run + 1,
                         cell.op.label(),
                         mem,
                         cell.rate,
                         ms(s.downtime),
                         ms(s.resolution),
-                        ms(s.total)
+                        ms(s.total),
+                        if s.mid_line { "  (mid-line)" } else { "" }
                     );
                     if opts.env.verbose {
                         let steps: Vec<String> = s
@@ -361,6 +374,24 @@ fn print_tables(
             if any {
                 println!("{row}");
             }
+        }
+    }
+    println!();
+    println!("downtime by where the pause fell, ms (median, runs): between two console lines | inside a line (the guest then resumes inside its emulated console code)");
+    for &op in &opts.ops {
+        let op_rates: &[u64] = if op.takes_dirty_rates() { rates } else { &[0] };
+        for &rate in op_rates {
+            let mut row = format!("{:<40} {:>7}", label(op, local_mode), rate);
+            for mem in 0..opts.memory.len() {
+                let c = Cell { op, rate, mem };
+                let part = |mid| match r.downtime_where(c, mid) {
+                    Some((d, n)) => format!("{:.2} ({n})", ms(d)),
+                    None => "-".into(),
+                };
+                let text = format!("{} | {}", part(false), part(true));
+                row.push_str(&format!(" {text:>25}"));
+            }
+            println!("{row}");
         }
     }
     let mut bytes_rows = Vec::new();

@@ -24,7 +24,7 @@ use vmm::config::MachineConfig;
 use vmm::layout;
 use vmm::machine::{Machine, MachineError, PreparedVm, RunState};
 use vmm::memory::{GuestMemoryFile, GuestMemoryMmap, MemoryBacking};
-use vmm::output::PassThroughGate;
+use vmm::output::CommitGate;
 use vmm::persist::format;
 use vmm::vstate::VmEventSink;
 
@@ -869,6 +869,7 @@ fn receive_vm(
             let t = Instant::now();
             let prepared = Machine::prepare(for_vm).and_then(|mut p| {
                 p.create_vcpus(vcpus)?;
+                p.start_vcpu_threads_ahead()?;
                 Ok(p)
             });
             tracing::debug!(
@@ -879,14 +880,21 @@ fn receive_vm(
         })
         .map_err(|e| MigrationError::Protocol(format!("cannot start a thread: {e}")))?;
     let mut preparing = Some(preparing);
-    let mut prepared = None;
+    let mut prepared: Option<PreparedVm> = None;
     ch.send_control(&Control::Ready)?;
     let state = loop {
         match ch.recv(&mut buf)? {
             Kind::Pages => {
                 write_frame(memory.file(), memory_size, &buf)?;
             }
-            Kind::State => break std::mem::take(&mut buf),
+            Kind::State => {
+                // The source is paused: the vCPU threads made ahead poll for
+                // their start from now on (their wake-up overlaps the restore).
+                if let Some(p) = &prepared {
+                    p.get_vcpu_threads_ready();
+                }
+                break std::mem::take(&mut buf);
+            }
             Kind::Control => {
                 match serde_json::from_slice(&buf)
                     .map_err(|e| WireError::Malformed(e.to_string()))?
@@ -935,28 +943,51 @@ fn receive_vm(
     state.config.disks = config.disks.clone();
     state.config.memory_backing = MemoryBacking::Memfd;
     state.memory.backing = MemoryBacking::Memfd;
-    let mut machine = Machine::restore_prepared(
-        &state,
-        prepared,
-        events,
-        true,
-        Arc::new(PassThroughGate),
-        Vec::new(),
-    )?;
-    ch.send_control(&Control::Restored {
-        restore_ms: started.elapsed().as_millis() as u64,
-    })?;
+    // The guest runs here as soon as it is restored, before the source's
+    // `Commit` arrives: the commit's round trip is not in its pause. Its
+    // outputs (disk requests, packets sent, console bytes) wait at this gate
+    // until the commit; if the commit does not come the VM is discarded
+    // with nothing of its run seen outside, and the source resumes its own
+    // copy (this memory is this process's alone, unlike a zero-copy
+    // hand-over's, which cannot run ahead like this).
+    let gate = Arc::new(CommitGate::default());
+    let mut machine =
+        Machine::restore_prepared(&state, prepared, events, false, gate.clone(), Vec::new())?;
     let t_restored = started.elapsed();
-    match ch.recv_control(&mut buf)? {
-        Control::Commit => {}
+    // From this thread, while the guest runs on its own: not from the vCPU
+    // thread at its first partial line.
+    machine.start_console_flusher();
+    // Fault injection for tests: hold with the guest running here, its
+    // outputs held, before the source hears `Restored`.
+    if let Some(ms) = std::env::var("KEMARI_FAULT_HOLD_BEFORE_COMMIT_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
+    let commit = ch
+        .send_control(&Control::Restored {
+            restore_ms: t_restored.as_millis() as u64,
+        })
+        .and_then(|()| ch.recv_control(&mut buf));
+    match commit {
+        Ok(Control::Commit) => gate.commit(),
         other => {
-            return Err(MigrationError::Protocol(format!(
-                "expected Commit, got {other:?}"
-            )))
+            gate.discard();
+            // Stop the guest at once; the machine is torn down on return.
+            let _ = machine.pause();
+            tracing::warn!(
+                held_requests = gate.held_requests(),
+                held_console_bytes = machine.console_bytes_pending(),
+                "live migration: no commit; the run of the guest here is discarded, nothing it output left the VM"
+            );
+            return Err(match other {
+                Ok(m) => MigrationError::Protocol(format!("expected Commit, got {m:?}")),
+                Err(e) => MigrationError::Wire(e),
+            });
         }
     }
     let t_committed = started.elapsed();
-    machine.resume()?;
     // The source exits on this; the VM is ours whether it hears it or not.
     if let Err(e) = ch.send_control(&Control::Running) {
         tracing::warn!(error = %e, "live migration: cannot tell the source the VM runs");

@@ -13,6 +13,7 @@ use vmm_sys_util::eventfd::EventFd;
 
 use super::bus::BusDevice;
 use super::console_buffer::ConsoleBuffer;
+use crate::output::OutputGate;
 use crate::vstate::{VmEvent, VmEventSink};
 
 /// COM1 base port.
@@ -149,10 +150,11 @@ pub struct SerialDevice {
 }
 
 impl SerialDevice {
-    /// A UART raising `irq` and writing to `out`.
-    pub fn new(irq: EventFd, out: SerialOutput) -> Self {
+    /// A UART raising `irq` and writing to `out` when `gate` lets the
+    /// console write.
+    pub fn new(irq: EventFd, out: SerialOutput, gate: Arc<dyn OutputGate>) -> Self {
         SerialDevice {
-            serial: Serial::new(IrqTrigger(irq), ConsoleBuffer::new(out)),
+            serial: Serial::new(IrqTrigger(irq), ConsoleBuffer::new(out, gate)),
             bytes_out: 0,
         }
     }
@@ -162,9 +164,15 @@ impl SerialDevice {
         irq: EventFd,
         out: SerialOutput,
         state: &vm_superio::serial::SerialState,
+        gate: Arc<dyn OutputGate>,
     ) -> Result<Self, String> {
-        let serial = Serial::from_state(state, IrqTrigger(irq), NoEvents, ConsoleBuffer::new(out))
-            .map_err(|e| format!("serial state: {e:?}"))?;
+        let serial = Serial::from_state(
+            state,
+            IrqTrigger(irq),
+            NoEvents,
+            ConsoleBuffer::new(out, gate),
+        )
+        .map_err(|e| format!("serial state: {e:?}"))?;
         Ok(SerialDevice {
             serial,
             bytes_out: 0,
@@ -176,6 +184,16 @@ impl SerialDevice {
     /// the guest printed stays behind in a VMM that is about to end.
     pub fn flush_output(&mut self) {
         self.serial.writer_mut().flush_pending();
+    }
+
+    /// Starts the console's flusher thread if it has not started.
+    pub fn start_output_flusher(&mut self) {
+        self.serial.writer_mut().start_flusher_now();
+    }
+
+    /// Console bytes still buffered (not yet written out, or held).
+    pub fn pending_output(&mut self) -> usize {
+        self.serial.writer_mut().pending_len()
     }
 
     /// Bytes the guest has written.
@@ -308,6 +326,7 @@ mod tests {
         let mut dev = SerialDevice::new(
             EventFd::new(libc::EFD_NONBLOCK).unwrap(),
             SerialOutput::Socket(sock),
+            Arc::new(crate::output::PassThroughGate),
         );
         dev.write(0, b"h");
         dev.write(0, b"i\n"); // a string instruction

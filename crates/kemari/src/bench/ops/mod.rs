@@ -142,6 +142,9 @@ pub struct Sample {
     pub total: Duration,
     /// Dirty pages/s the guest reported last before the operation.
     pub dirty_seen: Option<u64>,
+    /// The pause fell while the guest printed a line (see
+    /// `console::Outage::mid_line`).
+    pub mid_line: bool,
     /// The VMM's own downtime figure, when it reports one (ms).
     pub reported_downtime_ms: Option<f64>,
     /// Bytes a migration sent, as the VMM reports them (kemari: `bytes_sent`,

@@ -294,6 +294,7 @@ pub fn run_qemu(
     Ok(Sample {
         downtime: o.downtime,
         resolution: o.resolution,
+        mid_line: o.mid_line,
         total: t_first.max(t_done) - t0,
         dirty_seen,
         reported_downtime_ms: st.downtime_ms.map(|d| d as f64),
