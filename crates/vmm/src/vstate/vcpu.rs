@@ -53,6 +53,14 @@ pub enum VcpuError {
     /// The vCPU thread is gone.
     #[error("vCPU {0} thread is not running")]
     Gone(u8),
+    /// A vCPU was handed to a thread made for another one.
+    #[error("vCPU {vcpu} given to the thread made for vCPU {thread}")]
+    WrongThread {
+        /// The vCPU's index.
+        vcpu: u8,
+        /// The index the thread was made for.
+        thread: u8,
+    },
 }
 
 /// Exit counters of one vCPU (metrics).
@@ -496,7 +504,10 @@ impl VcpuThreadAhead {
         start_paused: bool,
     ) -> Result<VcpuHandle, VcpuError> {
         if vcpu.index != self.index {
-            return Err(VcpuError::Gone(vcpu.index));
+            return Err(VcpuError::WrongThread {
+                vcpu: vcpu.index,
+                thread: self.index,
+            });
         }
         let (control, wiring) = VcpuControl::new(self.index);
         let runner = vcpu.runner(wiring, io_bus, mmio_bus, events);
