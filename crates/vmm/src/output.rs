@@ -184,13 +184,16 @@ mod tests {
         requests: 1,
     }];
 
+    /// The device event loop's side: one batch through `gate`, on a thread.
+    fn output_in_a_thread(gate: &Arc<CommitGate>) -> std::thread::JoinHandle<Release> {
+        let gate = gate.clone();
+        std::thread::spawn(move || gate.before_output(&BATCH))
+    }
+
     #[test]
     fn commit_gate_holds_until_committed() {
         let gate = Arc::new(CommitGate::default());
-        let waiter = {
-            let gate = gate.clone();
-            std::thread::spawn(move || gate.before_output(&BATCH))
-        };
+        let waiter = output_in_a_thread(&gate);
         std::thread::sleep(Duration::from_millis(50));
         assert!(!waiter.is_finished(), "an output went before the commit");
         assert!(!gate.console_may_write());
@@ -198,17 +201,16 @@ mod tests {
         assert!(gate.console_may_write());
         assert_eq!(waiter.join().unwrap(), Release::Now);
         assert!(gate.is_committed());
-        // Later outputs go at once.
+        assert_eq!(gate.held_requests(), 1);
+        // Later outputs go at once, and are not counted as held.
         assert_eq!(gate.before_output(&BATCH), Release::Now);
+        assert_eq!(gate.held_requests(), 1);
     }
 
     #[test]
     fn a_discarded_gate_never_releases() {
         let gate = Arc::new(CommitGate::default());
-        let waiter = {
-            let gate = gate.clone();
-            std::thread::spawn(move || gate.before_output(&BATCH))
-        };
+        let waiter = output_in_a_thread(&gate);
         std::thread::sleep(Duration::from_millis(20));
         gate.discard();
         assert_eq!(waiter.join().unwrap(), Release::AtCheckpoint);

@@ -323,6 +323,37 @@ fn label(op: Op, local_mode: QemuLocalMode) -> String {
     }
 }
 
+/// One row per operation and dirty rate, a column per memory size: `cell`
+/// gives a cell's text ("-" where it gives none). Rows without any text are
+/// left out unless `keep_empty`.
+fn table_rows(
+    opts: &Options,
+    rates: &[u64],
+    local_mode: QemuLocalMode,
+    width: usize,
+    keep_empty: bool,
+    cell: &dyn Fn(Cell) -> Option<String>,
+) -> Vec<String> {
+    let mut rows = Vec::new();
+    for &op in &opts.ops {
+        let op_rates: &[u64] = if op.takes_dirty_rates() { rates } else { &[0] };
+        for &rate in op_rates {
+            let mut row = format!("{:<40} {:>7}", label(op, local_mode), rate);
+            let mut any = false;
+            for mem in 0..opts.memory.len() {
+                let text = cell(Cell { op, rate, mem });
+                any |= text.is_some();
+                let text = text.unwrap_or_else(|| "-".into());
+                row.push_str(&format!(" {text:>width$}"));
+            }
+            if any || keep_empty {
+                rows.push(row);
+            }
+        }
+    }
+    rows
+}
+
 fn print_tables(
     opts: &Options,
     rates: &[u64],
@@ -337,84 +368,37 @@ fn print_tables(
         head.push_str(&format!(" {:>19}", m));
     }
     println!("{head}");
-    for &op in &opts.ops {
-        let op_rates: &[u64] = if op.takes_dirty_rates() { rates } else { &[0] };
-        for &rate in op_rates {
-            let mut row = format!("{:<40} {:>7}", label(op, local_mode), rate);
-            for mem in 0..opts.memory.len() {
-                let c = Cell { op, rate, mem };
-                let text = match (r.downtime(c), r.total(c)) {
-                    (Some(d), Some(t)) => format!("{:.2} / {:.1}", ms(d), ms(t)),
-                    _ if r.failures.contains_key(&c) => "failed".into(),
-                    _ => "-".into(),
-                };
-                row.push_str(&format!(" {text:>19}"));
-            }
-            println!("{row}");
-        }
+    let rows = |width, keep_empty, cell: &dyn Fn(Cell) -> Option<String>| {
+        table_rows(opts, rates, local_mode, width, keep_empty, cell)
+    };
+    let downtime_rows = rows(19, true, &|c| match (r.downtime(c), r.total(c)) {
+        (Some(d), Some(t)) => Some(format!("{:.2} / {:.1}", ms(d), ms(t))),
+        _ if r.failures.contains_key(&c) => Some("failed".into()),
+        _ => None,
+    });
+    for row in downtime_rows {
+        println!("{row}");
     }
     println!();
     println!("the VMM's own figures, ms (median): kemari snapshot/warm = paused until state saved; kemari zero-copy and warm with a prepared successor = paused until the new VMM restored; QEMU = query-migrate downtime");
-    for &op in &opts.ops {
-        let op_rates: &[u64] = if op.takes_dirty_rates() { rates } else { &[0] };
-        for &rate in op_rates {
-            let mut row = format!("{:<40} {:>7}", label(op, local_mode), rate);
-            let mut any = false;
-            for mem in 0..opts.memory.len() {
-                let c = Cell { op, rate, mem };
-                let text = match r.reported(c) {
-                    Some(v) => {
-                        any = true;
-                        format!("{v:.1}")
-                    }
-                    None => "-".into(),
-                };
-                row.push_str(&format!(" {text:>19}"));
-            }
-            if any {
-                println!("{row}");
-            }
-        }
+    for row in rows(19, false, &|c| r.reported(c).map(|v| format!("{v:.1}"))) {
+        println!("{row}");
     }
     println!();
     println!("downtime by where the pause fell, ms (median, runs): between two console lines | inside a line (the guest then resumes inside its emulated console code)");
-    for &op in &opts.ops {
-        let op_rates: &[u64] = if op.takes_dirty_rates() { rates } else { &[0] };
-        for &rate in op_rates {
-            let mut row = format!("{:<40} {:>7}", label(op, local_mode), rate);
-            for mem in 0..opts.memory.len() {
-                let c = Cell { op, rate, mem };
-                let part = |mid| match r.downtime_where(c, mid) {
-                    Some((d, n)) => format!("{:.2} ({n})", ms(d)),
-                    None => "-".into(),
-                };
-                let text = format!("{} | {}", part(false), part(true));
-                row.push_str(&format!(" {text:>25}"));
-            }
-            println!("{row}");
-        }
+    let by_mode = |c: Cell| {
+        let part = |mid| match r.downtime_where(c, mid) {
+            Some((d, n)) => format!("{:.2} ({n})", ms(d)),
+            None => "-".into(),
+        };
+        Some(format!("{} | {}", part(false), part(true)))
+    };
+    for row in rows(25, true, &by_mode) {
+        println!("{row}");
     }
-    let mut bytes_rows = Vec::new();
-    for &op in &opts.ops {
-        let op_rates: &[u64] = if op.takes_dirty_rates() { rates } else { &[0] };
-        for &rate in op_rates {
-            let mut row = format!("{:<40} {:>7}", label(op, local_mode), rate);
-            let mut any = false;
-            for mem in 0..opts.memory.len() {
-                let text = match r.bytes(Cell { op, rate, mem }) {
-                    Some(b) => {
-                        any = true;
-                        format!("{:.1}", b as f64 / 1e6)
-                    }
-                    None => "-".into(),
-                };
-                row.push_str(&format!(" {text:>19}"));
-            }
-            if any {
-                bytes_rows.push(row);
-            }
-        }
-    }
+    let bytes_rows = rows(19, false, &|c| {
+        r.bytes(c).map(|b| format!("{:.1}", b as f64 / 1e6))
+    });
     if !bytes_rows.is_empty() {
         println!();
         println!("bytes sent, MB (median): kemari = bytes_sent of its report (pages, markers, state); QEMU = query-migrate ram.transferred");
