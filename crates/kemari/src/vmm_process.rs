@@ -541,6 +541,8 @@ fn warm_restart(
             Err(e) => (ApiResponse::error(409, e), After::Continue),
         };
     }
+    // While the successor gets ready: not in the pause.
+    machine.prepare_to_save();
     // A successor must accept this VM before it pauses.
     let successor = match warm::connect(dir, machine.config(), machine.memory_file().size()) {
         Ok(s) => s,

@@ -12,7 +12,7 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::boot::{self, BootError};
 use crate::config::{ConfigError, MachineConfig, SerialConfig};
 use crate::devices::bus::{Bus, BusError};
-use crate::devices::event_loop::{DeviceEventLoop, EventLoopError};
+use crate::devices::event_loop::{DeviceEventLoop, EventLoopAhead, EventLoopError};
 use crate::devices::legacy::{
     ExitPort, SerialDevice, SerialOutput, SerialSocket, EXIT_PORT, I8042, I8042_PORT, SERIAL_GSI,
     SERIAL_PORT,
@@ -165,20 +165,26 @@ pub struct PreparedVm {
     dirty: Option<Arc<DirtyTracker>>,
     vcpus: Vec<Vcpu>,
     /// Threads for the vCPUs, made by
-    /// [`start_vcpu_threads_ahead`](Self::start_vcpu_threads_ahead).
+    /// [`start_threads_ahead`](Self::start_threads_ahead).
     threads_ahead: Vec<VcpuThreadAhead>,
+    /// The device event loop's thread, made there too.
+    event_loop_ahead: Option<EventLoopAhead>,
 }
 
 impl PreparedVm {
     /// Starts a thread for each vCPU made by
-    /// [`create_vcpus`](Self::create_vcpus), to run it once restored: see
-    /// [`VcpuThreadAhead`]. Does nothing if they exist.
-    pub fn start_vcpu_threads_ahead(&mut self) -> Result<(), MachineError> {
-        if !self.threads_ahead.is_empty() {
-            return Ok(());
+    /// [`create_vcpus`](Self::create_vcpus), to run it once restored (see
+    /// [`VcpuThreadAhead`]), and the device event loop's thread (see
+    /// [`EventLoopAhead`]): no thread is spawned inside the guest's pause.
+    /// Does nothing if they exist.
+    pub fn start_threads_ahead(&mut self) -> Result<(), MachineError> {
+        if self.threads_ahead.is_empty() {
+            for v in &self.vcpus {
+                self.threads_ahead.push(VcpuThreadAhead::spawn(v.index())?);
+            }
         }
-        for v in &self.vcpus {
-            self.threads_ahead.push(VcpuThreadAhead::spawn(v.index())?);
+        if self.event_loop_ahead.is_none() {
+            self.event_loop_ahead = Some(EventLoopAhead::spawn()?);
         }
         Ok(())
     }
@@ -232,6 +238,10 @@ impl PreparedVm {
             });
         if let Err(e) = preset {
             tracing::debug!(error = %e, "cannot give the vCPUs their CPUID ahead");
+        }
+        // What else they hold: the restore writes only what differs.
+        for v in &mut self.vcpus {
+            v.read_in_place();
         }
         // The state's decode, the restore's first, is cold otherwise.
         persist::format::warm_up();
@@ -350,6 +360,26 @@ impl MachineCore {
             .into_iter()
             .map(|r| r.map_err(MachineError::VcpuState))
             .collect()
+    }
+
+    /// Reads what the first save would otherwise read inside its pause:
+    /// KVM's MSR list, and each vCPU's CPUID and TSC rate (a stop of each
+    /// vCPU for two ioctls, tens of µs, while the guest runs). A
+    /// migration's or a warm restart's only save is its process's first.
+    pub fn prepare_saves(&self) -> Result<(), MachineError> {
+        self.msr_indices()?;
+        for v in self.vcpus.handles() {
+            let index = v.index();
+            let Some(cell) = self.vcpu_constants.get(usize::from(index)) else {
+                continue;
+            };
+            if cell.get().is_some() {
+                continue;
+            }
+            let read = v.with_fd(move |fd| persist::vcpu::read_constants(fd, index))?;
+            let _ = cell.set(read.map_err(MachineError::VcpuState)?);
+        }
+        Ok(())
     }
 
     /// The whole VM state. The vCPUs must be paused and the devices at rest
@@ -566,6 +596,7 @@ impl Machine {
             dirty: None,
             vcpus: Vec::new(),
             threads_ahead: Vec::new(),
+            event_loop_ahead: None,
         })
     }
 
@@ -612,6 +643,7 @@ impl Machine {
             dirty: None,
             vcpus: Vec::new(),
             threads_ahead: Vec::new(),
+            event_loop_ahead: None,
         };
         Self::assemble_in(
             config,
@@ -646,6 +678,7 @@ impl Machine {
             dirty: dirty_ahead,
             vcpus: vcpus_ahead,
             threads_ahead,
+            event_loop_ahead,
         } = prepared;
         // Before any vCPU exists: the dirty ring must be enabled first.
         let dirty = match dirty_ahead {
@@ -664,6 +697,7 @@ impl Machine {
                 saved,
                 taps,
                 start_paused,
+                event_loop_ahead,
             )
         };
         let (setup, t_slots) = if slots_registered {
@@ -794,6 +828,7 @@ impl Machine {
         saved: Option<&VmState>,
         taps: Vec<std::fs::File>,
         start_paused: bool,
+        event_loop_ahead: Option<EventLoopAhead>,
     ) -> Result<Setup, MachineError> {
         // Legacy devices.
         let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(MachineError::EventFd)?;
@@ -842,7 +877,12 @@ impl Machine {
                 d.info.address, d.info.gsi
             ));
         }
-        let event_loop = DeviceEventLoop::start(
+        let event_loop_ahead = match event_loop_ahead {
+            Some(a) => a,
+            None => EventLoopAhead::spawn()?,
+        };
+        let event_loop = DeviceEventLoop::start_on(
+            event_loop_ahead,
             virtio
                 .iter()
                 .map(|d| d.loop_device())
@@ -912,13 +952,13 @@ impl Machine {
                     )))
                 }
             };
-            let cpuid_in_place = vcpu.take_cpuid_in_place();
+            let in_place = vcpu.take_in_place();
             dirty.attach_vcpu(&mut vcpu)?;
             let thread = threads
                 .iter_mut()
                 .find(|t| t.as_ref().is_some_and(|t| t.index() == vs.index))
                 .and_then(Option::take);
-            persist::vcpu::restore(vcpu.fd(), vs, cpuid_in_place.as_deref())
+            persist::vcpu::restore(vcpu.fd(), vs, in_place.as_ref())
                 .map_err(MachineError::VcpuState)?;
             restoring.push((vcpu, thread));
         }
@@ -996,6 +1036,19 @@ impl Machine {
             return Err(MachineError::State(self.state));
         }
         self.core.save_state()
+    }
+
+    /// Makes the coming [`pause_and_save`](Self::pause_and_save) cheaper:
+    /// reads ahead what its first save would read in the pause
+    /// ([`MachineCore::prepare_saves`]) and warms up the state's encoder
+    /// (see [`persist::format::warm_up`]). Best effort: what fails here is
+    /// read in the pause as before. Call it well before the pause: it stops
+    /// each vCPU briefly.
+    pub fn prepare_to_save(&self) {
+        if let Err(e) = self.core.prepare_saves() {
+            tracing::debug!(error = %e, "cannot read the vCPUs' constants ahead of the save");
+        }
+        persist::format::warm_up();
     }
 
     /// Pauses the machine (if it runs) and saves its whole state, with one

@@ -1,6 +1,7 @@
-//! CPUID given ahead against real KVM: a restore into a vCPU whose CPUID was
+//! A vCPU made ahead against real KVM: a restore into a vCPU whose CPUID was
 //! preset skips KVM_SET_CPUID2 only when the saved CPUID is the one in
-//! place, and sets the saved one otherwise.
+//! place, and sets the saved one otherwise; the same holds for the other
+//! parts read back ahead (run state, XCRs, debug registers).
 
 mod common;
 
@@ -54,8 +55,11 @@ fn a_preset_cpuid_is_kept_only_when_it_is_the_saved_one() {
     // The same CPUID: kept (and, read back, still the saved one).
     let other = Vm::new().unwrap();
     let mut same = preset_vcpu(&other, 0);
-    let in_place = same.take_cpuid_in_place().expect("preset");
-    assert_eq!(cpuid::difference(&state.cpuid, &in_place), None);
+    let in_place = same.take_in_place().expect("preset");
+    assert_eq!(
+        cpuid::difference(&state.cpuid, in_place.cpuid.as_deref().unwrap()),
+        None
+    );
     persist::vcpu::restore(same.fd(), &state, Some(&in_place)).unwrap();
     assert_eq!(cpuid::difference(&state.cpuid, &cpuid_of(&mut same)), None);
 
@@ -69,10 +73,51 @@ fn a_preset_cpuid_is_kept_only_when_it_is_the_saved_one() {
     }
     let third = Vm::new().unwrap();
     let mut differs = preset_vcpu(&third, 0);
-    let in_place = differs.take_cpuid_in_place().expect("preset");
-    assert!(cpuid::difference(&changed.cpuid, &in_place).is_some());
+    let in_place = differs.take_in_place().expect("preset");
+    assert!(cpuid::difference(&changed.cpuid, in_place.cpuid.as_deref().unwrap()).is_some());
     persist::vcpu::restore(differs.fd(), changed, Some(&in_place)).unwrap();
     let now = cpuid_of(&mut differs);
     assert_eq!(timing_eax(&now), 1_234_567);
     assert_eq!(cpuid::difference(&changed.cpuid, &now), None);
+}
+
+#[test]
+fn a_restore_writes_what_differs_from_the_vcpu_made_ahead_and_skips_nothing_else() {
+    if !have_kvm() {
+        return;
+    }
+    let vm = Vm::new().unwrap();
+    let mut source = preset_vcpu(&vm, 0);
+    let indices = vm.kvm().get_msr_index_list().unwrap().as_slice().to_vec();
+    let mut state = persist::vcpu::save(source.fd(), 0, &indices).unwrap();
+    // A fresh vCPU's breakpoint registers are 0: this one differs, and the
+    // restore must write it although the rest of the debug registers match.
+    state.debugregs.db[0] = 0x1000;
+
+    let other = Vm::new().unwrap();
+    let mut ahead = preset_vcpu(&other, 0);
+    ahead.read_in_place();
+    let in_place = ahead.take_in_place().expect("read ahead");
+    assert_eq!(in_place.debugregs.map(|d| d.db[0]), Some(0));
+    let mp = in_place.mp_state.expect("run state read ahead");
+    assert_eq!(mp.mp_state, state.mp_state.mp_state);
+    persist::vcpu::restore(ahead.fd(), &state, Some(&in_place)).unwrap();
+
+    let debugregs = ahead.fd().get_debug_regs().unwrap();
+    assert_eq!(debugregs.db[0], 0x1000);
+    assert_eq!(debugregs.dr7, state.debugregs.dr7);
+    let xcrs = ahead.fd().get_xcrs().unwrap();
+    assert_eq!(xcrs.nr_xcrs, state.xcrs.nr_xcrs);
+    for (now, saved) in xcrs
+        .xcrs
+        .iter()
+        .zip(&state.xcrs.xcrs)
+        .take(xcrs.nr_xcrs as usize)
+    {
+        assert_eq!((now.xcr, now.value), (saved.xcr, saved.value));
+    }
+    assert_eq!(
+        ahead.fd().get_mp_state().unwrap().mp_state,
+        state.mp_state.mp_state
+    );
 }

@@ -228,6 +228,8 @@ fn migrate_out_inner(
 ) -> Result<LocalMigrationReport, LocalMigrationError> {
     let stream = UnixStream::connect(socket)?;
     stream.set_read_timeout(Some(STEP_TIMEOUT))?;
+    // While the destination gets ready: not in the pause.
+    machine.prepare_to_save();
     let taps = machine.tap_fds();
     let mut fds = vec![std::os::fd::AsRawFd::as_raw_fd(
         machine.memory_file().file(),

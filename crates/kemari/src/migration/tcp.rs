@@ -403,6 +403,26 @@ impl<'a> PageSender<'a> {
         self.pages += n;
         Ok(())
     }
+
+    /// [`flush`](Self::flush)es the pages queued and sends the frame
+    /// `(kind, payload)` after them, with one write.
+    fn flush_with(
+        &mut self,
+        ch: &mut Channel<TcpStream>,
+        round: u32,
+        kind: Kind,
+        payload: &[u8],
+    ) -> Result<(), MigrationError> {
+        let n = self.frame.count() as u64;
+        if n == 0 {
+            ch.send(kind, payload)?;
+            return Ok(());
+        }
+        ch.send_frames(&[(Kind::Pages, self.frame.payload(round)), (kind, payload)])?;
+        self.frame.clear();
+        self.pages += n;
+        Ok(())
+    }
 }
 
 /// When to pause the guest, decided after each harvest.
@@ -525,6 +545,8 @@ fn migrate_out_inner(
 
     // Track from before round 1, so nothing written during it is missed.
     let t = Instant::now();
+    // Not in the pause, which is a long way off yet.
+    machine.prepare_to_save();
     machine.start_dirty_log()?;
     tracing::debug!(
         ms = t.elapsed().as_secs_f64() * 1000.0,
@@ -662,14 +684,15 @@ fn migrate_out_inner(
     dirty.sort_unstable();
     dirty.dedup();
     let final_pages = dirty.len() as u64;
+    let state = format::encode(&state).map_err(|e| MigrationError::Protocol(e.to_string()))?;
+    let t_saved = paused_at.elapsed();
     for pfn in dirty {
         sender.page(&mut ch, round, pfn, false)?;
     }
-    sender.flush(&mut ch, round)?;
     let t_pages = paused_at.elapsed();
-    let state = format::encode(&state).map_err(|e| MigrationError::Protocol(e.to_string()))?;
-    let t_saved = paused_at.elapsed();
-    ch.send(Kind::State, &state)?;
+    // The last pages and the state with one write: the destination reads
+    // them at one wake-up.
+    sender.flush_with(&mut ch, round, Kind::State, &state)?;
     let t_state_sent = paused_at.elapsed();
     let restore_ms = match ch.recv_control(&mut buf)? {
         Control::Restored { restore_ms } => restore_ms,
@@ -695,9 +718,9 @@ fn migrate_out_inner(
     tracing::debug!(
         paused_and_saved = ms(t_paused),
         harvested = ms(t_harvested),
-        pages_sent = ms(t_pages),
         state_encoded = ms(t_saved),
-        state_sent = ms(t_state_sent),
+        pages_read = ms(t_pages),
+        pages_and_state_sent = ms(t_state_sent),
         committed = ms(downtime),
         running = running.map(ms),
         "migration: final round timing (ms from the pause)"
@@ -869,7 +892,7 @@ fn receive_vm(
             let t = Instant::now();
             let prepared = Machine::prepare(for_vm).and_then(|mut p| {
                 p.create_vcpus(vcpus)?;
-                p.start_vcpu_threads_ahead()?;
+                p.start_threads_ahead()?;
                 Ok(p)
             });
             tracing::debug!(
@@ -912,6 +935,10 @@ fn receive_vm(
                             prepared = Some(join_prepare(t)?);
                         }
                         ch.send_control(&Control::RoundAck { round })?;
+                        // The pause may come next: the state's decode,
+                        // its first step, is cold after a round of pages
+                        // went through the caches.
+                        format::warm_up();
                     }
                     Control::Failed { reason } => return Err(MigrationError::Refused(reason)),
                     other => {

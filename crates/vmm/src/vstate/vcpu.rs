@@ -12,11 +12,12 @@ use std::sync::{Arc, Mutex, Once};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use kvm_bindings::{kvm_cpuid_entry2, kvm_fpu, kvm_msr_entry, kvm_regs, kvm_segment, CpuId, Msrs};
+use kvm_bindings::{kvm_fpu, kvm_msr_entry, kvm_regs, kvm_segment, CpuId, Msrs};
 use kvm_ioctls::{SyncReg, VcpuExit, VcpuFd};
 use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
 
 use crate::devices::bus::Bus;
+use crate::persist::vcpu::InPlace;
 use crate::vstate::{VmEvent, VmEventSink};
 
 /// Signal used to kick vCPUs out of KVM_RUN.
@@ -162,8 +163,10 @@ pub struct Vcpu {
     index: u8,
     fd: VcpuFd,
     dirty_ring_full: Option<DirtyRingFullHandler>,
-    /// The CPUID [`preset_cpuid`](Self::preset_cpuid) gave the vCPU.
-    cpuid_in_place: Option<Vec<kvm_cpuid_entry2>>,
+    /// What a vCPU made ahead of a restore holds: its CPUID from
+    /// [`preset_cpuid`](Self::preset_cpuid), the rest from
+    /// [`read_in_place`](Self::read_in_place).
+    in_place: Option<InPlace>,
     /// KVM stores registers in `kvm_run` at every exit (KVM_CAP_SYNC_REGS).
     sync_regs: bool,
 }
@@ -189,7 +192,7 @@ impl Vcpu {
             index,
             fd,
             dirty_ring_full: None,
-            cpuid_in_place: None,
+            in_place: None,
             sync_regs,
         })
     }
@@ -198,7 +201,7 @@ impl Vcpu {
     /// with (`base`, adjusted for this vCPU of `vcpus`), so that a restore of
     /// a state holding the same CPUID (a VM kemari booted on this kind of
     /// host) can skip KVM_SET_CPUID2 inside the guest's pause (see
-    /// [`take_cpuid_in_place`](Self::take_cpuid_in_place)).
+    /// [`take_in_place`](Self::take_in_place)).
     pub fn preset_cpuid(&mut self, base: &CpuId, vcpus: u8) -> Result<(), VcpuError> {
         let mut cpuid = base.clone();
         super::cpuid::patch_for_vcpu(&mut cpuid, self.index, vcpus);
@@ -219,14 +222,24 @@ impl Vcpu {
                 what: "KVM_GET_CPUID2",
                 source,
             })?;
-        self.cpuid_in_place = Some(held.as_slice().to_vec());
+        self.in_place.get_or_insert_with(InPlace::default).cpuid = Some(held.as_slice().to_vec());
         Ok(())
     }
 
-    /// The CPUID [`preset_cpuid`](Self::preset_cpuid) set, if it did; a
-    /// restore compares it with the saved one.
-    pub fn take_cpuid_in_place(&mut self) -> Option<Vec<kvm_cpuid_entry2>> {
-        self.cpuid_in_place.take()
+    /// Reads back what the vCPU holds besides its CPUID (TSC rate, run
+    /// state, XCRs, debug registers), for a restore into it to skip what
+    /// the saved state has the same: call it once the vCPU is set up ahead.
+    pub fn read_in_place(&mut self) {
+        let cpuid = self.in_place.take().and_then(|p| p.cpuid);
+        self.in_place = Some(InPlace::read(&self.fd, cpuid));
+    }
+
+    /// What the vCPU held when made ahead (see
+    /// [`preset_cpuid`](Self::preset_cpuid) and
+    /// [`read_in_place`](Self::read_in_place)); a restore compares it with
+    /// the saved state.
+    pub fn take_in_place(&mut self) -> Option<InPlace> {
+        self.in_place.take()
     }
 
     /// The TSC frequency KVM gives this vCPU, if it knows it.
