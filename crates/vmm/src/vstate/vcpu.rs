@@ -296,6 +296,12 @@ impl Vcpu {
         self.dirty_ring_full = Some(handler);
     }
 
+    /// Whether a dirty-ring tracker has attached this vCPU's ring (see
+    /// [`set_dirty_ring_full_handler`](Self::set_dirty_ring_full_handler)).
+    pub fn dirty_ring_attached(&self) -> bool {
+        self.dirty_ring_full.is_some()
+    }
+
     /// Sets the boot vCPU's registers for `entry`.
     pub fn set_boot_state(&self, entry: BootEntry) -> Result<(), VcpuError> {
         let index = self.index;
