@@ -41,15 +41,20 @@ fn timing_eax(entries: &[kvm_cpuid_entry2]) -> u32 {
         .eax
 }
 
+/// The saved state of a vCPU with kemari's boot CPUID, in a VM of its own.
+fn saved_preset_vcpu() -> persist::VcpuState {
+    let vm = Vm::new().unwrap();
+    let mut source = preset_vcpu(&vm, 0);
+    let indices = vm.kvm().get_msr_index_list().unwrap().as_slice().to_vec();
+    persist::vcpu::save(source.fd(), 0, &indices).unwrap()
+}
+
 #[test]
 fn a_preset_cpuid_is_kept_only_when_it_is_the_saved_one() {
     if !have_kvm() {
         return;
     }
-    let vm = Vm::new().unwrap();
-    let mut source = preset_vcpu(&vm, 0);
-    let indices = vm.kvm().get_msr_index_list().unwrap().as_slice().to_vec();
-    let mut state = persist::vcpu::save(source.fd(), 0, &indices).unwrap();
+    let mut state = saved_preset_vcpu();
     assert_eq!(timing_eax(&state.cpuid), 2_000_000);
 
     // The same CPUID: kept (and, read back, still the saved one).
@@ -86,10 +91,7 @@ fn a_restore_writes_what_differs_from_the_vcpu_made_ahead_and_skips_nothing_else
     if !have_kvm() {
         return;
     }
-    let vm = Vm::new().unwrap();
-    let mut source = preset_vcpu(&vm, 0);
-    let indices = vm.kvm().get_msr_index_list().unwrap().as_slice().to_vec();
-    let mut state = persist::vcpu::save(source.fd(), 0, &indices).unwrap();
+    let mut state = saved_preset_vcpu();
     // A fresh vCPU's breakpoint registers are 0: this one differs, and the
     // restore must write it although the rest of the debug registers match.
     state.debugregs.db[0] = 0x1000;

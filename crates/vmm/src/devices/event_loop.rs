@@ -507,21 +507,24 @@ mod tests {
         false
     }
 
-    #[test]
-    fn a_loop_started_paused_serves_nothing_until_resumed() {
+    /// A device counting its queue notifications: the count, the eventfd
+    /// that notifies it, and the device as the loop takes it.
+    fn counting_device() -> (Arc<AtomicUsize>, EventFd, LoopDevice) {
         let count = Arc::new(AtomicUsize::new(0));
         let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
         let kick = evt.try_clone().unwrap();
         let device: Arc<Mutex<dyn VirtioDevice>> = Arc::new(Mutex::new(Counting(count.clone())));
-        let lp = DeviceEventLoop::start(
-            vec![LoopDevice {
-                device,
-                queue_events: vec![evt],
-            }],
-            Arc::new(PassThroughGate),
-            true,
-        )
-        .unwrap();
+        let loop_device = LoopDevice {
+            device,
+            queue_events: vec![evt],
+        };
+        (count, kick, loop_device)
+    }
+
+    #[test]
+    fn a_loop_started_paused_serves_nothing_until_resumed() {
+        let (count, kick, device) = counting_device();
+        let lp = DeviceEventLoop::start(vec![device], Arc::new(PassThroughGate), true).unwrap();
         kick.write(1).unwrap();
         std::thread::sleep(Duration::from_millis(50));
         assert_eq!(count.load(Ordering::SeqCst), 0, "served while paused");
@@ -553,20 +556,9 @@ mod tests {
         let ahead = EventLoopAhead::spawn().unwrap();
         // The devices come later, as in a restore.
         std::thread::sleep(Duration::from_millis(20));
-        let count = Arc::new(AtomicUsize::new(0));
-        let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-        let kick = evt.try_clone().unwrap();
-        let device: Arc<Mutex<dyn VirtioDevice>> = Arc::new(Mutex::new(Counting(count.clone())));
-        let lp = DeviceEventLoop::start_on(
-            ahead,
-            vec![LoopDevice {
-                device,
-                queue_events: vec![evt],
-            }],
-            Arc::new(PassThroughGate),
-            false,
-        )
-        .unwrap();
+        let (count, kick, device) = counting_device();
+        let lp = DeviceEventLoop::start_on(ahead, vec![device], Arc::new(PassThroughGate), false)
+            .unwrap();
         kick.write(1).unwrap();
         assert!(wait_for(&count, 1), "the loop made ahead did not serve");
         lp.pause().unwrap();
