@@ -179,8 +179,13 @@ impl PreparedVm {
     /// Does nothing if they exist.
     pub fn start_threads_ahead(&mut self) -> Result<(), MachineError> {
         if self.threads_ahead.is_empty() {
-            for v in &self.vcpus {
-                self.threads_ahead.push(VcpuThreadAhead::spawn(v.index())?);
+            for v in &mut self.vcpus {
+                let thread = VcpuThreadAhead::spawn(v.index())?;
+                // Best effort: without it that set-up is in the first entry.
+                if let Err(e) = thread.first_run(v) {
+                    tracing::debug!(error = %e, "no first KVM_RUN ahead");
+                }
+                self.threads_ahead.push(thread);
             }
         }
         if self.event_loop_ahead.is_none() {

@@ -451,12 +451,33 @@ impl VcpuControl {
 const READY_SPIN: Duration = Duration::from_millis(2);
 
 enum AheadRequest {
+    /// Make the vCPU's first KVM_RUN (see [`VcpuThreadAhead::first_run`]).
+    FirstRun(FirstRun),
     /// Poll for the start for up to [`READY_SPIN`], away from the CPU of
     /// the thread that restores.
     GetReady,
     /// Run this vCPU.
     Start(Box<(VcpuRunner, bool)>),
 }
+
+/// KVM_RUN's request number: `_IO(KVMIO, 0x80)` (include/uapi/linux/kvm.h).
+const KVM_RUN: libc::c_ulong = ((kvm_bindings::KVMIO as libc::c_ulong) << 8) | 0x80;
+
+/// A vCPU's first KVM_RUN, made by its thread ahead of the restore.
+struct FirstRun {
+    /// The vCPU's fd.
+    fd: std::os::fd::RawFd,
+    /// `immediate_exit` in the vCPU's `kvm_run`.
+    immediate_exit: *mut u8,
+    /// Answered once the KVM_RUN has returned: its errno (EINTR expected).
+    done: Sender<i32>,
+}
+
+// SAFETY: `fd` and `immediate_exit` belong to a vCPU whose owner waits for
+// `done` (or for the thread's end) before it can drop or use the vCPU again
+// (`VcpuThreadAhead::first_run`), so they are valid while the thread uses
+// them.
+unsafe impl Send for FirstRun {}
 
 /// A vCPU thread started before the vCPU it will run is restored (a live
 /// migration's destination makes it while memory is still being copied).
@@ -500,6 +521,41 @@ impl VcpuThreadAhead {
     /// The vCPU index the thread is for.
     pub fn index(&self) -> u8 {
         self.index
+    }
+
+    /// Makes `vcpu`'s first KVM_RUN on this thread, with `immediate_exit`
+    /// set so that the guest runs nothing (KVM returns EINTR before any
+    /// entry), and returns once it has. KVM does per-thread set-up at a
+    /// vCPU's first KVM_RUN from a new thread (the vCPU's pid; for the
+    /// VM's first, its NX huge page recovery worker): made here, while
+    /// memory is still being copied, it is not in the restored guest's
+    /// first entry. KVM answers EINTR; any other answer is an error.
+    pub fn first_run(&self, vcpu: &mut Vcpu) -> Result<(), VcpuError> {
+        if vcpu.index != self.index {
+            return Err(VcpuError::WrongThread {
+                vcpu: vcpu.index,
+                thread: self.index,
+            });
+        }
+        let (done, ran) = channel();
+        let request = FirstRun {
+            fd: std::os::fd::AsRawFd::as_raw_fd(&vcpu.fd),
+            immediate_exit: &mut vcpu.fd.get_kvm_run().immediate_exit,
+            done,
+        };
+        self.requests
+            .send(AheadRequest::FirstRun(request))
+            .map_err(|_| VcpuError::Gone(self.index))?;
+        // Until it has run, `vcpu` stays borrowed here (see FirstRun). An
+        // error means the thread is gone, and with it the request.
+        match ran.recv().map_err(|_| VcpuError::Gone(self.index))? {
+            libc::EINTR => Ok(()),
+            errno => Err(VcpuError::Kvm {
+                index: self.index,
+                what: "KVM_RUN (first, ahead, with immediate_exit)",
+                source: kvm_ioctls::Error::new(errno),
+            }),
+        }
     }
 
     /// Its vCPU comes soon: poll rather than sleep, away from the caller's
@@ -552,6 +608,24 @@ fn thread_ahead(rx: &Receiver<AheadRequest>, tid: &std::sync::atomic::AtomicI32)
         };
         match next {
             None => return,
+            Some(AheadRequest::FirstRun(r)) => {
+                // SAFETY: see FirstRun: the fd and the kvm_run mapping are
+                // the live vCPU's, whose owner waits for `done`. KVM_RUN
+                // takes no argument; with immediate_exit set it returns
+                // EINTR without entering the guest.
+                let errno = unsafe {
+                    std::ptr::write_volatile(r.immediate_exit, 1);
+                    let ret = libc::ioctl(r.fd, KVM_RUN, 0);
+                    let errno = std::io::Error::last_os_error().raw_os_error();
+                    std::ptr::write_volatile(r.immediate_exit, 0);
+                    if ret == 0 {
+                        0
+                    } else {
+                        errno.unwrap_or(0)
+                    }
+                };
+                let _ = r.done.send(errno);
+            }
             Some(AheadRequest::GetReady) => ready = true,
             Some(AheadRequest::Start(b)) => {
                 if ready {
