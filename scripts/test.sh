@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 cargo build -p guest --target x86_64-unknown-none --release
-cargo test --workspace -- --test-threads=2
+cargo test --workspace --features kemari/fault-injection -- --test-threads=2
 if [[ "${KEMARI_LAB:-0}" == 1 ]]; then
   sh lab/ci.sh
 fi

@@ -3,7 +3,5 @@
 pub mod api;
 pub mod bench;
 pub mod cli;
-pub mod ft;
-pub mod migration;
 pub mod teardown;
 pub mod vmm_process;

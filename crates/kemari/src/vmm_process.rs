@@ -22,9 +22,18 @@ use crate::api::routes::ApiRequest;
 use crate::api::routes::FtStartRequest;
 use crate::api::server::{ApiResponse, ApiServer, PendingRequest, ServerError};
 use crate::cli::{Args, CliError};
-use crate::ft::{self, fence::Fence, primary::FtGate, status::FtShared, status::FtState};
-use crate::migration::{local, tcp, warm};
+use ft::{fence::Fence, gate::FtGate, status::FtShared, status::FtState};
 use std::sync::Arc;
+use transfer::modes::{live, local, warm};
+use transfer::{Cancel, ProgressCell, TransferError};
+
+/// The live migration's progress and cancel switch, shared with the API
+/// thread.
+#[derive(Debug, Default)]
+pub struct MigrationShared {
+    progress: ProgressCell,
+    cancel: std::sync::Mutex<Arc<Cancel>>,
+}
 
 /// Exit status when the guest reported a failure.
 pub const EXIT_GUEST_FAILURE: u8 = 3;
@@ -38,12 +47,9 @@ pub enum ProcessError {
     /// The machine could not be built or failed.
     #[error(transparent)]
     Machine(#[from] MachineError),
-    /// An incoming live migration failed.
+    /// An incoming hand-over (migration, warm restart) failed.
     #[error(transparent)]
-    LiveMigration(#[from] tcp::MigrationError),
-    /// An incoming migration failed.
-    #[error(transparent)]
-    Migration(#[from] local::LocalMigrationError),
+    Transfer(#[from] TransferError),
     /// A snapshot could not be read.
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
@@ -59,9 +65,6 @@ pub enum ProcessError {
     /// Fault tolerance (standby, fence).
     #[error(transparent)]
     Ft(#[from] ft::FtError),
-    /// A prepared warm-restart successor failed.
-    #[error(transparent)]
-    Warm(#[from] warm::WarmError),
 }
 
 enum Control {
@@ -84,12 +87,13 @@ fn forwarder<T: Send + 'static>(
 /// snapshot directory.
 fn make_machine(args: &Args, sink: VmEventSink) -> Result<Machine, ProcessError> {
     let gate = std::sync::Arc::new(vmm::output::PassThroughGate);
+    let mut overrides = Ok(());
+    let mut adjust = |config: &mut vmm::config::MachineConfig| {
+        overrides = args.apply_restore_overrides(config);
+    };
     if let (Some(dir), true) = (&args.restore, args.await_state) {
         let prepared = warm::prepare(dir)?;
-        let mut overrides = Ok(());
-        let machine = prepared.await_state(sink, args.start_paused, |config| {
-            overrides = args.apply_restore_overrides(config);
-        })?;
+        let machine = prepared.await_state(sink, args.start_paused, &mut adjust)?;
         overrides?;
         return Ok(machine);
     }
@@ -112,19 +116,13 @@ fn make_machine(args: &Args, sink: VmEventSink) -> Result<Machine, ProcessError>
             .migration_key_file
             .as_ref()
             .ok_or(CliError::Missing("--migration-key-file (with --incoming)"))?;
-        let key = tcp::read_key(key_file)?;
-        let mut overrides = Ok(());
-        let machine = tcp::migrate_in(listen, &key, sink, |config| {
-            overrides = args.apply_restore_overrides(config);
-        })?;
+        let key = transfer::key::read_key(key_file)?;
+        let machine = live::migrate_in(listen, &key, sink, &mut adjust)?;
         overrides?;
         return Ok(machine);
     }
     if let Some(socket) = &args.incoming_local {
-        let mut overrides = Ok(());
-        let machine = local::migrate_in(socket, args.memory_file.as_deref(), sink, |config| {
-            overrides = args.apply_restore_overrides(config);
-        })?;
+        let machine = local::migrate_in(socket, args.memory_file.as_deref(), sink, &mut adjust)?;
         overrides?;
         return Ok(machine);
     }
@@ -143,7 +141,7 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
     let (tx, rx) = channel();
     let sink = VmEventSink::new(forwarder(&tx, Control::Vm));
     // The API socket first: a socket in use is refused before any VM exists.
-    let migration = Arc::new(tcp::MigrationShared::default());
+    let migration = Arc::new(MigrationShared::default());
     let ft_shared = Arc::new(FtShared::default());
     let (m, f) = (migration.clone(), ft_shared.clone());
     let _api = match &api_socket {
@@ -277,7 +275,7 @@ fn standby(
     ))?;
     let opts = ft::standby::StandbyOptions {
         listen: listen.to_owned(),
-        key: tcp::read_key(key_file)?,
+        key: transfer::key::read_key(key_file)?,
         fence: args.ft_fence.clone(),
         fence_cmd: args.ft_fence_cmd.clone(),
     };
@@ -285,7 +283,7 @@ fn standby(
     let outcome = ft::standby::run(
         &opts,
         sink,
-        |config| overrides = args.apply_restore_overrides(config),
+        &mut |config| overrides = args.apply_restore_overrides(config),
         shared,
     )?;
     overrides?;
@@ -303,7 +301,7 @@ fn ft_start(
     shared: &Arc<FtShared>,
     gate: &mut Option<Arc<FtGate>>,
 ) -> ApiResponse {
-    let key = match tcp::read_key(&req.key_file) {
+    let key = match transfer::key::read_key(&req.key_file) {
         Ok(k) => k,
         Err(e) => return ApiResponse::error(400, e),
     };
@@ -324,7 +322,7 @@ fn ft_start(
         timeout,
         keep_writable,
     };
-    match ft::primary::start(machine, &opts, shared) {
+    match ft::primary::start(machine, &opts, shared, &Cancel::new()) {
         Ok(g) => {
             *gate = Some(g);
             to_json(&shared.report())
@@ -348,7 +346,7 @@ fn ft_stop(machine: &Machine, shared: &FtShared, gate: &mut Option<Arc<FtGate>>)
 /// Requests answered on the API thread, even while the main thread migrates
 /// or follows a primary.
 fn direct_api(
-    migration: &tcp::MigrationShared,
+    migration: &MigrationShared,
     ft: &FtShared,
     request: &ApiRequest,
 ) -> Option<ApiResponse> {
@@ -362,14 +360,21 @@ fn direct_api(
         ));
     }
     match request {
-        ApiRequest::MigrationStatus => Some(to_json(&migration.snapshot())),
+        ApiRequest::MigrationStatus => Some(to_json(&migration.progress.snapshot())),
         ApiRequest::MigrationCancel => {
-            let running = migration.snapshot().status == "running";
+            let running = migration.progress.snapshot().status == "running";
             if running {
-                migration
+                let cancel = migration
                     .cancel
-                    .store(true, std::sync::atomic::Ordering::SeqCst);
-                Some(ApiResponse::ok(json!({ "cancelling": true })))
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone();
+                Some(match cancel.cancel() {
+                    transfer::CancelOutcome::TooLate => {
+                        ApiResponse::error(409, "too late: the migration passed its commit point")
+                    }
+                    _ => ApiResponse::ok(json!({ "cancelling": true })),
+                })
             } else {
                 Some(ApiResponse::error(409, "no live migration is running"))
             }
@@ -381,7 +386,7 @@ fn direct_api(
 fn handle_api(
     machine: &mut Machine,
     request: ApiRequest,
-    migration: &tcp::MigrationShared,
+    migration: &MigrationShared,
 ) -> (ApiResponse, After) {
     match request {
         ApiRequest::Migrate {
@@ -390,23 +395,28 @@ fn handle_api(
             max_downtime_ms,
             max_rounds,
         } => {
-            let key = match tcp::read_key(&key_file) {
+            let key = match transfer::key::read_key(&key_file) {
                 Ok(k) => k,
                 Err(e) => return (ApiResponse::error(400, e), After::Continue),
             };
-            let mut limits = tcp::MigrationLimits::default();
+            let mut limits = transfer::precopy::DowntimeEstimate::default();
             if let Some(ms) = max_downtime_ms {
                 limits.max_downtime = std::time::Duration::from_millis(ms);
             }
             if let Some(r) = max_rounds {
                 limits.max_rounds = r.max(1);
             }
-            match tcp::migrate_out(machine, &to, &key, limits, migration) {
+            let cancel = Arc::new(Cancel::new());
+            *migration.cancel.lock().unwrap_or_else(|p| p.into_inner()) = cancel.clone();
+            match live::migrate_out(machine, &to, &key, limits, &cancel, &migration.progress) {
                 Ok(report) => {
                     finish_at_idle_priority();
                     (ApiResponse::ok(json!(report)), After::Exit)
                 }
-                Err(e) => (ApiResponse::error(409, e), After::Continue),
+                Err(e) => (
+                    ApiResponse::error(409, format!("live migration failed: {e}")),
+                    After::Continue,
+                ),
             }
         }
         ApiRequest::Shutdown => (
@@ -415,14 +425,19 @@ fn handle_api(
         ),
         ApiRequest::Snapshot { dir, exit } => snapshot_full(machine, &dir, exit),
         ApiRequest::WarmRestart { dir, prepare } => warm_restart(machine, &dir, prepare),
-        ApiRequest::MigrateLocal { socket } => match local::migrate_out(machine, &socket) {
-            Ok(report) => {
-                tracing::info!(?report, "local migration done: exiting");
-                finish_at_idle_priority();
-                (ApiResponse::ok(json!(report)), After::Exit)
+        ApiRequest::MigrateLocal { socket } => {
+            match local::migrate_out(machine, &socket, &Cancel::new(), &ProgressCell::default()) {
+                Ok(report) => {
+                    tracing::info!(?report, "local migration done: exiting");
+                    finish_at_idle_priority();
+                    (ApiResponse::ok(json!(report)), After::Exit)
+                }
+                Err(e) => (
+                    ApiResponse::error(409, format!("zero-copy migration failed: {e}")),
+                    After::Continue,
+                ),
             }
-            Err(e) => (ApiResponse::error(409, e), After::Continue),
-        },
+        }
         other => (handle_query(machine, other), After::Continue),
     }
 }
@@ -556,47 +571,15 @@ fn warm_restart(
             Err(e) => (ApiResponse::error(409, e), After::Continue),
         };
     }
-    // While the successor gets ready: not in the pause.
-    machine.prepare_to_save();
-    // A successor must accept this VM before it pauses.
-    let successor = match warm::connect(dir, machine.config(), machine.memory_file().size()) {
-        Ok(s) => s,
-        Err(e) => return (ApiResponse::error(409, e), After::Continue),
-    };
-    // The first encode of a process is cold (see format::warm_up): not in
-    // the pause.
-    vmm::persist::format::warm_up();
-    let paused_at = Instant::now();
-    let (stats, saved_ms) =
-        match pause_and_save(machine, |state, mem| snapshot::save_warm(dir, state, mem)) {
-            Err(e) => return (ApiResponse::error(409, e), After::Continue),
-            Ok((stats, paused_ms, _)) => (stats, paused_ms),
-        };
-    // From here on the VM never runs in this process again.
-    let taps = release_backends(machine);
-    let handed_over = successor.map(|s| s.hand_over(taps));
-    let mut body = json!({
-        "dir": dir,
-        "state_bytes": stats.state_bytes,
-        "paused_ms": saved_ms,
-        "successor": null,
-    });
-    match handed_over {
-        None => {
-            tracing::info!(dir = %dir.display(), paused_ms = saved_ms, "warm restart: state saved, exiting")
+    let cancel = Cancel::new();
+    match warm::restart_out(machine, dir, &cancel, &ProgressCell::default()) {
+        Ok(report) => {
+            if report.successor.is_some() {
+                finish_at_idle_priority();
+            }
+            (ApiResponse::ok(json!(report)), After::Exit)
         }
-        Some(Ok(restore_ms)) => {
-            // Paused here until the successor runs the VM: the guest's pause.
-            let downtime_ms = paused_at.elapsed().as_secs_f64() * 1000.0;
-            tracing::info!(dir = %dir.display(), paused_ms = saved_ms, restore_ms, downtime_ms, "warm restart: the successor runs the VM, exiting");
-            finish_at_idle_priority();
-            body["successor"] = json!({
-                "running": true,
-                "restore_ms": restore_ms,
-                "downtime_ms": downtime_ms,
-            });
-        }
-        Some(Err(e)) => {
+        Err(e) if cancel.is_committed() => {
             // The state is saved all the same: nothing is lost.
             let message = format!(
                 "state saved in {}, but the successor failed ({e}): `kemari --restore {}` resumes the VM",
@@ -604,10 +587,13 @@ fn warm_restart(
                 dir.display()
             );
             tracing::error!("warm restart: {message}");
-            return (ApiResponse::error(502, message), After::Exit);
+            (ApiResponse::error(502, message), After::Exit)
         }
+        Err(e) => (
+            ApiResponse::error(409, format!("warm restart failed: {e}")),
+            After::Continue,
+        ),
     }
-    (ApiResponse::ok(body), After::Exit)
 }
 
 fn handle_query(machine: &mut Machine, request: ApiRequest) -> ApiResponse {

@@ -6,6 +6,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
+use transfer::ProgressCell;
 
 /// Where a VMM stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -36,6 +37,8 @@ pub struct InitialProgress {
     pub pages_sent: u64,
     /// Pages in the round.
     pub pages_total: u64,
+    /// Payload bytes sent so far.
+    pub bytes_sent: u64,
 }
 
 /// Durations kept for the percentiles.
@@ -115,8 +118,6 @@ struct Inner {
     delays: VecDeque<u32>,
     protected_at: Option<Instant>,
     initial_sync_ms: Option<u64>,
-    initial_round: u32,
-    initial_round_pages: (u64, u64),
     failovers: u64,
     failover_ms: Option<u64>,
     last_error: Option<String>,
@@ -126,6 +127,9 @@ struct Inner {
 #[derive(Debug)]
 pub struct FtShared {
     inner: Mutex<Inner>,
+    /// Progress of the initial synchronization (the transfer layer's
+    /// pre-copy writes it).
+    pub initial: ProgressCell,
 }
 
 impl Default for FtShared {
@@ -149,12 +153,11 @@ impl Default for FtShared {
                 delays: VecDeque::new(),
                 protected_at: None,
                 initial_sync_ms: None,
-                initial_round: 0,
-                initial_round_pages: (0, 0),
                 failovers: 0,
                 failover_ms: None,
                 last_error: None,
             }),
+            initial: ProgressCell::default(),
         }
     }
 }
@@ -208,8 +211,6 @@ impl FtShared {
             i.delays.clear();
             i.protected_at = None;
             i.initial_sync_ms = None;
-            i.initial_round = 0;
-            i.initial_round_pages = (0, 0);
             i.last_error = None;
         })
     }
@@ -228,16 +229,6 @@ impl FtShared {
     pub fn set_error(&self, e: impl Into<String>) {
         let e = e.into();
         self.with(|i| i.last_error = Some(e))
-    }
-
-    /// Initial synchronization: `done` of the `total` pages of pre-copy round
-    /// `round` sent, `link_bytes` on the link so far.
-    pub fn initial_progress(&self, round: u32, done: u64, total: u64, link_bytes: u64) {
-        self.with(|i| {
-            i.initial_round = round;
-            i.initial_round_pages = (done, total);
-            i.link_bytes = link_bytes;
-        })
     }
 
     /// The initial synchronization took `d`.
@@ -298,6 +289,7 @@ impl FtShared {
 
     /// The figures.
     pub fn report(&self) -> FtReport {
+        let initial = self.initial.snapshot();
         self.with(|i| {
             let secs = i
                 .protected_at
@@ -336,9 +328,10 @@ impl FtShared {
                 sync_us_p99: percentile(&i.delays, 0.99),
                 initial_sync_ms: i.initial_sync_ms,
                 initial_progress: (i.state == FtState::Syncing).then_some(InitialProgress {
-                    round: i.initial_round,
-                    pages_sent: i.initial_round_pages.0,
-                    pages_total: i.initial_round_pages.1,
+                    round: initial.round,
+                    pages_sent: initial.round_pages_sent,
+                    pages_total: initial.round_pages_total,
+                    bytes_sent: initial.bytes_sent,
                 }),
                 failovers: i.failovers,
                 failover_ms: i.failover_ms,
@@ -356,9 +349,14 @@ mod tests {
     fn percentiles_and_means() {
         let s = FtShared::default();
         s.begin("primary", FtState::Syncing, "h:1", "event", None);
-        s.initial_progress(1, 10, 100, 4096);
+        s.initial.start("h:1");
+        s.initial.round(1, 100);
+        s.initial.sent(10, 4096, 10);
         let p = s.report().initial_progress.expect("progress while syncing");
-        assert_eq!((p.round, p.pages_sent, p.pages_total), (1, 10, 100));
+        assert_eq!(
+            (p.round, p.pages_sent, p.pages_total, p.bytes_sent),
+            (1, 10, 100, 4096)
+        );
         s.set_state(FtState::Protected);
         assert!(s.report().initial_progress.is_none());
         for k in 1..=100u64 {

@@ -11,21 +11,32 @@
 //! atomically; when the primary is lost it takes the fence and runs the VM
 //! from the last complete epoch.
 //!
-//! - [`protocol`]: the messages on the sync link;
-//! - [`primary`]: initial pre-copy, the synchronizing gate, heartbeats;
+//! The sync link is the transfer layer's channel and message set
+//! (`transfer::message`: `EpochEnd`, `Ack`, `Heartbeat`, `Stop`), and the
+//! initial synchronization is its pre-copy loop with the
+//! [`FirstConvergence`](transfer::precopy::FirstConvergence) rule.
+//!
+//! - [`primary`]: connecting, the initial synchronization, then the gate;
+//! - [`gate`]: the synchronizing output gate (one epoch per sync);
+//! - [`link`]: the primary's end of the link, heartbeats, loss detection;
+//! - [`kept`]: the pages left writable from sync to sync;
+//! - [`epoch`]: an epoch's state, packed as a delta of the previous one;
 //! - [`standby`]: staging, applying, failure detection and failover;
 //! - [`fence`]: the split-brain rule (a lock only the running copy holds);
 //! - [`status`]: state and metrics served by the API.
 
+pub mod epoch;
 pub mod fence;
+pub mod gate;
+pub mod kept;
+pub mod link;
 pub mod primary;
-pub mod protocol;
 pub mod standby;
 pub mod status;
 
 use std::time::Duration;
 
-use crate::migration::wire::WireError;
+use transfer::TransferError;
 
 /// Default heartbeat interval on the sync link.
 pub const DEFAULT_HEARTBEAT: Duration = Duration::from_millis(100);
@@ -35,30 +46,22 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_millis(1000);
 /// Errors of fault tolerance.
 #[derive(Debug, thiserror::Error)]
 pub enum FtError {
-    /// The sync link failed or was refused.
+    /// The link, the peer or the machine failed (the transfer layer's one
+    /// error type).
     #[error(transparent)]
-    Wire(#[from] WireError),
-    /// The peer said something out of order.
-    #[error("fault-tolerance protocol: {0}")]
-    Protocol(String),
-    /// The peer gave up.
-    #[error("the peer failed: {0}")]
-    Refused(String),
-    /// The machine failed.
-    #[error(transparent)]
-    Machine(#[from] vmm::machine::MachineError),
+    Transfer(#[from] TransferError),
     /// The operation does not apply now.
     #[error("{0}")]
     State(String),
-    /// The fence is held by another process.
+    /// The fence is held by another process, or could not be taken.
     #[error(transparent)]
     Fence(#[from] fence::FenceError),
-    /// The key file is unusable.
-    #[error(transparent)]
-    Key(#[from] crate::migration::tcp::MigrationError),
-    /// Guest memory I/O.
-    #[error("guest memory: {0}")]
-    Memory(String),
+}
+
+impl From<vmm::machine::MachineError> for FtError {
+    fn from(e: vmm::machine::MachineError) -> Self {
+        FtError::Transfer(e.into())
+    }
 }
 
 /// Default of `keep_writable_pages` (see `ft start`).

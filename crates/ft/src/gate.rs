@@ -1,0 +1,322 @@
+//! The output gate of a protected VM: one sync (epoch) per batch of outputs
+//! (or per period).
+//!
+//! A sync: pause the vCPUs, harvest the pages dirtied since the last sync
+//! (guest writes from the KVM dirty ring, VMM writes from its own queue),
+//! copy them and save the whole VM state, **resume the vCPUs**, then send
+//! the epoch and wait for the standby's acknowledgement before the outputs
+//! go. The guest is paused only for the capture; the transfer overlaps with
+//! its execution, while the outputs — the only thing the outside world can
+//! see — wait.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use vmm::machine::{MachineCore, PauseLength};
+use vmm::memory::GuestMemoryMmap;
+use vmm::output::{OutputEvent, OutputGate, Release};
+use vmm::persist::format;
+
+use transfer::message::{Kind, Message};
+use transfer::pages::{PageFrame, MAX_PAGES_PER_FRAME};
+use transfer::precopy::read_page;
+use transfer::TransferError;
+
+use crate::epoch::pack_state;
+use crate::kept::{KeptPages, COLD_RESET};
+use crate::link::Link;
+use crate::status::{FtShared, FtState};
+use crate::{FtError, SyncMode};
+
+/// The output gate of a protected VM.
+pub struct FtGate {
+    core: Arc<MachineCore>,
+    mode: SyncMode,
+    link: Mutex<Option<Arc<Link>>>,
+    epoch: AtomicU64,
+    /// The last acknowledged epoch's state (the next one is sent as a delta).
+    prev_state: Mutex<Vec<u8>>,
+    /// Page frames reused by every sync.
+    frames: Mutex<Vec<PageFrame>>,
+    /// Keep the vCPUs paused until the standby acknowledged (the paper's
+    /// way) instead of resuming them once the epoch is captured.
+    hold_vcpus: bool,
+    /// Pages the guest rewrites from sync to sync are left writable (so it
+    /// takes no write-protection fault on them), up to this many (see
+    /// `DirtyTracker::harvest_paused_keep_writable`). Each costs a 4 KiB
+    /// comparison per sync, and is sent only when it changed.
+    keep_writable: usize,
+    /// The standby's copy of the pages left writable.
+    kept: Mutex<KeptPages>,
+    shared: Arc<FtShared>,
+}
+
+impl std::fmt::Debug for FtGate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FtGate")
+            .field("mode", &self.mode)
+            .field("epoch", &self.epoch.load(Ordering::SeqCst))
+            .field("link", &self.current_link())
+            .finish()
+    }
+}
+
+/// Reads pages `pfns` from guest memory into the frames of `pool` (grown as
+/// needed, reused from sync to sync: no allocation and no page faults on
+/// the guest's pause path), zero pages as markers, each page copied once,
+/// straight into its frame. Returns how many frames of `pool` hold pages.
+fn fill_frames(
+    mem: &GuestMemoryMmap,
+    pfns: &[u64],
+    pool: &mut Vec<PageFrame>,
+) -> Result<usize, TransferError> {
+    let mut used = 0;
+    for chunk in pfns.chunks(MAX_PAGES_PER_FRAME) {
+        if pool.len() == used {
+            pool.push(PageFrame::new());
+        }
+        let frame = &mut pool[used];
+        frame.clear();
+        for &pfn in chunk {
+            frame.push_with(pfn, false, |data| read_page(mem, pfn, data))?;
+        }
+        used += 1;
+    }
+    Ok(used)
+}
+
+impl FtGate {
+    /// A gate for the VM of `core`, protected over `link`.
+    pub(crate) fn new(
+        core: Arc<MachineCore>,
+        mode: SyncMode,
+        link: Arc<Link>,
+        keep_writable: usize,
+        hold_vcpus: bool,
+        shared: Arc<FtShared>,
+    ) -> Self {
+        FtGate {
+            core,
+            mode,
+            link: Mutex::new(Some(link)),
+            epoch: AtomicU64::new(0),
+            prev_state: Mutex::new(Vec::new()),
+            frames: Mutex::new(Vec::new()),
+            hold_vcpus,
+            keep_writable,
+            kept: Mutex::new(KeptPages::default()),
+            shared,
+        }
+    }
+
+    fn current_link(&self) -> Option<Arc<Link>> {
+        self.link.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Captures and sends one epoch (plus pages `extra` found dirty
+    /// earlier), and waits for its acknowledgement.
+    pub(crate) fn sync_epoch(
+        &self,
+        link: &Link,
+        batch: &[OutputEvent],
+        extra: Vec<u64>,
+    ) -> Result<(), FtError> {
+        let started = Instant::now();
+        let epoch = self.epoch.load(Ordering::SeqCst) + 1;
+        let mut pool = self.frames.lock().unwrap_or_else(|p| p.into_inner());
+        // Each vCPU saves its own state as soon as it has stopped.
+        let vcpus = self.core.pause_and_save_vcpus(PauseLength::Brief);
+        let t_paused = started.elapsed();
+        let captured = (|| -> Result<_, FtError> {
+            let vcpus = vcpus?;
+            let mut kept = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+            // Pages that stopped changing are re-protected (all pages are: a
+            // reset cannot choose), so the writable set follows what the
+            // guest rewrites now.
+            let max_writable = if kept.cold() >= COLD_RESET {
+                0
+            } else {
+                self.keep_writable
+            };
+            let harvest = self.core.harvest_dirty_paused_keep_writable(max_writable)?;
+            let t_harvest = started.elapsed();
+            let mem = self.core.guest_memory();
+            let mut pfns = harvest.dirty;
+            let carried = harvest.carried.len();
+            let changed = kept.changed(mem, &harvest.carried)?;
+            let kept_stats = (harvest.kept.len() as u64, (carried - changed.len()) as u64);
+            pfns.extend(changed);
+            if !extra.is_empty() {
+                pfns.extend(extra);
+                pfns.sort_unstable();
+                pfns.dedup();
+            }
+            let frames = fill_frames(mem, &pfns, &mut pool)?;
+            kept.refresh(mem, &harvest.kept, &pfns)?;
+            let t_pages = started.elapsed();
+            let state = self.core.state_with_vcpus(vcpus)?;
+            tracing::debug!(
+                epoch,
+                pages = pfns.len(),
+                carried,
+                kept = harvest.kept.len(),
+                paused_us = t_paused.as_micros() as u64,
+                harvested_us = t_harvest.as_micros() as u64,
+                copied_us = t_pages.as_micros() as u64,
+                saved_us = started.elapsed().as_micros() as u64,
+                "sync capture"
+            );
+            Ok((pfns.len() as u64, frames, state, kept_stats))
+        })();
+        let hold = self.hold_vcpus && captured.is_ok();
+        let resumed = if hold {
+            Ok(())
+        } else {
+            self.core.resume_vcpus()
+        };
+        let pause = started.elapsed();
+        let (pages, frames, state, (kept, skipped)) = captured?;
+        resumed?;
+        self.shared.record_kept(kept, skipped);
+        let result = self.send_epoch(
+            link,
+            epoch,
+            batch,
+            pages,
+            &mut pool[..frames],
+            state,
+            started,
+            pause,
+        );
+        if hold {
+            self.core.resume_vcpus()?;
+        }
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn send_epoch(
+        &self,
+        link: &Link,
+        epoch: u64,
+        batch: &[OutputEvent],
+        pages: u64,
+        frames: &mut [PageFrame],
+        state: vmm::persist::VmState,
+        started: Instant,
+        pause: Duration,
+    ) -> Result<(), FtError> {
+        let outputs: u64 = batch.iter().map(|e| u64::from(e.requests)).sum();
+        // Encoding takes a few µs (binary state, LZ4 delta): the whole
+        // epoch then goes out in one write, and the standby wakes once for
+        // it. One writer lock for the whole epoch: no heartbeat may come
+        // between its frames.
+        let state = format::encode(&state)
+            .map_err(|e| TransferError::Memory(format!("encoding the state: {e}")))?;
+        let packed = {
+            let prev = self.prev_state.lock().unwrap_or_else(|p| p.into_inner());
+            pack_state(&state, &prev)
+        };
+        let packed_len = packed.len();
+        let bytes = link.send(|w| {
+            w.set_phase("sending an epoch");
+            for f in frames.iter_mut() {
+                w.send(Kind::EpochPages, f.payload(epoch as u32))?;
+            }
+            w.send_msg(&Message::EpochEnd {
+                epoch,
+                pages,
+                outputs,
+            })?;
+            w.send(Kind::State, &packed)
+        })?;
+        let t_sent = started.elapsed();
+        link.wait("waiting for the standby to acknowledge an epoch", |l| {
+            l.acked() >= epoch
+        })?;
+        tracing::debug!(
+            epoch,
+            pause_us = pause.as_micros() as u64,
+            sent_us = t_sent.as_micros() as u64,
+            acked_us = started.elapsed().as_micros() as u64,
+            state_bytes = state.len(),
+            packed_bytes = packed_len,
+            "sync done"
+        );
+        self.epoch.store(epoch, Ordering::SeqCst);
+        *self.prev_state.lock().unwrap_or_else(|p| p.into_inner()) = state;
+        self.shared
+            .record_sync(epoch, pages, bytes, outputs, pause, started.elapsed());
+        Ok(())
+    }
+
+    fn sync(&self, batch: &[OutputEvent]) {
+        let Some(link) = self.current_link() else {
+            return;
+        };
+        if let Err(e) = self.sync_epoch(&link, batch, Vec::new()) {
+            self.degrade(&e.to_string());
+        }
+    }
+
+    /// The standby is lost: run on unprotected (outputs pass at once).
+    pub fn degrade(&self, why: &str) {
+        let link = self.link.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(link) = link {
+            link.close();
+            tracing::warn!(
+                reason = why,
+                "fault tolerance: standby lost, running unprotected (degraded)"
+            );
+            self.shared.set_error(why);
+            self.shared.set_state(FtState::Degraded);
+            if let Err(e) = self.core.dirty_tracker().stop() {
+                tracing::warn!(error = %e, "cannot stop dirty tracking");
+            }
+        }
+    }
+
+    /// Ends protection normally: the standby is told to exit.
+    pub fn stop(&self, reason: &str) {
+        let link = self.link.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(link) = link {
+            let _ = link.send_msg(&Message::Stop {
+                reason: reason.to_owned(),
+            });
+            link.close();
+            let _ = self.core.dirty_tracker().stop();
+        }
+        self.shared.set_state(FtState::Unprotected);
+        tracing::info!(reason, "fault tolerance stopped");
+    }
+
+    /// Whether outputs currently wait for the standby.
+    pub fn is_protecting(&self) -> bool {
+        self.current_link().is_some()
+    }
+}
+
+impl OutputGate for FtGate {
+    fn before_output(&self, batch: &[OutputEvent]) -> Release {
+        match self.mode {
+            SyncMode::Periodic(_) if self.is_protecting() => Release::AtCheckpoint,
+            SyncMode::Periodic(_) => Release::Now,
+            SyncMode::EventDriven => {
+                self.sync(batch);
+                Release::Now
+            }
+        }
+    }
+
+    fn checkpoint_interval(&self) -> Option<Duration> {
+        match self.mode {
+            SyncMode::Periodic(p) => Some(p),
+            SyncMode::EventDriven => None,
+        }
+    }
+
+    fn checkpoint(&self, batch: &[OutputEvent]) {
+        self.sync(batch);
+    }
+}

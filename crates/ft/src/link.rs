@@ -1,0 +1,268 @@
+//! The primary's end of the sync link. No thread sits in a read: whoever
+//! waits for an answer (a sync on the device event loop, the initial
+//! synchronization) reads the socket itself — an acknowledgement costs no
+//! extra thread wake-up — and the heartbeat thread drains what arrived
+//! while nobody waited, which is how a silent standby is noticed between
+//! syncs.
+
+use std::io::{BufReader, BufWriter};
+use std::net::{Shutdown, TcpStream};
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use transfer::channel::Channel;
+use transfer::link::RoundLink;
+use transfer::message::{Kind, Message};
+use transfer::{Peer, TransferError};
+
+use crate::gate::FtGate;
+
+type Writer = Channel<BufWriter<TcpStream>>;
+type Reader = (Channel<BufReader<TcpStream>>, Vec<u8>);
+
+/// The primary's end of the link to its standby.
+pub struct Link {
+    writer: Mutex<Writer>,
+    reader: Mutex<Reader>,
+    socket: TcpStream,
+    closed: AtomicBool,
+    last_sent: Mutex<Instant>,
+    last_heard: Mutex<Instant>,
+    /// Answers read so far, by whichever thread read them.
+    acked: AtomicU64,
+    round_acked: AtomicU32,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link")
+            .field("closed", &self.closed.load(Ordering::SeqCst))
+            .finish()
+    }
+}
+
+impl Link {
+    /// Splits an authenticated channel whose offer the standby accepted
+    /// into the link's halves and starts the heartbeat thread; `on_lost`
+    /// is told when the standby stops answering while no sync waits for
+    /// it.
+    pub fn start(
+        channel: Channel<TcpStream>,
+        heartbeat: Duration,
+        timeout: Duration,
+        on_lost: Arc<OnceLock<Weak<FtGate>>>,
+    ) -> Result<Arc<Link>, TransferError> {
+        let io = |e| TransferError::io(Peer::Standby, "setting up the sync link", None, e);
+        let socket = channel.stream().try_clone().map_err(io)?;
+        socket.set_read_timeout(Some(timeout)).map_err(io)?;
+        socket.set_write_timeout(Some(timeout)).map_err(io)?;
+        let (mut reader, mut writer) = channel.split(|s| {
+            Ok((
+                BufReader::with_capacity(64 << 10, s.try_clone()?),
+                BufWriter::with_capacity(1 << 20, s),
+            ))
+        })?;
+        reader.note_timeout(Some(timeout));
+        writer.note_timeout(Some(timeout));
+        let link = Arc::new(Link {
+            writer: Mutex::new(writer),
+            reader: Mutex::new((reader, Vec::new())),
+            socket,
+            closed: AtomicBool::new(false),
+            last_sent: Mutex::new(Instant::now()),
+            last_heard: Mutex::new(Instant::now()),
+            acked: AtomicU64::new(0),
+            round_acked: AtomicU32::new(0),
+            timeout,
+        });
+        let beat = Arc::downgrade(&link);
+        std::thread::Builder::new()
+            .name("ft-heartbeat".into())
+            .spawn(move || heartbeat_loop(&beat, heartbeat, &on_lost))
+            .map_err(io)?;
+        Ok(link)
+    }
+
+    /// The socket (to shut down on cancel).
+    pub fn socket(&self) -> &TcpStream {
+        &self.socket
+    }
+
+    /// Sends what `f` writes, as one flush; returns the payload bytes.
+    pub fn send(
+        &self,
+        f: impl FnOnce(&mut Writer) -> Result<(), TransferError>,
+    ) -> Result<u64, TransferError> {
+        let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let before = w.bytes_sent;
+        f(&mut w)?;
+        w.flush()?;
+        *self.last_sent.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+        Ok(w.bytes_sent - before)
+    }
+
+    /// Sends a control message.
+    pub fn send_msg(&self, msg: &Message) -> Result<u64, TransferError> {
+        self.send(|w| w.send_msg(msg))
+    }
+
+    /// Reads one frame (the lock is held); heartbeats only refresh
+    /// `last_heard`.
+    fn read_one(&self, reader: &mut Reader) -> Result<(), TransferError> {
+        let (ch, buf) = reader;
+        let msg = ch.recv_msg(buf)?;
+        *self.last_heard.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+        match msg {
+            Message::Ack { epoch } => {
+                self.acked.fetch_max(epoch, Ordering::SeqCst);
+                Ok(())
+            }
+            Message::RoundAck { round } => {
+                self.round_acked.fetch_max(round, Ordering::SeqCst);
+                Ok(())
+            }
+            Message::Heartbeat => Ok(()),
+            other => Err(ch.unexpected("an acknowledgement or a heartbeat", other)),
+        }
+    }
+
+    /// Waits until the standby's answers satisfy `done`, up to the timeout
+    /// (answers the heartbeat thread read meanwhile count too).
+    pub fn wait(
+        &self,
+        what: &'static str,
+        done: impl Fn(&Link) -> bool,
+    ) -> Result<(), TransferError> {
+        let mut reader = self.reader.lock().unwrap_or_else(|p| p.into_inner());
+        reader.0.set_phase(what);
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if done(self) {
+                return Ok(());
+            }
+            if self.closed.load(Ordering::SeqCst) {
+                return Err(TransferError::Closed {
+                    peer: Peer::Standby,
+                    phase: what.into(),
+                });
+            }
+            self.read_one(&mut reader)?;
+            if Instant::now() >= deadline {
+                return Err(TransferError::Timeout {
+                    peer: Peer::Standby,
+                    phase: what.into(),
+                    after: self.timeout,
+                });
+            }
+        }
+    }
+
+    /// The last epoch the standby acknowledged.
+    pub fn acked(&self) -> u64 {
+        self.acked.load(Ordering::SeqCst)
+    }
+
+    /// Reads whatever complete frames wait, without blocking for more
+    /// (unless a sync is reading: then it hears the standby itself).
+    fn drain(&self) -> Result<(), TransferError> {
+        let Ok(mut reader) = self.reader.try_lock() else {
+            return Ok(());
+        };
+        while !reader.0.stream().buffer().is_empty()
+            || transfer::sys::bytes_waiting(self.socket.as_fd()) > 0
+        {
+            self.read_one(&mut reader)?;
+        }
+        Ok(())
+    }
+
+    /// Closes the link (a blocked read or write returns at once).
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        let _ = self.socket.shutdown(Shutdown::Both);
+    }
+
+    /// Payload bytes sent.
+    pub fn bytes(&self) -> u64 {
+        self.writer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .bytes_sent
+    }
+}
+
+/// The pre-copy of the initial synchronization over the link.
+impl RoundLink for &Link {
+    fn send_pages(&mut self, payload: &[u8]) -> Result<(), TransferError> {
+        self.send(|w| w.send(Kind::Pages, payload)).map(drop)
+    }
+
+    fn end_round(&mut self, round: u32, pages: u64) -> Result<(), TransferError> {
+        self.send_msg(&Message::RoundEnd { round, pages })?;
+        self.wait(
+            "waiting for the standby to acknowledge a pre-copy round",
+            |l| l.round_acked.load(Ordering::SeqCst) >= round,
+        )
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.bytes()
+    }
+
+    fn set_phase(&mut self, phase: String) {
+        self.writer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .set_phase(phase);
+    }
+}
+
+/// Sends heartbeats when the link is idle and notices a standby that went
+/// silent between syncs.
+fn heartbeat_loop(link: &Weak<Link>, every: Duration, on_lost: &OnceLock<Weak<FtGate>>) {
+    loop {
+        std::thread::sleep(every);
+        let Some(link) = link.upgrade() else { return };
+        if link.closed.load(Ordering::SeqCst) {
+            return;
+        }
+        let idle = link
+            .last_sent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .elapsed();
+        let mut lost = None;
+        if idle >= every {
+            if let Err(e) = link.send_msg(&Message::Heartbeat) {
+                lost = Some(e.to_string());
+            }
+        }
+        if lost.is_none() {
+            if let Err(e) = link.drain() {
+                lost = Some(e.to_string());
+            }
+        }
+        let silent = link
+            .last_heard
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .elapsed();
+        if lost.is_none() && silent > link.timeout && link.reader.try_lock().is_ok() {
+            lost = Some(format!(
+                "no frame from the standby for {} ms",
+                silent.as_millis()
+            ));
+        }
+        if let Some(why) = lost {
+            match on_lost.get().and_then(Weak::upgrade) {
+                Some(gate) => gate.degrade(&why),
+                // Still in the initial synchronization: it fails by itself.
+                None => link.close(),
+            }
+            return;
+        }
+    }
+}

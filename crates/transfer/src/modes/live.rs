@@ -1,0 +1,150 @@
+//! Pre-copy live migration over TCP (docs/migration-protocol.md): the
+//! shared pre-copy with the downtime-estimate rule, then the pause, the
+//! last pages with the state, and the commit. The destination runs the
+//! guest as soon as it is restored, its outputs held until `Commit`.
+
+use std::time::Duration;
+
+use vmm::config::MachineConfig;
+use vmm::machine::{Machine, RunState};
+use vmm::vstate::VmEventSink;
+
+use crate::cancel::Cancel;
+use crate::channel::{Auth, Channel};
+use crate::destination::{self, RunAs, Target};
+use crate::error::{Peer, TransferError};
+use crate::message::Mode;
+use crate::net::{self, MIGRATION_SOCKET_BUFFER};
+use crate::precopy::{self, DowntimeEstimate, PageSender};
+use crate::progress::{Progress, ProgressCell};
+use crate::source::{self, Delivery, LastPages};
+
+/// How long either end waits for the other at any step.
+const STEP_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Source side: live-migrates `machine` to the kemari listening at `to`,
+/// reporting to `progress`. On success the caller ends without resuming;
+/// on failure or cancel the machine runs again (if it ran) and the error
+/// says why.
+pub fn migrate_out(
+    machine: &mut Machine,
+    to: &str,
+    key: &[u8],
+    rule: DowntimeEstimate,
+    cancel: &Cancel,
+    progress: &ProgressCell,
+) -> Result<Progress, TransferError> {
+    let was_running = machine.state() == RunState::Running;
+    progress.start(to);
+    let result = migrate_out_inner(machine, to, key, rule, cancel, progress);
+    let result = cancel.explain(result, progress.snapshot().phase.as_str());
+    match &result {
+        Ok(()) => progress.finish("completed", None),
+        Err(e) => {
+            // The VM runs on here: its tracking ends (after a commit it
+            // ends with the VM; stopping it is a memory-slot update, SRCU
+            // grace period included).
+            let _ = machine.stop_dirty_log();
+            if was_running && machine.state() == RunState::Paused {
+                if let Err(re) = machine.resume() {
+                    tracing::error!(error = %re, "cannot resume the VM after a failed migration");
+                }
+            }
+            let status = if e.is_cancelled() {
+                "cancelled"
+            } else {
+                "failed"
+            };
+            tracing::warn!(error = %e, "live migration {status}: the VM keeps running here");
+            progress.finish(status, Some(e.to_string()));
+        }
+    }
+    result.map(|()| progress.snapshot())
+}
+
+fn migrate_out_inner(
+    machine: &mut Machine,
+    to: &str,
+    key: &[u8],
+    mut rule: DowntimeEstimate,
+    cancel: &Cancel,
+    progress: &ProgressCell,
+) -> Result<(), TransferError> {
+    let stream = net::connect(
+        to,
+        Peer::Destination,
+        Some(MIGRATION_SOCKET_BUFFER),
+        Some(STEP_TIMEOUT),
+    )?;
+    cancel.watch_tcp(&stream);
+    cancel.check("connecting")?;
+    progress.phase("handshake");
+    let mut ch = Channel::connect(stream, Auth::Psk(key), Peer::Destination)?;
+    ch.note_timeout(Some(STEP_TIMEOUT));
+    source::offer(&mut ch, Mode::Live, machine, &[])?;
+    let memory = machine.guest_memory().clone();
+    let mut sender = PageSender::new(&memory);
+    let pre = precopy::run(machine, &mut ch, &mut sender, &mut rule, cancel, progress)?;
+    let handed = source::pause_and_hand_over(
+        &mut ch,
+        machine,
+        Some(LastPages {
+            sender: &mut sender,
+            carry: pre.carry,
+            round: pre.rounds,
+        }),
+        Delivery::Inline,
+        cancel,
+        progress,
+    )?;
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    let total = progress.snapshot().elapsed_ms;
+    progress.update(|p| {
+        p.round = pre.rounds + 1;
+        p.bytes_sent = ch.bytes_sent;
+        p.pages_sent = sender.pages;
+        p.remaining_pages = 0;
+        p.downtime_ms = Some(ms(handed.downtime));
+        p.running_ms = handed.running.map(ms);
+        p.total_ms = Some(total as f64);
+        p.stop_reason = Some(pre.stop_reason.into());
+    });
+    tracing::info!(
+        rounds = pre.rounds + 1,
+        final_pages = handed.final_pages,
+        restore_ms = handed.restore_ms,
+        downtime_ms = ms(handed.downtime),
+        "live migration committed"
+    );
+    Ok(())
+}
+
+/// Destination side: listens on `listen`, takes one VM over and returns it
+/// running. `adjust` may change the saved configuration (this host's TAP
+/// names, serial output). On any failure nothing of the VM runs here.
+pub fn migrate_in(
+    listen: &str,
+    key: &[u8],
+    events: VmEventSink,
+    adjust: &mut dyn FnMut(&mut MachineConfig),
+) -> Result<Machine, TransferError> {
+    let (stream, _) = net::accept_one(
+        listen,
+        Peer::Source,
+        Some(MIGRATION_SOCKET_BUFFER),
+        Some(STEP_TIMEOUT),
+    )?;
+    let mut ch = Channel::accept(stream, Auth::Psk(key), Peer::Source)?;
+    ch.note_timeout(Some(STEP_TIMEOUT));
+    let machine = destination::receive(
+        &mut ch,
+        Mode::Live.name(),
+        &mut Target::FreshMemory,
+        RunAs::RunHeld,
+        events,
+        adjust,
+    )?;
+    machine.announce_network();
+    tracing::info!("live migration: VM taken over and running");
+    Ok(machine)
+}
