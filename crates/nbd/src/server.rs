@@ -17,8 +17,8 @@ use thiserror::Error;
 use tracing::{debug, info, warn};
 
 use crate::backend::Backend;
-use crate::page_buf::PageBuf;
-use crate::protocol::*;
+use nbd_client::page_buf::PageBuf;
+use nbd_client::protocol::*;
 use crate::splice::{Pipe, SpliceError};
 
 /// Replies to at most this many blocking requests at once per connection;

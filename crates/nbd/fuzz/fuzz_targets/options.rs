@@ -1,6 +1,6 @@
 //! Handshake and option decoders.
 #![no_main]
-use kemari_nbd::protocol::*;
+use nbd_client::protocol::*;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

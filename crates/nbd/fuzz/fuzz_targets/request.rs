@@ -1,6 +1,6 @@
 //! Transmission-phase decoders: request headers and reply headers.
 #![no_main]
-use kemari_nbd::protocol::{decode_reply_header, Request};
+use nbd_client::protocol::{decode_reply_header, Request};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

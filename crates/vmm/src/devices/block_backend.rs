@@ -53,7 +53,7 @@ pub enum BlockBackendError {
         url: String,
         /// The cause.
         #[source]
-        source: kemari_nbd::client::ClientError,
+        source: nbd_client::client::ClientError,
     },
     /// The image is not a regular file or block device.
     #[error("disk image {path} is not a regular file")]
@@ -409,14 +409,14 @@ pub fn is_nbd_url(path: &str) -> bool {
 }
 
 /// A disk served over NBD (a kemari-nbd target or relocation proxy, or any NBD
-/// server), through kemari-nbd's blocking client.
+/// server), through the nbd-client crate's blocking client.
 pub struct NbdBackend {
-    client: kemari_nbd::client::Client,
+    client: nbd_client::client::Client,
     url: String,
     read_only: bool,
 }
 
-fn nbd_io(e: kemari_nbd::client::ClientError) -> io::Error {
+fn nbd_io(e: nbd_client::client::ClientError) -> io::Error {
     io::Error::other(e)
 }
 
@@ -424,7 +424,7 @@ impl NbdBackend {
     /// Connects to `url`; `read_only` also refuses writes the export would take.
     pub fn connect(url: &str, read_only: bool) -> Result<Self, BlockBackendError> {
         let client =
-            kemari_nbd::client::Client::connect(url).map_err(|source| BlockBackendError::Nbd {
+            nbd_client::client::Client::connect(url).map_err(|source| BlockBackendError::Nbd {
                 url: url.to_owned(),
                 source,
             })?;
