@@ -1,11 +1,12 @@
-//! Device models: the address buses, legacy ports (serial, i8042, exit port),
-//! disk backends and virtio devices.
+//! Device models: the address buses, legacy ports (serial, i8042, exit port)
+//! and the console's output, disk backends and virtio devices.
 
 pub mod block_backend;
 pub mod bus;
 pub mod console_buffer;
 pub mod event_loop;
 pub mod legacy;
+pub mod serial_output;
 pub mod virtio;
 
 use serde::{Deserialize, Serialize};

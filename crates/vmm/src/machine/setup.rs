@@ -14,9 +14,9 @@ use crate::config::{MachineConfig, SerialConfig};
 use crate::devices::bus::Bus;
 use crate::devices::event_loop::{DeviceEventLoop, EventLoopAhead};
 use crate::devices::legacy::{
-    ExitPort, SerialDevice, SerialOutput, SerialSocket, EXIT_PORT, I8042, I8042_PORT, SERIAL_GSI,
-    SERIAL_PORT,
+    ExitPort, SerialDevice, EXIT_PORT, I8042, I8042_PORT, SERIAL_GSI, SERIAL_PORT,
 };
+use crate::devices::serial_output::{SerialOutput, SerialSocket};
 use crate::dirty::DirtyTracker;
 use crate::memory::GuestMemoryMmap;
 use crate::output::OutputGate;
