@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::monitor::MachineStatus;
 use super::setup::Setup;
 use super::{Machine, MachineCore, MachineError, PreparedVm, RunState};
 use crate::config::MachineConfig;
@@ -308,28 +309,26 @@ impl Machine {
             if saved.is_some() { "restored" } else { "booted" }
         );
         let vcpu_count = vcpus.len();
+        let core = Arc::new(MachineCore {
+            vcpus: VcpuSet::new(vcpus, start_paused),
+            virtio,
+            serial,
+            vm,
+            dirty,
+            config: Arc::new(config),
+            memory_file,
+            guest_memory,
+            msr_indices: std::sync::OnceLock::new(),
+            vcpu_constants: Arc::new(
+                (0..vcpu_count)
+                    .map(|_| std::sync::OnceLock::new())
+                    .collect(),
+            ),
+        });
         Ok(Machine {
             event_loop: Some(event_loop),
-            core: Arc::new(MachineCore {
-                vcpus: VcpuSet::new(vcpus, start_paused),
-                virtio,
-                serial,
-                vm,
-                dirty,
-                config,
-                memory_file,
-                guest_memory,
-                msr_indices: std::sync::OnceLock::new(),
-                vcpu_constants: Arc::new(
-                    (0..vcpu_count)
-                        .map(|_| std::sync::OnceLock::new())
-                        .collect(),
-                ),
-            }),
-            serial_backend,
-            state,
-            built_at,
-            pauses: 0,
+            status: Arc::new(MachineStatus::new(&core, serial_backend, state, built_at)),
+            core,
         })
     }
 }

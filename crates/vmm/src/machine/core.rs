@@ -25,7 +25,7 @@ pub struct MachineCore {
     pub(super) serial: Arc<Mutex<SerialDevice>>,
     pub(super) vm: Vm,
     pub(super) dirty: Arc<DirtyTracker>,
-    pub(super) config: MachineConfig,
+    pub(super) config: Arc<MachineConfig>,
     pub(super) memory_file: GuestMemoryFile,
     pub(super) guest_memory: GuestMemoryMmap,
     /// KVM's MSR list, fetched on the first save (syncs save often).
@@ -174,7 +174,7 @@ impl MachineCore {
         Ok(VmState {
             kemari_version: env!("CARGO_PKG_VERSION").to_owned(),
             saved_at_ms: persist::now_ms(),
-            config: self.config.clone(),
+            config: MachineConfig::clone(&self.config),
             memory: persist::MemoryState {
                 size: self.memory_file.size(),
                 backing: self.memory_file.backing().clone(),

@@ -8,7 +8,8 @@
 //! - `setup.rs`: the devices, the kernel and the vCPUs it is built from;
 //! - `prepared.rs`: [`PreparedVm`], a VM made ahead of a restore;
 //! - `core.rs`: [`MachineCore`], the part other threads use while it runs;
-//! - `monitor.rs`: what it reports ([`RunState`], [`MachineMetrics`]);
+//! - `monitor.rs`: what it reports ([`RunState`], [`MachineMetrics`]), also
+//!   through a [`MachineMonitor`] on other threads;
 //! - `error.rs`: [`MachineError`].
 
 mod builder;
@@ -21,17 +22,17 @@ mod setup;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use monitor::MachineStatus;
+
 pub use self::core::MachineCore;
 pub use crate::devices::DeviceInfo;
 pub use crate::vstate::vcpu::PauseLength;
 pub use error::MachineError;
-pub use monitor::{MachineMetrics, RunState};
+pub use monitor::{MachineMetrics, MachineMonitor, RunState};
 pub use prepared::PreparedVm;
 
 use crate::config::MachineConfig;
 use crate::devices::event_loop::{DeviceEventLoop, EventLoopError};
-use crate::devices::legacy::{SERIAL_GSI, SERIAL_PORT};
-use crate::devices::virtio::DeviceCounters;
 use crate::dirty::DirtyTracker;
 use crate::memory::{GuestMemoryFile, GuestMemoryMmap};
 use crate::output::OutputGate;
@@ -43,14 +44,15 @@ pub struct Machine {
     // The event loop (and the gate it holds) ends before the core goes.
     event_loop: Option<DeviceEventLoop>,
     core: Arc<MachineCore>,
-    serial_backend: String,
-    state: RunState,
-    built_at: Instant,
-    pauses: u64,
+    /// The run state, the pause count and what else a [`MachineMonitor`]
+    /// reads; written only here.
+    status: Arc<MachineStatus>,
 }
 
 impl Drop for Machine {
     fn drop(&mut self) {
+        // No monitor holds the core from here on: it goes with this drop.
+        self.status.machine_gone();
         self.core.vcpus.exit_all();
         self.event_loop = None;
         // The last partial line, even if a vCPU thread still holds the UART.
@@ -86,8 +88,9 @@ impl Machine {
     /// Saves the whole VM state. The machine must be paused (vCPUs and devices
     /// at rest), so the state and guest memory form one consistent image.
     pub fn save_state(&self) -> Result<VmState, MachineError> {
-        if self.state != RunState::Paused {
-            return Err(MachineError::State(self.state));
+        let state = self.status.state();
+        if state != RunState::Paused {
+            return Err(MachineError::State(state));
         }
         self.core.save_state()
     }
@@ -113,7 +116,7 @@ impl Machine {
     /// warm restart and a snapshot. On error the machine is left paused (the
     /// caller decides whether to resume it).
     pub fn pause_and_save(&mut self) -> Result<VmState, MachineError> {
-        if self.state == RunState::Paused {
+        if self.status.state() == RunState::Paused {
             return self.core.save_state();
         }
         let started = Instant::now();
@@ -122,8 +125,7 @@ impl Machine {
         }
         let t_devices = started.elapsed();
         // From here on a resume() undoes both pauses, also when saving fails.
-        self.state = RunState::Paused;
-        self.pauses += 1;
+        self.status.set_paused();
         // Long: the pause of a migration or a restart ends in another
         // process, or late; a polling vCPU would only take a CPU from it.
         let vcpus = self.core.pause_and_save_vcpus(PauseLength::Long)?;
@@ -159,7 +161,14 @@ impl Machine {
 
     /// Running or paused.
     pub fn state(&self) -> RunState {
-        self.state
+        self.status.state()
+    }
+
+    /// A handle that answers the machine's queries (state, configuration,
+    /// uptime, devices, metrics) on other threads, while this one keeps the
+    /// machine: see [`MachineMonitor`].
+    pub fn monitor(&self) -> MachineMonitor {
+        MachineMonitor::new(self.status.clone())
     }
 
     /// Guest memory.
@@ -185,7 +194,7 @@ impl Machine {
     /// Guest page frame numbers written since tracking started or the last
     /// harvest; running vCPUs are kicked so that none is missed.
     pub fn harvest_dirty(&self) -> Result<Vec<u64>, MachineError> {
-        Ok(match self.state {
+        Ok(match self.status.state() {
             RunState::Running => self.core.dirty.harvest_running(self.core.vcpus.handles())?,
             RunState::Paused => self.core.dirty.harvest()?,
         })
@@ -226,29 +235,28 @@ impl Machine {
 
     /// Stops every vCPU, then the device event loop.
     pub fn pause(&mut self) -> Result<(), MachineError> {
-        if self.state == RunState::Paused {
-            return Err(MachineError::State(self.state));
+        if self.status.state() == RunState::Paused {
+            return Err(MachineError::State(RunState::Paused));
         }
         self.core.vcpus.pause()?;
         if let Some(l) = &self.event_loop {
             l.pause()?;
         }
-        self.state = RunState::Paused;
-        self.pauses += 1;
+        self.status.set_paused();
         tracing::info!("VM paused");
         Ok(())
     }
 
     /// Restarts the device event loop, then the vCPUs.
     pub fn resume(&mut self) -> Result<(), MachineError> {
-        if self.state == RunState::Running {
-            return Err(MachineError::State(self.state));
+        if self.status.state() == RunState::Running {
+            return Err(MachineError::State(RunState::Running));
         }
         if let Some(l) = &self.event_loop {
             l.resume()?;
         }
         self.core.vcpus.resume()?;
-        self.state = RunState::Running;
+        self.status.set_running();
         tracing::info!("VM resumed");
         Ok(())
     }
@@ -276,8 +284,9 @@ impl Machine {
     /// must be paused, and must never run again: its devices serve nothing
     /// afterwards.
     pub fn release_backends(&mut self) -> Result<Vec<std::fs::File>, MachineError> {
-        if self.state != RunState::Paused {
-            return Err(MachineError::State(self.state));
+        let state = self.status.state();
+        if state != RunState::Paused {
+            return Err(MachineError::State(state));
         }
         let mut taps = Vec::new();
         for d in &self.core.virtio {
@@ -297,44 +306,17 @@ impl Machine {
 
     /// Devices with their counters.
     pub fn devices(&self) -> Vec<DeviceInfo> {
-        let serial = self.core.serial.lock().unwrap_or_else(|p| p.into_inner());
-        let mut list = vec![DeviceInfo {
-            name: "serial0".into(),
-            kind: "serial".into(),
-            address: SERIAL_PORT,
-            gsi: SERIAL_GSI,
-            backend: self.serial_backend.clone(),
-            counters: DeviceCounters {
-                bytes_out: serial.bytes_out(),
-                ..Default::default()
-            },
-        }];
-        drop(serial);
-        list.extend(self.core.virtio.iter().map(|d| d.info_with_counters()));
-        list
+        self.status.devices(&self.core)
     }
 
     /// Machine-wide counters.
     pub fn metrics(&self) -> MachineMetrics {
-        let mut exits = std::collections::BTreeMap::new();
-        for v in self.core.vcpus.handles() {
-            for (reason, n) in v.counters().snapshot() {
-                *exits.entry(reason.to_string()).or_insert(0) += n;
-            }
-        }
-        MachineMetrics {
-            uptime_ms: self.built_at.elapsed().as_millis() as u64,
-            memory_bytes: self.core.config.memory_bytes,
-            memory_pages: self.core.config.memory_bytes / 4096,
-            exits,
-            devices: self.devices(),
-            pauses: self.pauses,
-        }
+        self.status.metrics(Some(&self.core))
     }
 
     /// Time since the machine was built.
     pub fn uptime(&self) -> Duration {
-        self.built_at.elapsed()
+        self.status.uptime()
     }
 
     /// Stops vCPUs and devices for good.
