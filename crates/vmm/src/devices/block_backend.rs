@@ -8,9 +8,11 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+
+use crate::sys;
 
 /// Sector size of the virtio-blk protocol; image sizes must be a multiple of it.
 pub const SECTOR_SIZE: u64 = 512;
@@ -178,12 +180,7 @@ impl RawFileBackend {
         let (Ok(off), Ok(len)) = (libc::off_t::try_from(off), libc::off_t::try_from(len)) else {
             return Err(io::Error::from(io::ErrorKind::InvalidInput));
         };
-        // SAFETY: fallocate on a file descriptor we own; no memory is passed.
-        let rc = unsafe { libc::fallocate(self.file.as_raw_fd(), mode, off, len) };
-        if rc < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
+        sys::fallocate(self.file.as_fd(), mode, off, len)
     }
 
     fn write_zero_bytes(&self, mut off: u64, len: u64) -> io::Result<()> {

@@ -37,6 +37,7 @@ use crate::dirty::DirtyTracker;
 use crate::memory::{GuestMemoryFile, GuestMemoryMmap};
 use crate::output::OutputGate;
 use crate::persist::{self, VmState};
+use crate::sys;
 use crate::vstate::vm::Vm;
 
 /// A built, booted machine.
@@ -222,11 +223,8 @@ impl Machine {
                 .unwrap_or_else(|| crate::config::default_mac(&net.tap));
             let frame = rarp_announce(mac);
             for _ in 0..3 {
-                // SAFETY: write() reads `frame` (valid for its length) from our
-                // own buffer into the TAP fd the device owns; no memory is kept.
-                let rc = unsafe { libc::write(fd, frame.as_ptr().cast(), frame.len()) };
-                if rc < 0 {
-                    tracing::warn!(tap = %net.tap, error = %std::io::Error::last_os_error(), "cannot announce MAC");
+                if let Err(e) = sys::write(fd, &frame) {
+                    tracing::warn!(tap = %net.tap, error = %e, "cannot announce MAC");
                     break;
                 }
             }

@@ -14,6 +14,7 @@ use super::kick::install_kick_handler;
 use super::runner::VcpuRunner;
 use super::{Vcpu, VcpuError};
 use crate::devices::bus::Bus;
+use crate::sys;
 use crate::vstate::VmEventSink;
 
 /// How long a thread made ahead polls for its vCPU once told to get ready
@@ -168,8 +169,7 @@ impl VcpuThreadAhead {
 fn thread_ahead(rx: &Receiver<AheadRequest>, tid: &std::sync::atomic::AtomicI32) {
     // The CPUs it may use, before get_ready narrows them.
     let allowed = affinity::current();
-    // SAFETY: gettid has no preconditions.
-    tid.store(unsafe { libc::gettid() }, Ordering::Release);
+    tid.store(sys::gettid(), Ordering::Release);
     let mut ready = false;
     loop {
         let next = if ready {
@@ -214,35 +214,26 @@ fn thread_ahead(rx: &Receiver<AheadRequest>, tid: &std::sync::atomic::AtomicI32)
 
 /// CPU affinity, for [`VcpuThreadAhead`].
 mod affinity {
-    use std::mem::size_of;
+    use crate::sys::{self, CpuSet};
 
     /// The calling thread's allowed CPUs.
-    pub(super) fn current() -> Option<libc::cpu_set_t> {
-        // SAFETY: a zeroed cpu_set_t is a valid empty set.
-        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        // SAFETY: `set` is a cpu_set_t of the size given.
-        let r = unsafe { libc::sched_getaffinity(0, size_of::<libc::cpu_set_t>(), &mut set) };
-        (r == 0).then_some(set)
+    pub(super) fn current() -> Option<CpuSet> {
+        sys::thread_affinity(0).ok()
     }
 
     /// Sets thread `tid`'s (0: the caller's) allowed CPUs; best effort.
-    pub(super) fn set(tid: libc::pid_t, set: &libc::cpu_set_t) -> bool {
-        // SAFETY: `set` is a valid cpu_set_t of the size given; a bad tid
-        // only makes the call fail.
-        unsafe { libc::sched_setaffinity(tid, size_of::<libc::cpu_set_t>(), set) == 0 }
+    pub(super) fn set(tid: libc::pid_t, set: &CpuSet) -> bool {
+        sys::set_thread_affinity(tid, set).is_ok()
     }
 
     /// Lets thread `tid` use the caller's allowed CPUs but the one the
     /// caller runs on, if that leaves any; best effort. Returns the CPU
     /// kept off.
     pub(super) fn keep_off_callers_cpu(tid: libc::pid_t) -> Option<usize> {
-        // SAFETY: sched_getcpu has no preconditions.
-        let cpu = usize::try_from(unsafe { libc::sched_getcpu() }).ok()?;
+        let cpu = sys::current_cpu().ok()?;
         let mut others = current()?;
-        // SAFETY: `cpu` is below the set's capacity (the kernel gave it).
-        unsafe { libc::CPU_CLR(cpu, &mut others) };
-        // SAFETY: `others` is a valid cpu_set_t.
-        if unsafe { libc::CPU_COUNT(&others) } == 0 {
+        others.remove(cpu);
+        if others.count() == 0 {
             return None;
         }
         set(tid, &others).then_some(cpu)
@@ -253,18 +244,6 @@ mod affinity {
 mod tests {
     use super::*;
     use std::path::Path;
-
-    /// `tid`'s allowed CPUs.
-    fn affinity_of(tid: libc::pid_t) -> libc::cpu_set_t {
-        // SAFETY: a zeroed cpu_set_t is a valid empty set.
-        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        // SAFETY: `set` is a cpu_set_t of the size given.
-        let r = unsafe {
-            libc::sched_getaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &mut set)
-        };
-        assert_eq!(r, 0);
-        set
-    }
 
     fn wait_for_tid(t: &VcpuThreadAhead) -> libc::pid_t {
         let deadline = std::time::Instant::now() + Duration::from_secs(5);
@@ -283,19 +262,15 @@ mod tests {
         let t = VcpuThreadAhead::spawn(3).unwrap();
         assert_eq!(t.index(), 3);
         let tid = wait_for_tid(&t);
-        let before = affinity_of(tid);
-        // SAFETY: `before` is a valid cpu_set_t.
-        let cpus = unsafe { libc::CPU_COUNT(&before) };
+        let before = sys::thread_affinity(tid).unwrap();
+        let cpus = before.count();
         let kept_off = affinity::keep_off_callers_cpu(tid);
         if cpus >= 2 {
             let cpu = kept_off.expect("two CPUs allowed, one kept off");
-            let after = affinity_of(tid);
-            // SAFETY: valid sets, `cpu` below their capacity.
-            unsafe {
-                assert!(libc::CPU_ISSET(cpu, &before));
-                assert!(!libc::CPU_ISSET(cpu, &after));
-                assert_eq!(libc::CPU_COUNT(&after), cpus - 1);
-            }
+            let after = sys::thread_affinity(tid).unwrap();
+            assert!(before.contains(cpu));
+            assert!(!after.contains(cpu));
+            assert_eq!(after.count(), cpus - 1);
         } else {
             assert_eq!(kept_off, None, "the only CPU cannot be kept off");
         }
