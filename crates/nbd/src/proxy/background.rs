@@ -14,8 +14,8 @@ use tracing::{info, warn};
 
 use super::cache::{Cache, BLOCK};
 use super::Shared;
-use nbd_client::client::{query_access_counts, Ticket};
 use crate::ext::{self, UsedBlocks};
+use nbd_client::client::{query_access_counts, Ticket};
 use nbd_client::protocol::CMD_READ;
 
 /// Size of one background request.
