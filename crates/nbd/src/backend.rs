@@ -8,7 +8,7 @@ use std::os::unix::io::AsRawFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::protocol::AccessCounts;
+use nbd_client::protocol::AccessCounts;
 
 /// Size of the groups whose reads and writes the target counts for proxies.
 pub const ACCESS_GROUP_SIZE: u64 = 16 << 20;

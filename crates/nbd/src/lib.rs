@@ -1,15 +1,16 @@
 //! kemari-nbd: an NBD target server and a relocation proxy (xNBD-style
-//! copy-on-read with a prioritized background copy), plus a blocking NBD
-//! client for the VMM. See docs/nbd.md.
+//! copy-on-read with a prioritized background copy). The NBD client, the
+//! wire codec and page-aligned buffers live in the `nbd-client` crate, which
+//! the VMM links alone; they are re-exported here under their old paths.
+//! See docs/nbd.md.
 
 pub mod backend;
-pub mod client;
 pub mod control;
 pub mod ext;
 pub mod loadgen;
-pub mod page_buf;
-pub mod protocol;
 pub mod proxy;
 pub mod relay;
 pub mod server;
 pub mod splice;
+
+pub use nbd_client::{client, page_buf, protocol};

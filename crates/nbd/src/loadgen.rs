@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::client::{Client, ClientError};
+use nbd_client::client::{Client, ClientError};
 
 #[derive(Debug, Serialize)]
 pub struct LoadResult {

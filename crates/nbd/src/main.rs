@@ -8,10 +8,10 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
 use kemari_nbd::backend::FileBackend;
-use kemari_nbd::client::{parse_url, query_access_counts};
 use kemari_nbd::proxy::{Proxy, ProxyConfig};
 use kemari_nbd::server::{serve, Exports, Listener};
 use kemari_nbd::{control, relay};
+use nbd_client::client::{parse_url, query_access_counts};
 
 #[derive(Parser)]
 #[command(name = "kemari-nbd", about = "NBD target server and relocation proxy")]

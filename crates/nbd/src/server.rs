@@ -17,9 +17,9 @@ use thiserror::Error;
 use tracing::{debug, info, warn};
 
 use crate::backend::Backend;
-use crate::page_buf::PageBuf;
-use crate::protocol::*;
 use crate::splice::{Pipe, SpliceError};
+use nbd_client::page_buf::PageBuf;
+use nbd_client::protocol::*;
 
 /// Replies to at most this many blocking requests at once per connection;
 /// beyond it, requests are served inline (back-pressure on a hostile client).

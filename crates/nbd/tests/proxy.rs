@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use kemari_nbd::client::Client;
+use nbd_client::client::Client;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::process::Command;

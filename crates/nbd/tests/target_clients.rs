@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use kemari_nbd::client::Client;
+use nbd_client::client::Client;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::Command;
@@ -263,7 +263,7 @@ fn hostile_traffic_never_kills_the_server() {
         let _ = s.read_to_end(&mut sink);
         sink
     };
-    use kemari_nbd::protocol::*;
+    use nbd_client::protocol::*;
     // Garbage instead of client flags.
     send(&[0xff; 64]);
     // Bad option magic.
@@ -385,7 +385,7 @@ fn unix_socket_listener_and_access_counts() {
     c.write_at(0, &[1; 4096]).unwrap();
     // The kemari extension: reads counted in group 1 (16 MiB groups), a write in group 0.
     let counts =
-        kemari_nbd::client::query_access_counts(&kemari_nbd::client::parse_url(&url).unwrap())
+        nbd_client::client::query_access_counts(&nbd_client::client::parse_url(&url).unwrap())
             .unwrap();
     assert_eq!(counts.group_size, 16 << 20);
     assert_eq!(counts.groups.len(), 2);

@@ -6,7 +6,7 @@
 
 use std::ffi::CString;
 use std::fs::{File, OpenOptions};
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -14,6 +14,7 @@ use vm_memory::{FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryRegion}
 
 use crate::dirty::VmmDirtyPages;
 use crate::layout;
+use crate::sys;
 
 /// The guest memory type used everywhere in the VMM: every write through it is
 /// recorded by [`VmmDirtyPages`] while dirty tracking is on.
@@ -193,19 +194,11 @@ fn validate_size(size: u64) -> Result<(), MemoryError> {
 
 fn memfd(name: &str, extra_flags: libc::c_uint) -> Result<File, MemoryError> {
     let cname = CString::new(name).expect("static name has no NUL");
-    // SAFETY: memfd_create reads a valid NUL-terminated string and returns a new fd
-    // or -1; no memory is shared with the kernel beyond the call.
-    let fd = unsafe {
-        libc::memfd_create(
-            cname.as_ptr(),
-            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING | extra_flags,
-        )
-    };
-    if fd < 0 {
-        return Err(MemoryError::Memfd(std::io::Error::last_os_error()));
-    }
-    // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
-    Ok(unsafe { File::from_raw_fd(fd) })
+    sys::memfd_create(
+        &cname,
+        libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING | extra_flags,
+    )
+    .map_err(MemoryError::Memfd)
 }
 
 fn open_named(path: &Path) -> Result<File, MemoryError> {
@@ -222,18 +215,11 @@ fn open_named(path: &Path) -> Result<File, MemoryError> {
 }
 
 fn seal_size(file: &File) -> Result<(), MemoryError> {
-    // SAFETY: fcntl on a valid fd we own; F_ADD_SEALS takes an int argument.
-    let rc = unsafe {
-        libc::fcntl(
-            file.as_raw_fd(),
-            libc::F_ADD_SEALS,
-            libc::F_SEAL_GROW | libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL,
-        )
-    };
-    if rc < 0 {
-        return Err(MemoryError::Resize(std::io::Error::last_os_error()));
-    }
-    Ok(())
+    sys::add_seals(
+        file.as_fd(),
+        libc::F_SEAL_GROW | libc::F_SEAL_SHRINK | libc::F_SEAL_SEAL,
+    )
+    .map_err(MemoryError::Resize)
 }
 
 #[cfg(test)]

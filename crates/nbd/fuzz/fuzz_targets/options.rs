@@ -1,7 +1,7 @@
 //! Handshake and option decoders.
 #![no_main]
-use kemari_nbd::protocol::*;
 use libfuzzer_sys::fuzz_target;
+use nbd_client::protocol::*;
 
 fuzz_target!(|data: &[u8]| {
     let _ = decode_handshake(data);

@@ -1,7 +1,7 @@
 //! Transmission-phase decoders: request headers and reply headers.
 #![no_main]
-use kemari_nbd::protocol::{decode_reply_header, Request};
 use libfuzzer_sys::fuzz_target;
+use nbd_client::protocol::{decode_reply_header, Request};
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(r) = Request::decode(data) {

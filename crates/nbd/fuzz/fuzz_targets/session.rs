@@ -22,10 +22,10 @@ fuzz_target!(|data: &[u8]| {
     let mut input = Vec::new();
     if data.first().is_some_and(|b| b & 1 == 1) {
         input.extend_from_slice(&1u32.to_be_bytes());
-        input.extend(kemari_nbd::protocol::encode_option(8, &[]));
-        input.extend(kemari_nbd::protocol::encode_option(
+        input.extend(nbd_client::protocol::encode_option(8, &[]));
+        input.extend(nbd_client::protocol::encode_option(
             7,
-            &kemari_nbd::protocol::encode_info_request("a", &[]),
+            &nbd_client::protocol::encode_info_request("a", &[]),
         ));
     }
     input.extend_from_slice(data);

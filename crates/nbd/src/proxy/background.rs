@@ -14,9 +14,9 @@ use tracing::{info, warn};
 
 use super::cache::{Cache, BLOCK};
 use super::Shared;
-use crate::client::{query_access_counts, Ticket};
 use crate::ext::{self, UsedBlocks};
-use crate::protocol::CMD_READ;
+use nbd_client::client::{query_access_counts, Ticket};
+use nbd_client::protocol::CMD_READ;
 
 /// Size of one background request.
 pub const EXTENT: u64 = 128 * 1024;
@@ -71,7 +71,7 @@ pub fn plan(sh: &Shared) -> Plan {
 }
 
 struct Window {
-    q: VecDeque<(u64, u64, Result<Ticket, crate::client::ClientError>)>,
+    q: VecDeque<(u64, u64, Result<Ticket, nbd_client::client::ClientError>)>,
     bytes: u64,
     /// Completed, contiguous extents not yet written to the cache.
     pending: Pending,

@@ -15,8 +15,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use tracing::{info, warn};
 
 use super::cache::{Cache, BLOCK};
-use crate::client::{Client, ClientError, NbdUrl};
-use crate::protocol::CMD_READ;
+use nbd_client::client::{Client, ClientError, NbdUrl};
+use nbd_client::protocol::CMD_READ;
 
 /// Largest single upstream read (blocks are coalesced up to this size).
 pub const MAX_FETCH: u64 = 256 * 1024;

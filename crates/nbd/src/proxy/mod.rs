@@ -24,10 +24,10 @@ use thiserror::Error;
 use tracing::{info, warn};
 
 use crate::backend::{AccessCounters, Backend};
-use crate::client::{Client, ClientError, NbdUrl};
-use crate::protocol::{AccessCounts, CMD_READ, CMD_WRITE, CMD_WRITE_ZEROES};
 use cache::{Cache, CacheError, BLOCK};
 use fetch::{FetchStats, Link, OnDemand};
+use nbd_client::client::{Client, ClientError, NbdUrl};
+use nbd_client::protocol::{AccessCounts, CMD_READ, CMD_WRITE, CMD_WRITE_ZEROES};
 
 #[derive(Debug, Error)]
 pub enum ProxyError {

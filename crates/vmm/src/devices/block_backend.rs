@@ -8,9 +8,11 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+
+use crate::sys;
 
 /// Sector size of the virtio-blk protocol; image sizes must be a multiple of it.
 pub const SECTOR_SIZE: u64 = 512;
@@ -53,7 +55,7 @@ pub enum BlockBackendError {
         url: String,
         /// The cause.
         #[source]
-        source: kemari_nbd::client::ClientError,
+        source: nbd_client::client::ClientError,
     },
     /// The image is not a regular file or block device.
     #[error("disk image {path} is not a regular file")]
@@ -178,12 +180,7 @@ impl RawFileBackend {
         let (Ok(off), Ok(len)) = (libc::off_t::try_from(off), libc::off_t::try_from(len)) else {
             return Err(io::Error::from(io::ErrorKind::InvalidInput));
         };
-        // SAFETY: fallocate on a file descriptor we own; no memory is passed.
-        let rc = unsafe { libc::fallocate(self.file.as_raw_fd(), mode, off, len) };
-        if rc < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
+        sys::fallocate(self.file.as_fd(), mode, off, len)
     }
 
     fn write_zero_bytes(&self, mut off: u64, len: u64) -> io::Result<()> {
@@ -409,14 +406,14 @@ pub fn is_nbd_url(path: &str) -> bool {
 }
 
 /// A disk served over NBD (a kemari-nbd target or relocation proxy, or any NBD
-/// server), through kemari-nbd's blocking client.
+/// server), through the nbd-client crate's blocking client.
 pub struct NbdBackend {
-    client: kemari_nbd::client::Client,
+    client: nbd_client::client::Client,
     url: String,
     read_only: bool,
 }
 
-fn nbd_io(e: kemari_nbd::client::ClientError) -> io::Error {
+fn nbd_io(e: nbd_client::client::ClientError) -> io::Error {
     io::Error::other(e)
 }
 
@@ -424,7 +421,7 @@ impl NbdBackend {
     /// Connects to `url`; `read_only` also refuses writes the export would take.
     pub fn connect(url: &str, read_only: bool) -> Result<Self, BlockBackendError> {
         let client =
-            kemari_nbd::client::Client::connect(url).map_err(|source| BlockBackendError::Nbd {
+            nbd_client::client::Client::connect(url).map_err(|source| BlockBackendError::Nbd {
                 url: url.to_owned(),
                 source,
             })?;

@@ -22,7 +22,7 @@ use std::io::{self, Write};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use super::legacy::SerialOutput;
+use super::serial_output::SerialOutput;
 use crate::output::OutputGate;
 
 /// How long a partial line may wait for its newline.

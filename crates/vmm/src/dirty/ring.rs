@@ -20,6 +20,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use kvm_bindings::{kvm_dirty_gfn, KVM_DIRTY_LOG_PAGE_OFFSET};
 
+use crate::sys;
+
 /// `flags` bit: the kernel published this entry.
 pub const KVM_DIRTY_GFN_F_DIRTY: u32 = 1 << 0;
 /// `flags` bit: userspace harvested this entry; the kernel may reset it.
@@ -47,12 +49,14 @@ pub enum RingError {
     },
 }
 
+/// What holds the ring's memory: kept for its drop, which frees it.
+#[allow(dead_code)]
 enum Backing {
     /// The kernel's ring, mapped from the vCPU fd; unmapped on drop.
-    Mmap { len: usize },
+    Mmap(sys::SharedMapping),
     /// Plain memory standing in for the kernel's ring (unit tests).
     #[cfg(test)]
-    Heap(#[allow(dead_code)] Box<[kvm_dirty_gfn]>),
+    Heap(Box<[kvm_dirty_gfn]>),
 }
 
 /// One vCPU's dirty ring and our position in it.
@@ -61,7 +65,8 @@ pub struct DirtyRing {
     entries: u32,
     /// Index of the next entry to harvest (free-running).
     fetch: u32,
-    backing: Backing,
+    /// Where `base` points; never read, dropped with the ring.
+    _backing: Backing,
 }
 
 // SAFETY: the ring memory is owned by this value (an mmap or a boxed slice)
@@ -92,39 +97,19 @@ impl DirtyRing {
     pub fn map(vcpu_fd: RawFd, entries: u32) -> Result<Self, RingError> {
         check_size(entries)?;
         let len = entries as usize * std::mem::size_of::<kvm_dirty_gfn>();
-        // SAFETY: sysconf has no memory-safety preconditions.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-        let offset = i64::from(KVM_DIRTY_LOG_PAGE_OFFSET) * page as i64;
-        // SAFETY: a new shared mapping chosen by the kernel (no fixed address),
-        // of a KVM vCPU fd at the documented dirty-ring offset; the result is
-        // checked before use and unmapped only in Drop.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                vcpu_fd,
-                offset,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(RingError::Map {
+        let offset = i64::from(KVM_DIRTY_LOG_PAGE_OFFSET) * sys::page_size() as i64;
+        let mapping =
+            sys::SharedMapping::new(vcpu_fd, len, offset).map_err(|source| RingError::Map {
                 fd: vcpu_fd,
                 entries,
-                source: std::io::Error::last_os_error(),
-            });
-        }
-        let base = NonNull::new(ptr.cast()).ok_or_else(|| RingError::Map {
-            fd: vcpu_fd,
-            entries,
-            source: std::io::Error::other("mmap returned NULL"),
-        })?;
+                source,
+            })?;
+        let base = mapping.as_ptr().cast();
         Ok(DirtyRing {
             base,
             entries,
             fetch: 0,
-            backing: Backing::Mmap { len },
+            _backing: Backing::Mmap(mapping),
         })
     }
 
@@ -138,7 +123,7 @@ impl DirtyRing {
             base,
             entries,
             fetch: 0,
-            backing: Backing::Heap(mem),
+            _backing: Backing::Heap(mem),
         }
     }
 
@@ -231,20 +216,6 @@ impl DirtyRing {
     #[cfg(test)]
     pub(crate) fn flags_at(&self, index: u32) -> u32 {
         self.flags(index).load(Ordering::Acquire)
-    }
-}
-
-impl Drop for DirtyRing {
-    fn drop(&mut self) {
-        match self.backing {
-            Backing::Mmap { len } => {
-                // SAFETY: `base`/`len` are exactly the mapping made in `map`,
-                // unmapped once, here; nothing borrows it past `self`.
-                unsafe { libc::munmap(self.base.as_ptr().cast(), len) };
-            }
-            #[cfg(test)]
-            Backing::Heap(_) => {}
-        }
     }
 }
 

@@ -5,11 +5,12 @@
 //! fresh memory file.
 
 use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use crate::memory::{GuestMemoryFile, MemoryBacking, MemoryError};
+use crate::sys;
 
 const PAGE: usize = 4096;
 const CHUNK: usize = 1 << 20;
@@ -53,22 +54,16 @@ pub struct ImageStats {
 /// The data extents `[start, end)` of `file` up to `size` (the whole range if
 /// the file system does not report holes).
 fn data_extents(file: &File, size: u64) -> Vec<(u64, u64)> {
-    let fd = file.as_raw_fd();
+    let fd = file.as_fd();
     let mut out = Vec::new();
     let mut pos: i64 = 0;
     while (pos as u64) < size {
-        // SAFETY: lseek on a valid fd only moves its offset; errors are returned.
-        let data = unsafe { libc::lseek(fd, pos, libc::SEEK_DATA) };
-        if data < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::ENXIO) {
-                break; // no more data
-            }
-            return vec![(0, size)]; // no hole support: copy everything
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
-        let end = if hole < 0 { size as i64 } else { hole };
+        let data = match sys::seek_data(fd, pos) {
+            Ok(data) => data,
+            Err(e) if e.raw_os_error() == Some(libc::ENXIO) => break, // no more data
+            Err(_) => return vec![(0, size)], // no hole support: copy everything
+        };
+        let end = sys::seek_hole(fd, data).unwrap_or(size as i64);
         out.push((data as u64, (end as u64).min(size)));
         pos = end;
     }

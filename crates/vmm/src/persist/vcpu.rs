@@ -8,6 +8,9 @@ use kvm_bindings::{
 use kvm_ioctls::VcpuFd;
 use serde::{Deserialize, Serialize};
 
+/// What a vCPU made ahead holds; defined beside the vCPU, which reads it.
+pub use crate::vstate::vcpu::InPlace;
+
 /// MSRs that KVM lists but refuses some values of on restore (environment.md:
 /// MSR_KVM_POLL_CONTROL rejects 0): skipped when they hold that value.
 const MSR_KVM_POLL_CONTROL: u32 = 0x4b56_4d06;
@@ -169,38 +172,6 @@ pub fn save_with(
             .map_err(kvm(index, "KVM_GET_VCPU_EVENTS"))?,
         tsc_khz: constants.tsc_khz,
     })
-}
-
-/// What a vCPU made ahead of a restore already holds, read back from KVM
-/// then, so that the restore writes only what differs: each ioctl costs
-/// ~6 µs on the PVM host, inside the guest's pause.
-#[derive(Debug, Clone, Default)]
-pub struct InPlace {
-    /// The CPUID it was given ([`crate::vstate::vcpu::Vcpu::preset_cpuid`]):
-    /// KVM_SET_CPUID2 is skipped when the saved one is equivalent.
-    pub cpuid: Option<Vec<kvm_cpuid_entry2>>,
-    /// Its TSC frequency (spares the KVM_GET_TSC_KHZ that decides whether
-    /// to set the saved one).
-    pub tsc_khz: Option<u32>,
-    /// Its run state.
-    pub mp_state: Option<kvm_mp_state>,
-    /// Its extended control registers.
-    pub xcrs: Option<kvm_xcrs>,
-    /// Its debug registers.
-    pub debugregs: Option<kvm_debugregs>,
-}
-
-impl InPlace {
-    /// Reads what `fd` holds besides its CPUID.
-    pub fn read(fd: &VcpuFd, cpuid: Option<Vec<kvm_cpuid_entry2>>) -> Self {
-        InPlace {
-            cpuid,
-            tsc_khz: fd.get_tsc_khz().ok().filter(|&k| k > 0),
-            mp_state: fd.get_mp_state().ok(),
-            xcrs: fd.get_xcrs().ok(),
-            debugregs: fd.get_debug_regs().ok(),
-        }
-    }
 }
 
 /// The XCRs that matter in `a` and `b` are the same.

@@ -1,7 +1,7 @@
 //! The KVM VM: creation, in-kernel irqchip and PIT, memory slots, irqfds and
 //! ioeventfds.
 
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 
 use kvm_bindings::{
@@ -17,6 +17,7 @@ use vmm_sys_util::ioctl::{ioctl, ioctl_with_ref};
 use vmm_sys_util::{ioctl_io_nr, ioctl_iow_nr, ioctl_iowr_nr};
 
 use crate::memory::GuestMemoryMmap;
+use crate::sys;
 
 /// Where KVM puts the TSS it needs on Intel (three pages below the MMIO gap's top
 /// would collide with nothing we map).
@@ -194,17 +195,13 @@ impl Vm {
     /// A second handle on the same KVM VM (duplicated file descriptors), for
     /// components that outlive borrows of the machine (the dirty tracker).
     pub fn try_clone(&self) -> Result<Vm, VmError> {
-        let dup = |fd: i32, what: &'static str| {
-            // SAFETY: dup of a descriptor we own; the result is checked.
-            let new = unsafe { libc::dup(fd) };
-            if new < 0 {
-                Err(VmError::Kvm {
+        let dup = |fd: RawFd, what: &'static str| {
+            sys::dup(fd)
+                .map(IntoRawFd::into_raw_fd)
+                .map_err(|e| VmError::Kvm {
                     what,
-                    source: kvm_ioctls::Error::last(),
+                    source: kvm_ioctls::Error::new(e.raw_os_error().unwrap_or(libc::EIO)),
                 })
-            } else {
-                Ok(new)
-            }
         };
         let kvm_fd = dup(self.kvm.as_raw_fd(), "dup of /dev/kvm")?;
         // SAFETY: `kvm_fd` is a fresh duplicate of an open /dev/kvm descriptor,
@@ -306,7 +303,7 @@ impl Vm {
     /// KVM_EXIT_DIRTY_RING_FULL and receive kick signals — did it; with
     /// signals blocked, none in 120 (docs/dirty-tracking.md).
     pub fn reset_dirty_rings(&self) -> Result<u32, VmError> {
-        let _blocked = SignalsBlocked::new();
+        let _blocked = sys::SignalsBlocked::new();
         loop {
             // SAFETY: the ioctl takes no argument and only touches the VM's rings.
             let ret = unsafe { ioctl(&self.fd, KVM_RESET_DIRTY_RINGS()) };
@@ -393,32 +390,5 @@ impl Vm {
             });
         }
         Ok(())
-    }
-}
-
-/// Every signal blocked on this thread until dropped (then the previous mask
-/// again; a signal that came meanwhile is delivered then).
-struct SignalsBlocked(libc::sigset_t);
-
-impl SignalsBlocked {
-    fn new() -> Self {
-        // SAFETY: zeroed sigset_t values are valid; sigfillset and
-        // pthread_sigmask only write the sets passed.
-        unsafe {
-            let mut all: libc::sigset_t = std::mem::zeroed();
-            let mut old: libc::sigset_t = std::mem::zeroed();
-            libc::sigfillset(&mut all);
-            libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old);
-            SignalsBlocked(old)
-        }
-    }
-}
-
-impl Drop for SignalsBlocked {
-    fn drop(&mut self) {
-        // SAFETY: restores the mask saved by `new` on the same thread.
-        unsafe {
-            libc::pthread_sigmask(libc::SIG_SETMASK, &self.0, std::ptr::null_mut());
-        }
     }
 }

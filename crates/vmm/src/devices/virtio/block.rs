@@ -13,7 +13,7 @@ pub mod request;
 
 use std::sync::Arc;
 
-use kemari_nbd::page_buf::PageBuf;
+use nbd_client::page_buf::PageBuf;
 use tracing::{debug, info, warn};
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};

@@ -4,12 +4,14 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use tracing::info;
 use vmm_sys_util::ioctl::{ioctl_with_mut_ref, ioctl_with_ref, ioctl_with_val};
+
+use crate::sys;
 
 /// Size of the virtio-net header on frames read from and written to the TAP
 /// (struct virtio_net_hdr_v1).
@@ -192,11 +194,7 @@ impl Tap {
                 source: io::Error::from_raw_os_error(libc::EINVAL),
             });
         }
-        // SAFETY: fcntl on an fd we own; F_SETFL takes an int.
-        unsafe {
-            let fl = libc::fcntl(file.as_raw_fd(), libc::F_GETFL);
-            libc::fcntl(file.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
-        }
+        let _ = sys::set_nonblocking(file.as_fd());
         Ok(Tap {
             file,
             name,
@@ -214,13 +212,13 @@ impl Tap {
 
     /// Sets IFF_UP on the interface.
     pub fn set_up(&self) -> Result<(), TapError> {
-        // SAFETY: socket() takes no pointers; the result is checked below.
-        let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-        if fd < 0 {
-            return Err(self.configure_error("socket for SIOCSIFFLAGS"));
-        }
-        // SAFETY: fd was just returned by socket() and is owned by nobody else.
-        let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+        let sock = sys::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0).map_err(
+            |source| TapError::Configure {
+                name: self.name.clone(),
+                what: "socket for SIOCSIFFLAGS",
+                source,
+            },
+        )?;
         let mut req = ifreq_with_name(&self.name);
         // SAFETY: SIOCGIFFLAGS fills the ifreq we pass, valid for the call.
         if unsafe { ioctl_with_mut_ref(&sock, libc::SIOCGIFFLAGS as _, &mut req) } < 0 {
