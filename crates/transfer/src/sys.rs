@@ -44,21 +44,17 @@ pub fn pwritev_all(
 /// of a sparse file are holes); the whole range if the file system cannot
 /// tell.
 pub fn data_extents(file: &std::fs::File, size: u64) -> Vec<(u64, u64)> {
-    let fd = file.as_raw_fd();
+    use std::os::fd::AsFd;
+    let fd = file.as_fd();
     let mut out = Vec::new();
     let mut pos: i64 = 0;
     while (pos as u64) < size {
-        // SAFETY: lseek only moves the fd's offset; errors are returned.
-        let data = unsafe { libc::lseek(fd, pos, libc::SEEK_DATA) };
-        if data < 0 {
-            if io::Error::last_os_error().raw_os_error() == Some(libc::ENXIO) {
-                break;
-            }
-            return vec![(0, size)];
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
-        let end = if hole < 0 { size as i64 } else { hole };
+        let data = match vmm::sys::seek_data(fd, pos) {
+            Ok(d) => d,
+            Err(e) if e.raw_os_error() == Some(libc::ENXIO) => break,
+            Err(_) => return vec![(0, size)],
+        };
+        let end = vmm::sys::seek_hole(fd, data).unwrap_or(size as i64);
         out.push((data as u64, (end as u64).min(size)));
         pos = end;
     }
