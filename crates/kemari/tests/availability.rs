@@ -7,13 +7,11 @@
 //! state is refused and loses nothing; a destination killed mid-migration
 //! leaves the source VM running.
 
-mod common;
-
 use std::path::PathBuf;
 use std::time::Duration;
 
-use common::scenario::*;
-use common::*;
+use kemari_testkit::scenario::*;
+use kemari_testkit::*;
 
 #[test]
 fn snapshot_and_restore_keep_counter_disk_and_tcp() {

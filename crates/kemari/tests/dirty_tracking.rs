@@ -6,14 +6,12 @@
 //! 256-entry ring, full hundreds of times a second, loses nothing and never
 //! hangs the vCPU.
 
-mod common;
-
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
+use kemari_testkit::*;
 use vm_memory::{Bytes, GuestAddress};
 use vmm::config::{MachineConfig, SerialConfig};
 use vmm::dirty::{DirtyTrackerConfig, DirtyTrackerKind, DirtyTrackingMode};

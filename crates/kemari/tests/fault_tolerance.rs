@@ -14,8 +14,6 @@
 //!   standby must not run a second copy (the primary holds the fence).
 //! - Periodic (Remus-style) checkpoints fail over the same way.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -23,8 +21,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::scenario::*;
-use common::*;
+use kemari_testkit::scenario::*;
+use kemari_testkit::*;
 
 /// Blocks the guest writes (each write and flush is an output: one sync each).
 const FT_BLOCKS: u64 = 400;
@@ -33,14 +31,6 @@ const FT_BLOCKS: u64 = 400;
 /// fence would stop it from running a second copy, but the run would be lost).
 /// A killed process's link closes at once, so failovers take far less.
 const TIMEOUT_MS: u64 = 3000;
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 struct Pair {
     primary: Vmm,

@@ -4,24 +4,15 @@
 //! command line). The guest ELF is built first with
 //! `cargo build -p guest --target x86_64-unknown-none --release`.
 
-mod common;
-
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpStream, UdpSocket};
 use std::path::PathBuf;
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::mpsc;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::*;
-
-/// One guest at a time: the guest polls, so guests running side by side
-/// on a small machine would skew the timing and rate checks.
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    static VM: Mutex<()> = Mutex::new(());
-    VM.lock().unwrap_or_else(|e| e.into_inner())
-}
+use kemari_testkit::scenario::one_at_a_time;
+use kemari_testkit::*;
 
 /// A guest run under kemari: its serial lines, each with the time since
 /// kemari was started.
@@ -358,53 +349,17 @@ fn acknowledged_disk_writes_survive_killing_the_vmm() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A TAP device deleted on drop.
-struct Tap(String);
-
-impl Tap {
-    fn create(name: &str, host_cidr: &str) -> Option<Self> {
-        let ip = |args: &[&str]| {
-            Command::new("ip")
-                .args(args)
-                .status()
-                .is_ok_and(|s| s.success())
-        };
-        if !ip(&["tuntap", "add", name, "mode", "tap"]) {
-            return None;
-        }
-        let tap = Tap(name.to_string());
-        if ip(&["addr", "add", host_cidr, "dev", name]) && ip(&["link", "set", name, "up"]) {
-            Some(tap)
-        } else {
-            None
-        }
-    }
-}
-
-impl Drop for Tap {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["link", "del", &self.0]).status();
-    }
-}
-
 #[test]
 fn tcp_echo_of_1_mib_through_a_tap() {
     if !have_kvm() {
         return;
     }
-    let id = std::process::id();
-    let name = format!("kgt{}", id % 100_000);
-    let subnet = format!("10.213.{}", id % 250);
-    let _tap = Tap::create(&name, &format!("{subnet}.1/24")).unwrap_or_else(|| {
-        panic!(
-            "cannot create TAP device {name}: this test needs root and iproute2 (scripts/setup.sh)"
-        )
-    });
-    let guest_ip = format!("{subnet}.2");
+    let tap = TapNet::create("g", 21);
+    let guest_ip = tap.guest_ip();
     let mut run = GuestRun::start(
         "256M",
         &format!("ip={guest_ip}/24 poweroff_after=60000"),
-        &["--net", &format!("tap={name}")],
+        &["--net", &format!("tap={}", tap.name)],
     );
     run.wait_line("net: up", Duration::from_secs(10));
 
@@ -432,7 +387,7 @@ fn tcp_echo_of_1_mib_through_a_tap() {
     assert!(echoed == data, "echo differs from what was sent");
     eprintln!("tcp echo: 1 MiB byte-exact in {elapsed:?}");
 
-    let udp = UdpSocket::bind(format!("{subnet}.1:0")).unwrap();
+    let udp = UdpSocket::bind(format!("{}:0", tap.host_ip())).unwrap();
     udp.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     udp.send_to(b"kemari udp echo", (guest_ip.as_str(), 7))
         .unwrap();

@@ -4,78 +4,15 @@
 //! announces the guest's MAC, and the host's connection must survive. Plus the
 //! failure rules: wrong key, destination killed, source killed, link cut.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::scenario::*;
-use common::*;
-
-/// A bridge with the host at 10.202.N.1/24 and two TAPs (source, destination).
-struct Bridge {
-    name: String,
-    taps: [String; 2],
-    subnet: u8,
-}
-
-impl Bridge {
-    fn create(tag: &str, subnet: u8) -> Bridge {
-        let id = std::process::id() % 10000;
-        let name = format!("klb{tag}{id}");
-        let taps = [format!("kla{tag}{id}"), format!("klz{tag}{id}")];
-        let quiet_del = |n: &str| {
-            let _ = Command::new("ip")
-                .args(["link", "del", n])
-                .stderr(Stdio::null())
-                .status();
-        };
-        quiet_del(&name);
-        taps.iter().for_each(|t| quiet_del(t));
-        let ok = |args: &[&str]| {
-            let st = Command::new("ip").args(args).status().expect("ip");
-            assert!(st.success(), "ip {args:?} failed (tests need root)");
-        };
-        ok(&["link", "add", &name, "type", "bridge"]);
-        ok(&[
-            "addr",
-            "add",
-            &format!("10.202.{subnet}.1/24"),
-            "dev",
-            &name,
-        ]);
-        ok(&["link", "set", &name, "up"]);
-        for t in &taps {
-            ok(&["tuntap", "add", t, "mode", "tap"]);
-            ok(&["link", "set", t, "master", &name]);
-            ok(&["link", "set", t, "up"]);
-        }
-        Bridge { name, taps, subnet }
-    }
-
-    fn guest_ip(&self) -> String {
-        format!("10.202.{}.2", self.subnet)
-    }
-}
-
-impl Drop for Bridge {
-    fn drop(&mut self) {
-        for n in self.taps.iter().chain(std::iter::once(&self.name)) {
-            let _ = Command::new("ip").args(["link", "del", n]).status();
-        }
-    }
-}
-
-/// One scenario at a time: each runs two VMMs with polling guests.
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
+use kemari_testkit::scenario::*;
+use kemari_testkit::*;
 
 fn port(n: u16) -> u16 {
     20000 + (std::process::id() % 2000) as u16 * 4 + n

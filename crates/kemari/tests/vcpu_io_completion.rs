@@ -10,12 +10,10 @@
 //! already complete at the exit — the test passed without that step too —
 //! so this guards the behaviour rather than that step.)
 
-mod common;
-
 use std::time::Duration;
 
-use common::scenario::*;
-use common::*;
+use kemari_testkit::scenario::*;
+use kemari_testkit::*;
 
 /// The letters printed to `console` (the stub's greeting line skipped).
 fn letters(console: &std::path::Path) -> Vec<u8> {

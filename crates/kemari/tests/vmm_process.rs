@@ -1,14 +1,13 @@
 //! The VMM process end to end with a tiny PVH stub kernel: boot, exit codes,
 //! bad input, and the control API (pause/resume/shutdown, malformed requests).
 
-mod common;
-
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::*;
+use kemari_testkit::*;
 
 #[test]
 fn boots_stub_prints_and_powers_off() {
@@ -292,4 +291,27 @@ fn second_vmm_on_the_same_api_socket_is_refused() {
     );
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("another process is serving"));
+}
+
+/// testkit takes `kemari` and `kemarictl` from beside the test executable
+/// (`kemari_testkit::bins`): that must be where cargo built them, or the
+/// folder `KEMARI_TEST_BIN_DIR` names.
+#[test]
+fn testkit_finds_the_binaries_cargo_built() {
+    let named = std::env::var_os(kemari_testkit::bins::BIN_DIR_VAR).map(PathBuf::from);
+    for (name, built) in [
+        ("kemari", env!("CARGO_BIN_EXE_kemari")),
+        ("kemarictl", env!("CARGO_BIN_EXE_kemarictl")),
+    ] {
+        let expected = match &named {
+            Some(dir) => dir.join(name),
+            None => PathBuf::from(built),
+        };
+        let found = kemari_testkit::bins::bin(name);
+        assert_eq!(
+            found.canonicalize().unwrap(),
+            expected.canonicalize().unwrap(),
+            "{name}"
+        );
+    }
 }

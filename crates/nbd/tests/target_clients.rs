@@ -5,6 +5,7 @@ mod common;
 
 use common::*;
 use kemari_nbd::client::Client;
+use kemari_testkit::*;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::Command;
@@ -160,7 +161,7 @@ fn client_library_against_qemu_nbd() {
     let d = TempDir::new("qnbd");
     let img = make_image(&d.path("a.img"), SIZE, 9);
     let sock = d.path("q.sock");
-    let _q = Proc(
+    let _q = KillOnDrop(
         Command::new("qemu-nbd")
             .args(["-f", "raw", "-x", "a", "-k"])
             .arg(&sock)
@@ -362,7 +363,7 @@ fn unix_socket_listener_and_access_counts() {
     let d = TempDir::new("unix");
     let img = make_image(&d.path("a.img"), 32 << 20, 11);
     let sock = d.path("t.sock");
-    let _t = Proc(
+    let _t = KillOnDrop(
         Command::new(BIN)
             .args(["serve", "--export"])
             .arg(format!("a={}", d.path("a.img").display()))

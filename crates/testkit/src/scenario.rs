@@ -2,140 +2,22 @@
 //! writing flushed blocks and echoing TCP through a TAP, and the checks that it
 //! went on across an operation.
 
-#![allow(dead_code)]
-
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::process::Stdio;
+use std::sync::Mutex;
+use std::time::Duration;
 
-use super::*;
+use crate::bins::{guest_elf, kemari, kemarictl};
+use crate::dirs::read_text;
+use crate::net::{EchoChecker, TapNet};
+use crate::procs::{run_with_timeout, wait_for, KillOnDrop};
 
-/// One scenario at a time: each runs a polling guest and a TAP subnet.
+/// One VM scenario at a time in a test binary: the guests poll, so side by
+/// side on a small machine they would skew timing and rate checks, and the
+/// scenarios reuse TAP subnets.
 pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// A TAP device with the host end at 10.201.N.1/24, removed on drop.
-pub struct TapNet {
-    pub name: String,
-    pub subnet: u8,
-}
-
-impl TapNet {
-    pub fn create(tag: &str, subnet: u8) -> TapNet {
-        let name = format!("kav{tag}{}", std::process::id() % 10000);
-        let _ = Command::new("ip")
-            .args(["link", "del", &name])
-            .stderr(Stdio::null())
-            .status();
-        let ok = |args: &[&str]| {
-            let st = Command::new("ip").args(args).status().expect("ip");
-            assert!(st.success(), "ip {args:?} failed (tests need root)");
-        };
-        ok(&["tuntap", "add", &name, "mode", "tap"]);
-        ok(&[
-            "addr",
-            "add",
-            &format!("10.201.{subnet}.1/24"),
-            "dev",
-            &name,
-        ]);
-        ok(&["link", "set", &name, "up"]);
-        TapNet { name, subnet }
-    }
-
-    pub fn guest_ip(&self) -> String {
-        format!("10.201.{}.2", self.subnet)
-    }
-}
-
-impl Drop for TapNet {
-    fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["link", "del", &self.name])
-            .status();
-    }
-}
-
-/// Streams random chunks to the guest's echo port and checks every byte.
-pub struct EchoChecker {
-    stop: Arc<AtomicBool>,
-    verified: Arc<AtomicU64>,
-    thread: Option<JoinHandle<Result<(), String>>>,
-}
-
-impl EchoChecker {
-    pub fn start(ip: &str) -> EchoChecker {
-        let mut s = None;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while s.is_none() {
-            match TcpStream::connect_timeout(
-                &format!("{ip}:7").parse().unwrap(),
-                Duration::from_secs(2),
-            ) {
-                Ok(c) => s = Some(c),
-                Err(e) => {
-                    assert!(
-                        Instant::now() < deadline,
-                        "cannot connect to the guest's echo service: {e}"
-                    );
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-            }
-        }
-        let mut s = s.unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-        let stop = Arc::new(AtomicBool::new(false));
-        let verified = Arc::new(AtomicU64::new(0));
-        let (st, v) = (stop.clone(), verified.clone());
-        let thread = std::thread::spawn(move || {
-            let mut seed: u32 = 0x1234_5678;
-            while !st.load(Ordering::SeqCst) {
-                let chunk: Vec<u8> = (0..2048)
-                    .map(|_| {
-                        seed ^= seed << 13;
-                        seed ^= seed >> 17;
-                        seed ^= seed << 5;
-                        seed as u8
-                    })
-                    .collect();
-                s.write_all(&chunk).map_err(|e| format!("send: {e}"))?;
-                let mut back = vec![0u8; chunk.len()];
-                s.read_exact(&mut back)
-                    .map_err(|e| format!("receive: {e}"))?;
-                if back != chunk {
-                    return Err("echoed bytes differ".into());
-                }
-                v.fetch_add(chunk.len() as u64, Ordering::SeqCst);
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Ok(())
-        });
-        EchoChecker {
-            stop,
-            verified,
-            thread: Some(thread),
-        }
-    }
-
-    pub fn verified(&self) -> u64 {
-        self.verified.load(Ordering::SeqCst)
-    }
-
-    pub fn finish(mut self) -> u64 {
-        self.stop.store(true, Ordering::SeqCst);
-        let r = self.thread.take().unwrap().join().unwrap();
-        if let Err(e) = r {
-            panic!("TCP echo through the operation failed: {e}");
-        }
-        self.verified()
-    }
 }
 
 /// Numbers `n` of complete `counter: n ...` lines in a console file.
@@ -187,17 +69,6 @@ pub fn spawn_vmm(args: &[String], console: &Path, api: &Path, env: &[(&str, &str
         child: KillOnDrop(cmd.spawn().expect("spawn kemari")),
         console: console.to_path_buf(),
         api: api.to_path_buf(),
-    }
-}
-
-pub fn wait_exit(child: &mut Child, what: &str) -> std::process::ExitStatus {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            return s;
-        }
-        assert!(Instant::now() < deadline, "{what} did not exit");
-        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
