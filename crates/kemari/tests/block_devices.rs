@@ -44,10 +44,8 @@ fn boot_to_end(args: &[String]) -> (std::process::ExitStatus, String) {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn written_blocks_land_in_the_image_file() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("blk-image");
     let disk = disk_image(&dir);
@@ -67,10 +65,8 @@ fn written_blocks_land_in_the_image_file() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn read_only_disk_refuses_writes_and_the_vmm_runs_on() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("blk-ro");
     let disk = disk_image(&dir);
@@ -122,10 +118,8 @@ fn read_only_disk_refuses_writes_and_the_vmm_runs_on() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn disk_over_nbd_round_trips() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("blk-nbd");
     let disk = disk_image(&dir);

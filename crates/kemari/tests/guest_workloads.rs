@@ -140,10 +140,8 @@ fn field(line: &str, key: &str) -> Option<u64> {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn counter_boots_fast_and_keeps_wall_time() {
-    if !have_kvm() {
-        return;
-    }
     let (status, lines, err) = run_guest(
         "256M",
         "counter=100 poweroff_after=3000",
@@ -188,10 +186,8 @@ fn counter_boots_fast_and_keeps_wall_time() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn dirty_reaches_10000_pages_per_second_over_1gib() {
-    if !have_kvm() {
-        return;
-    }
     let (status, lines, err) = run_guest(
         "1536M",
         "dirty=0,1024 poweroff_after=5000",
@@ -217,10 +213,8 @@ fn dirty_reaches_10000_pages_per_second_over_1gib() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn dirty_keeps_the_requested_rate() {
-    if !have_kvm() {
-        return;
-    }
     let (status, lines, err) = run_guest(
         "256M",
         "dirty=5000,16 poweroff_after=4500",
@@ -241,10 +235,8 @@ fn dirty_keeps_the_requested_rate() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn disk_write_then_verify_10000_blocks() {
-    if !have_kvm() {
-        return;
-    }
     let dir = scratch("guest-disk");
     let img = dir.join("disk.img");
     std::fs::File::create(&img)
@@ -309,10 +301,8 @@ fn disk_write_then_verify_10000_blocks() {
 /// a flushed sequential write; every block acknowledged before the kill
 /// must read back valid in the next boot.
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn acknowledged_disk_writes_survive_killing_the_vmm() {
-    if !have_kvm() {
-        return;
-    }
     let dir = scratch("guest-disk-kill");
     let img = dir.join("disk.img");
     std::fs::File::create(&img)
@@ -350,10 +340,11 @@ fn acknowledged_disk_writes_survive_killing_the_vmm() {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn tcp_echo_of_1_mib_through_a_tap() {
-    if !have_kvm() {
-        return;
-    }
     let tap = TapNet::create("g", 21);
     let guest_ip = tap.guest_ip();
     let mut run = GuestRun::start(
@@ -435,10 +426,8 @@ fn counter_value(line: &str) -> Option<u64> {
 /// restored in a new kemari process carries on counting from where the
 /// snapshot was taken, neither restarting nor skipping.
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn counter_continues_after_snapshot_and_restore() {
-    if !have_kvm() {
-        return;
-    }
     let dir = scratch("guest-restore");
     let socket = dir.join("api.sock");
     let snap = dir.join("snap");
@@ -490,10 +479,8 @@ fn counter_continues_after_snapshot_and_restore() {
 /// of a flushed disk write: the guest finishes the job, its verify finds
 /// every block, and the counter carries on.
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn workloads_continue_across_a_warm_restart() {
-    if !have_kvm() {
-        return;
-    }
     let dir = scratch("guest-warm");
     let socket = dir.join("api.sock");
     let state = dir.join("state");
@@ -561,10 +548,8 @@ fn workloads_continue_across_a_warm_restart() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn guest_fault_is_reported_and_fails_the_vm() {
-    if !have_kvm() {
-        return;
-    }
     let (status, lines, _) = run_guest("256M", "fault=page", &[], Duration::from_secs(30));
     let out = show(&lines);
     assert!(!status.success(), "{out}");
@@ -580,10 +565,8 @@ fn guest_fault_is_reported_and_fails_the_vm() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn malformed_cmdline_is_reported_and_fails_the_vm() {
-    if !have_kvm() {
-        return;
-    }
     let (status, lines, _) = run_guest(
         "256M",
         "console=ttyS0 dirty=fast",

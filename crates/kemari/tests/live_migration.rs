@@ -112,10 +112,11 @@ fn assert_source_runs(src: &Vmm, echo: EchoChecker) {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn live_migration_keeps_counter_disk_and_tcp() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("lm-ok");
     let br = Bridge::create("o", 21);
@@ -144,10 +145,11 @@ fn live_migration_keeps_counter_disk_and_tcp() {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn heavy_dirtier_converges_or_stops_at_the_round_limit() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("lm-dirty");
     let br = Bridge::create("d", 22);
@@ -177,10 +179,11 @@ fn heavy_dirtier_converges_or_stops_at_the_round_limit() {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn wrong_key_is_refused_and_the_source_runs_on() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("lm-key");
     let br = Bridge::create("k", 23);
@@ -204,10 +207,11 @@ fn wrong_key_is_refused_and_the_source_runs_on() {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn destination_killed_mid_migration_leaves_the_source_running() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("lm-kill-dst");
     let br = Bridge::create("x", 24);
@@ -236,10 +240,11 @@ fn destination_killed_mid_migration_leaves_the_source_running() {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn source_killed_mid_migration_leaves_nothing_half_made() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("lm-kill-src");
     let br = Bridge::create("y", 25);
@@ -277,10 +282,11 @@ fn source_killed_mid_migration_leaves_nothing_half_made() {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn source_killed_before_the_commit_leaves_nothing_of_the_destinations_run() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("lm-kill-src-run");
     let br = Bridge::create("w", 27);
@@ -410,10 +416,11 @@ fn relay(
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn link_cut_mid_migration_leaves_the_source_running() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("lm-cut");
     let br = Bridge::create("c", 26);

@@ -10,10 +10,8 @@ use std::time::Duration;
 use kemari_testkit::*;
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn boots_stub_prints_and_powers_off() {
-    if !have_kvm() {
-        return;
-    }
     let dir = scratch("boot");
     let elf = build_stub(&dir, false, 0, 1);
     let out = run_with_timeout(
@@ -29,10 +27,8 @@ fn boots_stub_prints_and_powers_off() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn guest_failure_code_gives_exit_status_3() {
-    if !have_kvm() {
-        return;
-    }
     let dir = scratch("fail");
     let elf = build_stub(&dir, false, 7, 1);
     let out = run_with_timeout(
@@ -92,15 +88,18 @@ fn bad_input_is_a_clear_error_not_a_panic() {
         &["--config", "/nonexistent.toml"],
         "cannot read config file",
     );
-    if have_kvm() {
-        // An ELF without a PVH note.
-        let plain = dir.join("plain.elf");
-        std::fs::copy("/bin/true", &plain).unwrap();
-        expect_error(
-            &["--kernel", plain.to_str().unwrap(), "--memory", "64M"],
-            "",
-        );
-    }
+}
+
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+fn elf_without_a_pvh_note_is_a_clear_error_not_a_panic() {
+    let dir = scratch("bad-elf");
+    let plain = dir.join("plain.elf");
+    std::fs::copy("/bin/true", &plain).unwrap();
+    expect_error(
+        &["--kernel", plain.to_str().unwrap(), "--memory", "64M"],
+        "",
+    );
 }
 
 fn count_dots(path: &std::path::Path) -> usize {
@@ -108,10 +107,8 @@ fn count_dots(path: &std::path::Path) -> usize {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn api_pause_resume_shutdown() {
-    if !have_kvm() {
-        return;
-    }
     let dir = scratch("api");
     let elf = build_stub(&dir, true, 0, 20_000);
     let sock = dir.join("api.sock");
@@ -218,10 +215,8 @@ fn raw_exchange(sock: &std::path::Path, bytes: &[u8]) -> String {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn malformed_api_requests_are_refused_and_the_vmm_lives_on() {
-    if !have_kvm() {
-        return;
-    }
     let dir = scratch("apibad");
     let elf = build_stub(&dir, true, 0, 200_000);
     let sock = dir.join("api.sock");
@@ -265,10 +260,8 @@ fn malformed_api_requests_are_refused_and_the_vmm_lives_on() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn second_vmm_on_the_same_api_socket_is_refused() {
-    if !have_kvm() {
-        return;
-    }
     let dir = scratch("apidup");
     let elf = build_stub(&dir, true, 0, 200_000);
     let sock = dir.join("api.sock");

@@ -11,6 +11,10 @@
 //! - [`net`]: free ports, TAP devices and bridges, the TCP echo checker;
 //! - [`scenario`]: the test guest counting, writing its disk and echoing TCP,
 //!   and the checks that it went on across an operation.
+//!
+//! What a test needs from the machine (KVM, TAP, tools) is probed when its
+//! crate is built; a test that cannot run is reported ignored with the
+//! reason (the `kemari-test-probe` crate in `probe/`).
 
 pub mod bins;
 pub mod dirs;
@@ -24,16 +28,3 @@ pub use dirs::{read_text, scratch, TempDir};
 pub use net::{free_port, wait_port, Bridge, EchoChecker, TapNet};
 pub use procs::{run, run_with_timeout, sh, tool, wait_exit, wait_for, KillOnDrop};
 pub use stub::{build_stub, build_stub_mode};
-
-/// Whether /dev/kvm can be used; tests that boot VMs skip (loudly) without it.
-pub fn have_kvm() -> bool {
-    let ok = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_ok();
-    if !ok {
-        eprintln!("SKIP: /dev/kvm is not usable here");
-    }
-    ok
-}

@@ -1,5 +1,6 @@
 //! The network side of tests: free ports, TAP devices and bridges made with
-//! `ip` (root), and a checker of the test guest's TCP echo.
+//! `ip` (root: tests that make them carry the probe's `no_tap` cfg), and a
+//! checker of the test guest's TCP echo.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};

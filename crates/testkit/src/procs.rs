@@ -63,7 +63,8 @@ pub fn sh(script: &str) -> Vec<u8> {
     run(Command::new("sh").args(["-c", script]))
 }
 
-/// Whether `name` is installed (says so when it is not).
+/// Whether `name` is installed. For an optional step of a test; a test that
+/// needs the tool says so with the probe's `no_<name>` cfg instead.
 pub fn tool(name: &str) -> bool {
     let ok = Command::new("sh")
         .args(["-c", &format!("command -v {name}")])
