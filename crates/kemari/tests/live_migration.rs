@@ -26,48 +26,22 @@ fn key_file(dir: &Path, text: &str) -> PathBuf {
 
 const KEY: &str = "kemari-test-key-0123456789abcdef";
 
-/// The source: test guest with counter, flushed disk writes, echo over the bridge.
+/// The source: test guest with counter, flushed disk writes, echo over the
+/// bridge; 512 MiB, `extra_cmdline` may set another dirty workload.
 fn start(dir: &Path, br: &Bridge, disk: &Path, extra_cmdline: &str) -> (Vmm, EchoChecker) {
-    let args: Vec<String> = vec![
-        "--kernel".into(),
-        guest_elf().display().to_string(),
-        "--memory".into(),
-        "512M".into(),
-        "--cmdline".into(),
-        format!(
-            "counter=100 ip={}/24 disk=write,{BLOCKS},seq,flush {}",
-            br.guest_ip(),
-            if extra_cmdline.contains("dirty=") {
-                extra_cmdline
-            } else {
-                DIRTY
-            }
-        ),
-        "--disk".into(),
-        disk.display().to_string(),
-        "--net".into(),
-        format!("tap={}", br.taps[0]),
-    ];
-    let vmm = spawn_vmm(
-        &args,
-        &dir.join("console-1.log"),
-        &dir.join("api-1.sock"),
-        &[],
-    );
-    wait_for("guest network up", Duration::from_secs(30), || {
-        read_text(&vmm.console).contains("net: up")
-    });
-    let echo = EchoChecker::start(&br.guest_ip());
-    wait_for(
-        "traffic, counter and disk writes",
-        Duration::from_secs(60),
-        || {
-            echo.verified() > 8192
-                && counters(&vmm.console).len() >= 3
-                && acked_blocks(&vmm.console) >= 1000
+    LoadedGuest {
+        memory: "512M",
+        ip: br.guest_ip(),
+        tap: &br.taps[0],
+        dirty: if extra_cmdline.contains("dirty=") {
+            extra_cmdline
+        } else {
+            DIRTY
         },
-    );
-    (vmm, echo)
+        disk,
+        extra: &[],
+    }
+    .start(dir)
 }
 
 fn destination(dir: &Path, br: &Bridge, listen: &str, key: &Path, env: &[(&str, &str)]) -> Vmm {

@@ -83,46 +83,78 @@ pub const BLOCKS: u64 = 3000;
 /// holds the previous pass's value (docs/test-guest.md).
 pub const DIRTY: &str = "dirty=2000,8";
 
-/// Boots the guest with counter + flushed sequential disk writes + network;
-/// waits until it runs and its echo service answers.
+/// Boots the guest with counter + flushed sequential disk writes + network
+/// (256 MiB, [`DIRTY`], on `net`); waits until it runs and its echo service
+/// answers.
 pub fn start_source(dir: &Path, net: &TapNet, disk: &Path, extra: &[String]) -> (Vmm, EchoChecker) {
-    let mut args: Vec<String> = vec![
-        "--kernel".into(),
-        guest_elf().display().to_string(),
-        "--memory".into(),
-        "256M".into(),
-        "--cmdline".into(),
-        format!(
-            "counter=100 ip={}/24 disk=write,{BLOCKS},seq,flush {DIRTY}",
-            net.guest_ip()
-        ),
-        "--disk".into(),
-        disk.display().to_string(),
-        "--net".into(),
-        format!("tap={}", net.name),
-    ];
-    args.extend_from_slice(extra);
-    let vmm = spawn_vmm(
-        &args,
-        &dir.join("console-1.log"),
-        &dir.join("api-1.sock"),
-        &[],
-    );
-    wait_for("guest network up", Duration::from_secs(30), || {
-        read_text(&vmm.console).contains("net: up")
-    });
-    let echo = EchoChecker::start(&net.guest_ip());
-    // Operate mid-way through the disk job: some blocks acknowledged, more to come.
-    wait_for(
-        "echo traffic, counter and disk writes",
-        Duration::from_secs(60),
-        || {
-            echo.verified() > 8192
-                && counters(&vmm.console).len() >= 3
-                && acked_blocks(&vmm.console) >= 1000
-        },
-    );
-    (vmm, echo)
+    LoadedGuest {
+        memory: "256M",
+        ip: net.guest_ip(),
+        tap: &net.name,
+        dirty: DIRTY,
+        disk,
+        extra,
+    }
+    .start(dir)
+}
+
+/// The guest a scenario operates on: counting, writing [`BLOCKS`] flushed
+/// blocks to `disk`, dirtying memory and echoing TCP at `ip` behind `tap`.
+pub struct LoadedGuest<'a> {
+    pub memory: &'a str,
+    /// The guest's address, in a /24 with the host.
+    pub ip: String,
+    pub tap: &'a str,
+    /// The dirty workload (`dirty=RATE,MIB`; [`DIRTY`] unless a test wants another).
+    pub dirty: &'a str,
+    pub disk: &'a Path,
+    /// More kemari flags.
+    pub extra: &'a [String],
+}
+
+impl LoadedGuest<'_> {
+    /// Boots it with its console and API in `dir` (`console-1.log`,
+    /// `api-1.sock`); returns once it runs mid-way through its disk job with
+    /// its echo stream flowing.
+    pub fn start(&self, dir: &Path) -> (Vmm, EchoChecker) {
+        let mut args: Vec<String> = vec![
+            "--kernel".into(),
+            guest_elf().display().to_string(),
+            "--memory".into(),
+            self.memory.into(),
+            "--cmdline".into(),
+            format!(
+                "counter=100 ip={}/24 disk=write,{BLOCKS},seq,flush {}",
+                self.ip, self.dirty
+            ),
+            "--disk".into(),
+            self.disk.display().to_string(),
+            "--net".into(),
+            format!("tap={}", self.tap),
+        ];
+        args.extend_from_slice(self.extra);
+        let vmm = spawn_vmm(
+            &args,
+            &dir.join("console-1.log"),
+            &dir.join("api-1.sock"),
+            &[],
+        );
+        wait_for("guest network up", Duration::from_secs(30), || {
+            read_text(&vmm.console).contains("net: up")
+        });
+        let echo = EchoChecker::start(&self.ip);
+        // Operate mid-way through the disk job: some blocks acknowledged, more to come.
+        wait_for(
+            "echo traffic, counter and disk writes",
+            Duration::from_secs(60),
+            || {
+                echo.verified() > 8192
+                    && counters(&vmm.console).len() >= 3
+                    && acked_blocks(&vmm.console) >= 1000
+            },
+        );
+        (vmm, echo)
+    }
 }
 
 /// `(ws_pages, total, bad)` of each report of the guest's dirty workload.
