@@ -38,7 +38,10 @@
 //! inside a test may see another one, and would rebuild for nothing.
 //!
 //! Probed at build time because stable Rust's test harness can only skip a
-//! test with `#[ignore]`, which is decided when the test is compiled.
+//! test with `#[ignore]`, which is decided when the test is compiled (a
+//! harness of our own could decide at run time, at the cost of rewriting
+//! every test file). So the tests see the building machine: test binaries
+//! built on one machine and run on another keep the first one's verdicts.
 
 use std::fs::OpenOptions;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
