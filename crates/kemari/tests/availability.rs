@@ -7,19 +7,18 @@
 //! state is refused and loses nothing; a destination killed mid-migration
 //! leaves the source VM running.
 
-mod common;
-
 use std::path::PathBuf;
 use std::time::Duration;
 
-use common::scenario::*;
-use common::*;
+use kemari_testkit::scenario::*;
+use kemari_testkit::*;
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn snapshot_and_restore_keep_counter_disk_and_tcp() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("av-snap");
     let net = TapNet::create("s", 11);
@@ -43,10 +42,11 @@ fn snapshot_and_restore_keep_counter_disk_and_tcp() {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn warm_restart_keeps_memory_and_continues() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("av-warm");
     let net = TapNet::create("w", 12);
@@ -117,10 +117,11 @@ fn prepared_successor(old: &Vmm, state_dir: &std::path::Path, dir: &std::path::P
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn warm_restart_into_a_prepared_successor_keeps_counter_disk_and_tcp() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("av-warm-prep");
     let net = TapNet::create("r", 15);
@@ -157,10 +158,11 @@ fn warm_restart_into_a_prepared_successor_keeps_counter_disk_and_tcp() {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn successor_killed_before_the_restart_leaves_a_plain_restore() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("av-warm-prep-kill");
     let net = TapNet::create("q", 16);
@@ -197,10 +199,8 @@ fn successor_killed_before_the_restart_leaves_a_plain_restore() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn a_successor_refuses_another_vm_and_waits_for_its_own() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("av-warm-prep-other");
     let mem_a = shm_file("prep-a");
@@ -285,10 +285,11 @@ fn a_successor_refuses_another_vm_and_waits_for_its_own() {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn zero_copy_local_migration_keeps_counter_disk_and_tcp() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("av-local");
     let net = TapNet::create("m", 13);
@@ -326,10 +327,11 @@ fn zero_copy_local_migration_keeps_counter_disk_and_tcp() {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn destination_killed_mid_migration_leaves_the_source_running() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("av-kill");
     let net = TapNet::create("k", 14);
@@ -380,10 +382,8 @@ fn destination_killed_mid_migration_leaves_the_source_running() {
 /// PATH before the source connects. Offered another VM's memory it refuses
 /// with a clear error (the source runs on); offered PATH it takes the VM over.
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn zero_copy_into_a_destination_built_ahead_refuses_other_memory() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("av-ahead");
     let memfile = shm_file("ahead");
@@ -460,10 +460,8 @@ fn zero_copy_into_a_destination_built_ahead_refuses_other_memory() {
 /// the guest, overwrites one page of its working set through the memory
 /// file, and resumes it.
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn the_dirty_check_catches_a_page_damaged_behind_the_guest() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("av-damage");
     let memfile = shm_file("damage");
@@ -511,10 +509,8 @@ fn the_dirty_check_catches_a_page_damaged_behind_the_guest() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn corrupt_truncated_and_foreign_state_is_refused_and_nothing_is_lost() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("av-bad");
     let mut vmm = counting_vm(&dir);
@@ -592,10 +588,8 @@ fn corrupt_truncated_and_foreign_state_is_refused_and_nothing_is_lost() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn warm_restart_without_a_named_memory_file_is_refused_and_the_vm_runs_on() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("av-warm-memfd");
     let vmm = counting_vm(&dir);
@@ -613,10 +607,8 @@ fn warm_restart_without_a_named_memory_file_is_refused_and_the_vm_runs_on() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn several_vms_warm_restart_in_parallel() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("av-warm-many");
     let vms: Vec<(Vmm, PathBuf)> = (0..3)

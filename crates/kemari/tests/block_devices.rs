@@ -3,22 +3,14 @@
 //! writes with an I/O error the guest sees while the VMM runs on, and a disk
 //! served over NBD by kemari-nbd round-trips the same way.
 
-mod common;
-
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use common::scenario::*;
-use common::*;
 use guest::blockfmt::{self, BlockState, BLOCK_SIZE};
-
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: Mutex<()> = Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
+use kemari_testkit::scenario::*;
+use kemari_testkit::*;
 
 /// Checks blocks `0..n` of an image from the host.
 fn host_check(image: &Path, n: u64) -> (u64, u64, u64) {
@@ -52,10 +44,8 @@ fn boot_to_end(args: &[String]) -> (std::process::ExitStatus, String) {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn written_blocks_land_in_the_image_file() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("blk-image");
     let disk = disk_image(&dir);
@@ -75,10 +65,8 @@ fn written_blocks_land_in_the_image_file() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn read_only_disk_refuses_writes_and_the_vmm_runs_on() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("blk-ro");
     let disk = disk_image(&dir);
@@ -129,36 +117,14 @@ fn read_only_disk_refuses_writes_and_the_vmm_runs_on() {
     );
 }
 
-/// Builds kemari-nbd once and returns its path.
-fn kemari_nbd() -> PathBuf {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let st = Command::new(cargo)
-            .current_dir(&root)
-            .args(["build", "-p", "kemari-nbd"])
-            .status()
-            .expect("cargo");
-        assert!(st.success(), "building kemari-nbd failed");
-        std::env::var_os("CARGO_TARGET_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| root.join("target"))
-            .join("debug/kemari-nbd")
-    })
-    .clone()
-}
-
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn disk_over_nbd_round_trips() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("blk-nbd");
     let disk = disk_image(&dir);
     let sock = dir.join("nbd.sock");
-    let server = Command::new(kemari_nbd())
+    let server = Command::new(bins::built_debug_bin("kemari-nbd", "kemari-nbd"))
         .args(["serve", "--export"])
         .arg(format!("vmdisk={}", disk.display()))
         .arg("--listen")

@@ -6,14 +6,12 @@
 //! 256-entry ring, full hundreds of times a second, loses nothing and never
 //! hangs the vCPU.
 
-mod common;
-
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::*;
+use kemari_testkit::*;
 use vm_memory::{Bytes, GuestAddress};
 use vmm::config::{MachineConfig, SerialConfig};
 use vmm::dirty::{DirtyTrackerConfig, DirtyTrackerKind, DirtyTrackingMode};
@@ -122,9 +120,6 @@ fn lossless_window(m: &mut Machine, ws: &std::ops::Range<u64>, since: u64) -> (u
 }
 
 fn check_kind(mode: DirtyTrackingMode, expect: DirtyTrackerKind) {
-    if !have_kvm() {
-        return;
-    }
     let config = DirtyTrackerConfig {
         mode,
         ..Default::default()
@@ -218,20 +213,26 @@ fn check_kind(mode: DirtyTrackingMode, expect: DirtyTrackerKind) {
 }
 
 #[test]
+#[cfg_attr(
+    no_kvm_dirty_ring,
+    ignore = "needs a usable /dev/kvm with the dirty ring"
+)]
 fn ring_tracks_the_dirty_workload() {
     check_kind(DirtyTrackingMode::Ring, DirtyTrackerKind::Ring);
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn bitmap_tracks_the_dirty_workload() {
     check_kind(DirtyTrackingMode::Bitmap, DirtyTrackerKind::Bitmap);
 }
 
 #[test]
+#[cfg_attr(
+    no_kvm_dirty_ring,
+    ignore = "needs a usable /dev/kvm with the dirty ring"
+)]
 fn tiny_ring_under_heavy_dirtying_loses_nothing_and_does_not_hang() {
-    if !have_kvm() {
-        return;
-    }
     tiny_ring_run("tinyring", 4, Duration::from_millis(300));
 }
 
@@ -240,10 +241,11 @@ fn tiny_ring_under_heavy_dirtying_loses_nothing_and_does_not_hang() {
 /// an interrupted KVM_RESET_DIRTY_RINGS lost pages (6–9 runs in 60 before
 /// signals were blocked around it, docs/dirty-tracking.md).
 #[test]
+#[cfg_attr(
+    no_kvm_dirty_ring,
+    ignore = "needs a usable /dev/kvm with the dirty ring"
+)]
 fn tiny_rings_of_two_vms_at_once_lose_nothing() {
-    if !have_kvm() {
-        return;
-    }
     let runs: Vec<_> = (0..2)
         .map(|i| {
             std::thread::spawn(move || {

@@ -14,8 +14,6 @@
 //!   standby must not run a second copy (the primary holds the fence).
 //! - Periodic (Remus-style) checkpoints fail over the same way.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -23,8 +21,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::scenario::*;
-use common::*;
+use kemari_testkit::scenario::*;
+use kemari_testkit::*;
 
 /// Blocks the guest writes (each write and flush is an output: one sync each).
 const FT_BLOCKS: u64 = 400;
@@ -33,14 +31,6 @@ const FT_BLOCKS: u64 = 400;
 /// fence would stop it from running a second copy, but the run would be lost).
 /// A killed process's link closes at once, so failovers take far less.
 const TIMEOUT_MS: u64 = 3000;
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 struct Pair {
     primary: Vmm,
@@ -255,10 +245,11 @@ fn kill_primary_and_check(dir: &Path, pair: Pair, disk: &Path) {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn primary_killed_at_random_moments_standby_takes_over() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let runs: u64 = std::env::var("KEMARI_FT_KILLS")
         .ok()
@@ -290,10 +281,11 @@ fn primary_killed_at_random_moments_standby_takes_over() {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn periodic_checkpoints_fail_over_too_with_two_vcpus() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("ft-periodic");
     let net = TapNet::create("p", 32);
@@ -311,10 +303,11 @@ fn periodic_checkpoints_fail_over_too_with_two_vcpus() {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn standby_loss_degrades_then_a_new_standby_protects_and_shutdown_releases_it() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("ft-degrade");
     let net = TapNet::create("d", 33);
@@ -394,10 +387,11 @@ fn relay(to: u16, cut: Arc<AtomicBool>) -> u16 {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn cut_sync_link_never_runs_two_copies() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("ft-cut");
     let net = TapNet::create("c", 34);
@@ -444,10 +438,8 @@ fn cut_sync_link_never_runs_two_copies() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn unreachable_or_unauthenticated_standby_is_refused_and_the_vm_runs_on() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("ft-refused");
     let primary = spawn_primary(&dir, "64M", "counter=50", &[]);

@@ -4,24 +4,15 @@
 //! command line). The guest ELF is built first with
 //! `cargo build -p guest --target x86_64-unknown-none --release`.
 
-mod common;
-
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpStream, UdpSocket};
 use std::path::PathBuf;
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::mpsc;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::*;
-
-/// One guest at a time: the guest polls, so guests running side by side
-/// on a small machine would skew the timing and rate checks.
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    static VM: Mutex<()> = Mutex::new(());
-    VM.lock().unwrap_or_else(|e| e.into_inner())
-}
+use kemari_testkit::scenario::one_at_a_time;
+use kemari_testkit::*;
 
 /// A guest run under kemari: its serial lines, each with the time since
 /// kemari was started.
@@ -149,10 +140,8 @@ fn field(line: &str, key: &str) -> Option<u64> {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn counter_boots_fast_and_keeps_wall_time() {
-    if !have_kvm() {
-        return;
-    }
     let (status, lines, err) = run_guest(
         "256M",
         "counter=100 poweroff_after=3000",
@@ -197,10 +186,8 @@ fn counter_boots_fast_and_keeps_wall_time() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn dirty_reaches_10000_pages_per_second_over_1gib() {
-    if !have_kvm() {
-        return;
-    }
     let (status, lines, err) = run_guest(
         "1536M",
         "dirty=0,1024 poweroff_after=5000",
@@ -226,10 +213,8 @@ fn dirty_reaches_10000_pages_per_second_over_1gib() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn dirty_keeps_the_requested_rate() {
-    if !have_kvm() {
-        return;
-    }
     let (status, lines, err) = run_guest(
         "256M",
         "dirty=5000,16 poweroff_after=4500",
@@ -250,10 +235,8 @@ fn dirty_keeps_the_requested_rate() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn disk_write_then_verify_10000_blocks() {
-    if !have_kvm() {
-        return;
-    }
     let dir = scratch("guest-disk");
     let img = dir.join("disk.img");
     std::fs::File::create(&img)
@@ -318,10 +301,8 @@ fn disk_write_then_verify_10000_blocks() {
 /// a flushed sequential write; every block acknowledged before the kill
 /// must read back valid in the next boot.
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn acknowledged_disk_writes_survive_killing_the_vmm() {
-    if !have_kvm() {
-        return;
-    }
     let dir = scratch("guest-disk-kill");
     let img = dir.join("disk.img");
     std::fs::File::create(&img)
@@ -358,53 +339,18 @@ fn acknowledged_disk_writes_survive_killing_the_vmm() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A TAP device deleted on drop.
-struct Tap(String);
-
-impl Tap {
-    fn create(name: &str, host_cidr: &str) -> Option<Self> {
-        let ip = |args: &[&str]| {
-            Command::new("ip")
-                .args(args)
-                .status()
-                .is_ok_and(|s| s.success())
-        };
-        if !ip(&["tuntap", "add", name, "mode", "tap"]) {
-            return None;
-        }
-        let tap = Tap(name.to_string());
-        if ip(&["addr", "add", host_cidr, "dev", name]) && ip(&["link", "set", name, "up"]) {
-            Some(tap)
-        } else {
-            None
-        }
-    }
-}
-
-impl Drop for Tap {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["link", "del", &self.0]).status();
-    }
-}
-
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn tcp_echo_of_1_mib_through_a_tap() {
-    if !have_kvm() {
-        return;
-    }
-    let id = std::process::id();
-    let name = format!("kgt{}", id % 100_000);
-    let subnet = format!("10.213.{}", id % 250);
-    let _tap = Tap::create(&name, &format!("{subnet}.1/24")).unwrap_or_else(|| {
-        panic!(
-            "cannot create TAP device {name}: this test needs root and iproute2 (scripts/setup.sh)"
-        )
-    });
-    let guest_ip = format!("{subnet}.2");
+    let tap = TapNet::create("g", 21);
+    let guest_ip = tap.guest_ip();
     let mut run = GuestRun::start(
         "256M",
         &format!("ip={guest_ip}/24 poweroff_after=60000"),
-        &["--net", &format!("tap={name}")],
+        &["--net", &format!("tap={}", tap.name)],
     );
     run.wait_line("net: up", Duration::from_secs(10));
 
@@ -432,7 +378,7 @@ fn tcp_echo_of_1_mib_through_a_tap() {
     assert!(echoed == data, "echo differs from what was sent");
     eprintln!("tcp echo: 1 MiB byte-exact in {elapsed:?}");
 
-    let udp = UdpSocket::bind(format!("{subnet}.1:0")).unwrap();
+    let udp = UdpSocket::bind(format!("{}:0", tap.host_ip())).unwrap();
     udp.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     udp.send_to(b"kemari udp echo", (guest_ip.as_str(), 7))
         .unwrap();
@@ -480,10 +426,8 @@ fn counter_value(line: &str) -> Option<u64> {
 /// restored in a new kemari process carries on counting from where the
 /// snapshot was taken, neither restarting nor skipping.
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn counter_continues_after_snapshot_and_restore() {
-    if !have_kvm() {
-        return;
-    }
     let dir = scratch("guest-restore");
     let socket = dir.join("api.sock");
     let snap = dir.join("snap");
@@ -535,10 +479,8 @@ fn counter_continues_after_snapshot_and_restore() {
 /// of a flushed disk write: the guest finishes the job, its verify finds
 /// every block, and the counter carries on.
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn workloads_continue_across_a_warm_restart() {
-    if !have_kvm() {
-        return;
-    }
     let dir = scratch("guest-warm");
     let socket = dir.join("api.sock");
     let state = dir.join("state");
@@ -606,10 +548,8 @@ fn workloads_continue_across_a_warm_restart() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn guest_fault_is_reported_and_fails_the_vm() {
-    if !have_kvm() {
-        return;
-    }
     let (status, lines, _) = run_guest("256M", "fault=page", &[], Duration::from_secs(30));
     let out = show(&lines);
     assert!(!status.success(), "{out}");
@@ -625,10 +565,8 @@ fn guest_fault_is_reported_and_fails_the_vm() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn malformed_cmdline_is_reported_and_fails_the_vm() {
-    if !have_kvm() {
-        return;
-    }
     let (status, lines, _) = run_guest(
         "256M",
         "console=ttyS0 dirty=fast",

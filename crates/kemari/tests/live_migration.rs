@@ -4,78 +4,15 @@
 //! announces the guest's MAC, and the host's connection must survive. Plus the
 //! failure rules: wrong key, destination killed, source killed, link cut.
 
-mod common;
-
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::scenario::*;
-use common::*;
-
-/// A bridge with the host at 10.202.N.1/24 and two TAPs (source, destination).
-struct Bridge {
-    name: String,
-    taps: [String; 2],
-    subnet: u8,
-}
-
-impl Bridge {
-    fn create(tag: &str, subnet: u8) -> Bridge {
-        let id = std::process::id() % 10000;
-        let name = format!("klb{tag}{id}");
-        let taps = [format!("kla{tag}{id}"), format!("klz{tag}{id}")];
-        let quiet_del = |n: &str| {
-            let _ = Command::new("ip")
-                .args(["link", "del", n])
-                .stderr(Stdio::null())
-                .status();
-        };
-        quiet_del(&name);
-        taps.iter().for_each(|t| quiet_del(t));
-        let ok = |args: &[&str]| {
-            let st = Command::new("ip").args(args).status().expect("ip");
-            assert!(st.success(), "ip {args:?} failed (tests need root)");
-        };
-        ok(&["link", "add", &name, "type", "bridge"]);
-        ok(&[
-            "addr",
-            "add",
-            &format!("10.202.{subnet}.1/24"),
-            "dev",
-            &name,
-        ]);
-        ok(&["link", "set", &name, "up"]);
-        for t in &taps {
-            ok(&["tuntap", "add", t, "mode", "tap"]);
-            ok(&["link", "set", t, "master", &name]);
-            ok(&["link", "set", t, "up"]);
-        }
-        Bridge { name, taps, subnet }
-    }
-
-    fn guest_ip(&self) -> String {
-        format!("10.202.{}.2", self.subnet)
-    }
-}
-
-impl Drop for Bridge {
-    fn drop(&mut self) {
-        for n in self.taps.iter().chain(std::iter::once(&self.name)) {
-            let _ = Command::new("ip").args(["link", "del", n]).status();
-        }
-    }
-}
-
-/// One scenario at a time: each runs two VMMs with polling guests.
-fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
+use kemari_testkit::scenario::*;
+use kemari_testkit::*;
 
 fn port(n: u16) -> u16 {
     20000 + (std::process::id() % 2000) as u16 * 4 + n
@@ -89,48 +26,22 @@ fn key_file(dir: &Path, text: &str) -> PathBuf {
 
 const KEY: &str = "kemari-test-key-0123456789abcdef";
 
-/// The source: test guest with counter, flushed disk writes, echo over the bridge.
+/// The source: test guest with counter, flushed disk writes, echo over the
+/// bridge; 512 MiB, `extra_cmdline` may set another dirty workload.
 fn start(dir: &Path, br: &Bridge, disk: &Path, extra_cmdline: &str) -> (Vmm, EchoChecker) {
-    let args: Vec<String> = vec![
-        "--kernel".into(),
-        guest_elf().display().to_string(),
-        "--memory".into(),
-        "512M".into(),
-        "--cmdline".into(),
-        format!(
-            "counter=100 ip={}/24 disk=write,{BLOCKS},seq,flush {}",
-            br.guest_ip(),
-            if extra_cmdline.contains("dirty=") {
-                extra_cmdline
-            } else {
-                DIRTY
-            }
-        ),
-        "--disk".into(),
-        disk.display().to_string(),
-        "--net".into(),
-        format!("tap={}", br.taps[0]),
-    ];
-    let vmm = spawn_vmm(
-        &args,
-        &dir.join("console-1.log"),
-        &dir.join("api-1.sock"),
-        &[],
-    );
-    wait_for("guest network up", Duration::from_secs(30), || {
-        read_text(&vmm.console).contains("net: up")
-    });
-    let echo = EchoChecker::start(&br.guest_ip());
-    wait_for(
-        "traffic, counter and disk writes",
-        Duration::from_secs(60),
-        || {
-            echo.verified() > 8192
-                && counters(&vmm.console).len() >= 3
-                && acked_blocks(&vmm.console) >= 1000
+    LoadedGuest {
+        memory: "512M",
+        ip: br.guest_ip(),
+        tap: &br.taps[0],
+        dirty: if extra_cmdline.contains("dirty=") {
+            extra_cmdline
+        } else {
+            DIRTY
         },
-    );
-    (vmm, echo)
+        disk,
+        extra: &[],
+    }
+    .start(dir)
 }
 
 fn destination(dir: &Path, br: &Bridge, listen: &str, key: &Path, env: &[(&str, &str)]) -> Vmm {
@@ -175,10 +86,11 @@ fn assert_source_runs(src: &Vmm, echo: EchoChecker) {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn live_migration_keeps_counter_disk_and_tcp() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("lm-ok");
     let br = Bridge::create("o", 21);
@@ -207,10 +119,11 @@ fn live_migration_keeps_counter_disk_and_tcp() {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn heavy_dirtier_converges_or_stops_at_the_round_limit() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("lm-dirty");
     let br = Bridge::create("d", 22);
@@ -240,10 +153,11 @@ fn heavy_dirtier_converges_or_stops_at_the_round_limit() {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn wrong_key_is_refused_and_the_source_runs_on() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("lm-key");
     let br = Bridge::create("k", 23);
@@ -268,10 +182,11 @@ fn wrong_key_is_refused_and_the_source_runs_on() {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn destination_killed_mid_migration_leaves_the_source_running() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("lm-kill-dst");
     let br = Bridge::create("x", 24);
@@ -300,10 +215,11 @@ fn destination_killed_mid_migration_leaves_the_source_running() {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn source_killed_mid_migration_leaves_nothing_half_made() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("lm-kill-src");
     let br = Bridge::create("y", 25);
@@ -341,10 +257,11 @@ fn source_killed_mid_migration_leaves_nothing_half_made() {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn source_killed_before_the_commit_leaves_nothing_of_the_destinations_run() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("lm-kill-src-run");
     let br = Bridge::create("w", 27);
@@ -474,10 +391,11 @@ fn relay(
 }
 
 #[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn link_cut_mid_migration_leaves_the_source_running() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("lm-cut");
     let br = Bridge::create("c", 26);

@@ -10,12 +10,10 @@
 //! already complete at the exit — the test passed without that step too —
 //! so this guards the behaviour rather than that step.)
 
-mod common;
-
 use std::time::Duration;
 
-use common::scenario::*;
-use common::*;
+use kemari_testkit::scenario::*;
+use kemari_testkit::*;
 
 /// The letters printed to `console` (the stub's greeting line skipped).
 fn letters(console: &std::path::Path) -> Vec<u8> {
@@ -35,10 +33,8 @@ fn next(letter: u8) -> u8 {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn snapshot_after_an_out_exit_neither_repeats_nor_loses_it() {
-    if !have_kvm() {
-        return;
-    }
     let _turn = one_at_a_time();
     let dir = scratch("io-completion");
     let stub = build_stub_mode(&dir, 2, 0, 1);

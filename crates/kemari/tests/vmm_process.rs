@@ -1,20 +1,17 @@
 //! The VMM process end to end with a tiny PVH stub kernel: boot, exit codes,
 //! bad input, and the control API (pause/resume/shutdown, malformed requests).
 
-mod common;
-
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::*;
+use kemari_testkit::*;
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn boots_stub_prints_and_powers_off() {
-    if !have_kvm() {
-        return;
-    }
     let dir = scratch("boot");
     let elf = build_stub(&dir, false, 0, 1);
     let out = run_with_timeout(
@@ -30,10 +27,8 @@ fn boots_stub_prints_and_powers_off() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn guest_failure_code_gives_exit_status_3() {
-    if !have_kvm() {
-        return;
-    }
     let dir = scratch("fail");
     let elf = build_stub(&dir, false, 7, 1);
     let out = run_with_timeout(
@@ -93,15 +88,18 @@ fn bad_input_is_a_clear_error_not_a_panic() {
         &["--config", "/nonexistent.toml"],
         "cannot read config file",
     );
-    if have_kvm() {
-        // An ELF without a PVH note.
-        let plain = dir.join("plain.elf");
-        std::fs::copy("/bin/true", &plain).unwrap();
-        expect_error(
-            &["--kernel", plain.to_str().unwrap(), "--memory", "64M"],
-            "",
-        );
-    }
+}
+
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+fn elf_without_a_pvh_note_is_a_clear_error_not_a_panic() {
+    let dir = scratch("bad-elf");
+    let plain = dir.join("plain.elf");
+    std::fs::copy("/bin/true", &plain).unwrap();
+    expect_error(
+        &["--kernel", plain.to_str().unwrap(), "--memory", "64M"],
+        "",
+    );
 }
 
 fn count_dots(path: &std::path::Path) -> usize {
@@ -109,10 +107,8 @@ fn count_dots(path: &std::path::Path) -> usize {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn api_pause_resume_shutdown() {
-    if !have_kvm() {
-        return;
-    }
     let dir = scratch("api");
     let elf = build_stub(&dir, true, 0, 20_000);
     let sock = dir.join("api.sock");
@@ -219,10 +215,8 @@ fn raw_exchange(sock: &std::path::Path, bytes: &[u8]) -> String {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn malformed_api_requests_are_refused_and_the_vmm_lives_on() {
-    if !have_kvm() {
-        return;
-    }
     let dir = scratch("apibad");
     let elf = build_stub(&dir, true, 0, 200_000);
     let sock = dir.join("api.sock");
@@ -266,10 +260,8 @@ fn malformed_api_requests_are_refused_and_the_vmm_lives_on() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn second_vmm_on_the_same_api_socket_is_refused() {
-    if !have_kvm() {
-        return;
-    }
     let dir = scratch("apidup");
     let elf = build_stub(&dir, true, 0, 200_000);
     let sock = dir.join("api.sock");
@@ -292,4 +284,27 @@ fn second_vmm_on_the_same_api_socket_is_refused() {
     );
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("another process is serving"));
+}
+
+/// testkit takes `kemari` and `kemarictl` from beside the test executable
+/// (`kemari_testkit::bins`): that must be where cargo built them, or the
+/// folder `KEMARI_TEST_BIN_DIR` names.
+#[test]
+fn testkit_finds_the_binaries_cargo_built() {
+    let named = std::env::var_os(kemari_testkit::bins::BIN_DIR_VAR).map(PathBuf::from);
+    for (name, built) in [
+        ("kemari", env!("CARGO_BIN_EXE_kemari")),
+        ("kemarictl", env!("CARGO_BIN_EXE_kemarictl")),
+    ] {
+        let expected = match &named {
+            Some(dir) => dir.join(name),
+            None => PathBuf::from(built),
+        };
+        let found = kemari_testkit::bins::bin(name);
+        assert_eq!(
+            found.canonicalize().unwrap(),
+            expected.canonicalize().unwrap(),
+            "{name}"
+        );
+    }
 }

@@ -6,10 +6,11 @@ mod common;
 
 use common::*;
 use nbd_client::client::Client;
+use kemari_testkit::*;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const SIZE: usize = 128 << 20;
 
@@ -24,17 +25,6 @@ fn persisted_bits(dir: &Path) -> Vec<u64> {
 
 fn count(bits: &[u64]) -> u64 {
     bits.iter().map(|w| u64::from(w.count_ones())).sum()
-}
-
-fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(
-            t.elapsed() < Duration::from_secs(secs),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 #[test]
@@ -155,7 +145,7 @@ fn crash_mid_copy_resumes_without_refetching() {
     expect[77 << 20..(77 << 20) + 10_000].fill(0xaa);
     expect[99 << 20..(99 << 20) + 5000].fill(0xbb);
     drop(c);
-    wait_for("some background progress", 20, || {
+    wait_for("some background progress", Duration::from_secs(20), || {
         status(&ctl)["cached_blocks"].as_u64().unwrap_or(0) > 2000
     });
     p.crash();
@@ -199,7 +189,7 @@ fn chained_proxies() {
         &ctl2,
         &[],
     );
-    wait_for("second proxy cut-over", 60, || {
+    wait_for("second proxy cut-over", Duration::from_secs(60), || {
         status(&ctl2)["cut_over"] == true
     });
     // The first proxy cached everything the second one pulled through it.
@@ -217,10 +207,8 @@ fn chained_proxies() {
 }
 
 #[test]
+#[cfg_attr(no_mkfs_ext4, ignore = "needs mkfs.ext4 (e2fsprogs)")]
 fn background_copy_fetches_ext_used_blocks_first() {
-    if !tool("mkfs.ext4") {
-        return;
-    }
     let d = TempDir::new("ext");
     let img = d.path("fs.img");
     let src = d.path("files");
@@ -251,7 +239,7 @@ fn background_copy_fetches_ext_used_blocks_first() {
         &ctl,
         &["--rate-limit", "16M"],
     );
-    wait_for("partial copy", 20, || {
+    wait_for("partial copy", Duration::from_secs(20), || {
         status(&ctl)["cached_blocks"].as_u64().unwrap_or(0) > nused / 2
     });
     control_cmd("pause", &ctl);

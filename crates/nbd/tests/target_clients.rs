@@ -5,6 +5,7 @@ mod common;
 
 use common::*;
 use nbd_client::client::Client;
+use kemari_testkit::*;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::Command;
@@ -12,10 +13,8 @@ use std::process::Command;
 const SIZE: usize = 64 << 20;
 
 #[test]
+#[cfg_attr(no_nbdinfo, ignore = "needs nbdinfo (libnbd-bin)")]
 fn nbdinfo_lists_exports_and_block_sizes() {
-    if !tool("nbdinfo") {
-        return;
-    }
     let d = TempDir::new("info");
     make_image(&d.path("a.img"), SIZE, 1);
     make_image(&d.path("b.img"), 1 << 20, 2);
@@ -38,10 +37,8 @@ fn nbdinfo_lists_exports_and_block_sizes() {
 }
 
 #[test]
+#[cfg_attr(no_nbdcopy, ignore = "needs nbdcopy (libnbd-bin)")]
 fn nbdcopy_out_and_in_checksums_equal() {
-    if !tool("nbdcopy") {
-        return;
-    }
     let d = TempDir::new("copy");
     let img = make_image(&d.path("a.img"), SIZE, 3);
     let src = make_image(&d.path("src.img"), SIZE, 4);
@@ -60,10 +57,11 @@ fn nbdcopy_out_and_in_checksums_equal() {
 }
 
 #[test]
+#[cfg_attr(
+    any(no_qemu_img, no_qemu_io),
+    ignore = "needs qemu-img and qemu-io (qemu-utils)"
+)]
 fn qemu_img_and_qemu_io() {
-    if !tool("qemu-img") || !tool("qemu-io") {
-        return;
-    }
     let d = TempDir::new("qemu");
     let img = make_image(&d.path("a.img"), SIZE, 5);
     make_image(&d.path("r.img"), 1 << 20, 6);
@@ -119,15 +117,8 @@ fn qemu_img_and_qemu_io() {
 }
 
 #[test]
+#[cfg_attr(no_fio_nbd, ignore = "needs fio with its nbd engine")]
 fn fio_nbd_engine_verifies() {
-    if !tool("fio") {
-        return;
-    }
-    let help = sh("fio --enghelp=nbd 2>&1 || true");
-    if !String::from_utf8_lossy(&help).contains("uri") {
-        eprintln!("SKIP: fio has no nbd engine");
-        return;
-    }
     let d = TempDir::new("fio");
     make_image(&d.path("a.img"), SIZE, 7);
     let (_t, port) = serve(&[format!("a={}", d.path("a.img").display())]);
@@ -153,14 +144,12 @@ fn client_library_against_target() {
 }
 
 #[test]
+#[cfg_attr(no_qemu_nbd, ignore = "needs qemu-nbd (qemu-utils)")]
 fn client_library_against_qemu_nbd() {
-    if !tool("qemu-nbd") {
-        return;
-    }
     let d = TempDir::new("qnbd");
     let img = make_image(&d.path("a.img"), SIZE, 9);
     let sock = d.path("q.sock");
-    let _q = Proc(
+    let _q = KillOnDrop(
         Command::new("qemu-nbd")
             .args(["-f", "raw", "-x", "a", "-k"])
             .arg(&sock)
@@ -362,7 +351,7 @@ fn unix_socket_listener_and_access_counts() {
     let d = TempDir::new("unix");
     let img = make_image(&d.path("a.img"), 32 << 20, 11);
     let sock = d.path("t.sock");
-    let _t = Proc(
+    let _t = KillOnDrop(
         Command::new(BIN)
             .args(["serve", "--export"])
             .arg(format!("a={}", d.path("a.img").display()))

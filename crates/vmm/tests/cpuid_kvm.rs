@@ -3,15 +3,11 @@
 //! place, and sets the saved one otherwise; the same holds for the other
 //! parts read back ahead (run state, XCRs, debug registers).
 
-mod common;
-
 use kvm_bindings::{kvm_cpuid_entry2, KVM_MAX_CPUID_ENTRIES};
 use vmm::persist;
 use vmm::vstate::cpuid;
 use vmm::vstate::vcpu::Vcpu;
 use vmm::vstate::vm::Vm;
-
-use common::have_kvm;
 
 const TIMING_LEAF: u32 = 0x4000_0010;
 
@@ -50,10 +46,8 @@ fn saved_preset_vcpu() -> persist::VcpuState {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn a_preset_cpuid_is_kept_only_when_it_is_the_saved_one() {
-    if !have_kvm() {
-        return;
-    }
     let mut state = saved_preset_vcpu();
     assert_eq!(timing_eax(&state.cpuid), 2_000_000);
 
@@ -87,10 +81,8 @@ fn a_preset_cpuid_is_kept_only_when_it_is_the_saved_one() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn a_restore_writes_what_differs_from_the_vcpu_made_ahead_and_skips_nothing_else() {
-    if !have_kvm() {
-        return;
-    }
     let mut state = saved_preset_vcpu();
     // A fresh vCPU's breakpoint registers are 0: this one differs, and the
     // restore must write it although the rest of the debug registers match.

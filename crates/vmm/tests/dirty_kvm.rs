@@ -3,8 +3,6 @@
 //! report exactly those pages, VMM writes are merged in, and a tiny ring that
 //! fills up many times per round loses nothing and never hangs the vCPU.
 
-mod common;
-
 use std::collections::BTreeSet;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -19,8 +17,6 @@ use vmm::vstate::vcpu::Vcpu;
 use vmm::vstate::vm::Vm;
 use vmm::vstate::VmEventSink;
 
-use common::have_kvm;
-
 const PORT: u16 = 0x510;
 
 struct Rig {
@@ -31,31 +27,24 @@ struct Rig {
     vcpu: Vcpu,
 }
 
-/// A VM of `mib` MiB with one vCPU running `writer`, tracked by `config`.
-/// Returns None when the ring is asked for and KVM lacks it.
-fn rig(mib: u64, config: DirtyTrackerConfig, writer: &PageWriter) -> Option<Rig> {
+/// A VM of `mib` MiB with one vCPU running `writer`, tracked by `config`
+/// (the tests that ask for the ring carry the probe's `no_kvm_dirty_ring`).
+fn rig(mib: u64, config: DirtyTrackerConfig, writer: &PageWriter) -> Rig {
     let file = GuestMemoryFile::create(mib << 20, &MemoryBacking::Memfd).unwrap();
     let mem = file.map().unwrap();
     let vm = Vm::new().unwrap();
-    let tracker = match DirtyTracker::new(&vm, &mem, config) {
-        Ok(t) => t,
-        Err(vmm::dirty::DirtyError::RingUnavailable) => {
-            eprintln!("SKIP: no dirty ring in this KVM");
-            return None;
-        }
-        Err(e) => panic!("tracker: {e}"),
-    };
+    let tracker = DirtyTracker::new(&vm, &mem, config).unwrap_or_else(|e| panic!("tracker: {e}"));
     vm.register_memory(&mem).unwrap();
     let mut vcpu = Vcpu::new(vm.fd(), 0).unwrap();
     tracker.attach_vcpu(&mut vcpu).unwrap();
     writer.install(&mem, &mut vcpu).unwrap();
-    Some(Rig {
+    Rig {
         _file: file,
         mem,
         vm,
         tracker,
         vcpu,
-    })
+    }
 }
 
 /// Runs the vCPU on this thread until the writer's next `out`.
@@ -67,17 +56,12 @@ fn run_round(vcpu: &mut Vcpu) {
 }
 
 fn exactly(mode: DirtyTrackingMode, kind: DirtyTrackerKind) {
-    if !have_kvm() {
-        return;
-    }
     let writer = PageWriter::new(16, 16, PORT).unwrap();
     let config = DirtyTrackerConfig {
         mode,
         ..Default::default()
     };
-    let Some(mut r) = rig(256, config, &writer) else {
-        return;
-    };
+    let mut r = rig(256, config, &writer);
     assert_eq!(r.tracker.kind(), kind);
     // Not started: nothing.
     run_round(&mut r.vcpu);
@@ -119,28 +103,32 @@ fn exactly(mode: DirtyTrackingMode, kind: DirtyTrackerKind) {
 }
 
 #[test]
+#[cfg_attr(
+    no_kvm_dirty_ring,
+    ignore = "needs a usable /dev/kvm with the dirty ring"
+)]
 fn ring_reports_exactly_the_pages_written() {
     exactly(DirtyTrackingMode::Ring, DirtyTrackerKind::Ring);
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn bitmap_reports_exactly_the_pages_written() {
     exactly(DirtyTrackingMode::Bitmap, DirtyTrackerKind::Bitmap);
 }
 
 #[test]
+#[cfg_attr(
+    no_kvm_dirty_ring,
+    ignore = "needs a usable /dev/kvm with the dirty ring"
+)]
 fn ring_keep_writable_carries_rewritten_pages_without_new_entries() {
-    if !have_kvm() {
-        return;
-    }
     let writer = PageWriter::new(16, 16, PORT).unwrap();
     let config = DirtyTrackerConfig {
         mode: DirtyTrackingMode::Ring,
         ..Default::default()
     };
-    let Some(mut r) = rig(256, config, &writer) else {
-        return;
-    };
+    let mut r = rig(256, config, &writer);
     let set = |v: &[u64]| v.iter().copied().collect::<BTreeSet<u64>>();
     let want: BTreeSet<u64> = writer.pfns().collect();
     r.tracker.start().unwrap();
@@ -202,14 +190,10 @@ fn ring_keep_writable_carries_rewritten_pages_without_new_entries() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn auto_prefers_the_ring() {
-    if !have_kvm() {
-        return;
-    }
     let writer = PageWriter::new(16, 16, PORT).unwrap();
-    let Some(r) = rig(64, DirtyTrackerConfig::default(), &writer) else {
-        return;
-    };
+    let r = rig(64, DirtyTrackerConfig::default(), &writer);
     let ring = r.vm.dirty_ring_support().is_some();
     assert_eq!(
         r.tracker.kind(),
@@ -222,16 +206,18 @@ fn auto_prefers_the_ring() {
 }
 
 #[test]
+#[cfg_attr(
+    no_kvm_dirty_ring,
+    ignore = "needs a usable /dev/kvm with the dirty ring"
+)]
 fn ring_size_is_validated() {
-    if !have_kvm() {
-        return;
-    }
     let file = GuestMemoryFile::create(64 << 20, &MemoryBacking::Memfd).unwrap();
     let mem = file.map().unwrap();
     let vm = Vm::new().unwrap();
-    if vm.dirty_ring_support().is_none() {
-        return;
-    }
+    assert!(
+        vm.dirty_ring_support().is_some(),
+        "the probe saw a dirty ring"
+    );
     for entries in [64, 1000, 1 << 30] {
         let e = DirtyTracker::new(
             &vm,
@@ -263,10 +249,11 @@ impl BusDevice for Gate {
 }
 
 #[test]
+#[cfg_attr(
+    no_kvm_dirty_ring,
+    ignore = "needs a usable /dev/kvm with the dirty ring"
+)]
 fn tiny_ring_fills_many_times_per_round_and_loses_nothing() {
-    if !have_kvm() {
-        return;
-    }
     // 240 pages per round through a 256-entry ring (KVM asks for a harvest
     // after 192 entries), run by the real vCPU thread.
     let writer = PageWriter::new(16, 240, PORT).unwrap();
@@ -274,9 +261,7 @@ fn tiny_ring_fills_many_times_per_round_and_loses_nothing() {
         mode: DirtyTrackingMode::Ring,
         ring_entries: 256,
     };
-    let Some(r) = rig(64, config, &writer) else {
-        return;
-    };
+    let r = rig(64, config, &writer);
     let (done_tx, done_rx) = channel();
     let (go_tx, go_rx) = channel();
     let mut io = Bus::new();
@@ -343,10 +328,11 @@ fn tiny_ring_fills_many_times_per_round_and_loses_nothing() {
 }
 
 #[test]
+#[cfg_attr(
+    no_kvm_dirty_ring,
+    ignore = "needs a usable /dev/kvm with the dirty ring"
+)]
 fn rings_of_several_vcpus_are_merged_and_deduplicated() {
-    if !have_kvm() {
-        return;
-    }
     let file = GuestMemoryFile::create(64 << 20, &MemoryBacking::Memfd).unwrap();
     let mem = file.map().unwrap();
     let vm = Vm::new().unwrap();
@@ -354,11 +340,7 @@ fn rings_of_several_vcpus_are_merged_and_deduplicated() {
         mode: DirtyTrackingMode::Ring,
         ..Default::default()
     };
-    let tracker = match DirtyTracker::new(&vm, &mem, config) {
-        Ok(t) => t,
-        Err(vmm::dirty::DirtyError::RingUnavailable) => return,
-        Err(e) => panic!("tracker: {e}"),
-    };
+    let tracker = DirtyTracker::new(&vm, &mem, config).unwrap_or_else(|e| panic!("tracker: {e}"));
     vm.register_memory(&mem).unwrap();
     // vCPU 0 writes pages 16..48, vCPU 1 pages 32..64: 32..48 from both.
     let w0 = PageWriter::new(16, 32, PORT).unwrap();

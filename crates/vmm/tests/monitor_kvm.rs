@@ -2,8 +2,6 @@
 //! machine and pauses it (the API serving `GET /vm` while a worker migrates
 //! the machine).
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -72,10 +70,8 @@ fn config(kernel: PathBuf) -> MachineConfig {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn the_monitor_sees_a_pause_made_on_the_thread_that_owns_the_machine() {
-    if !common::have_kvm() {
-        return;
-    }
     let kernel = std::env::temp_dir().join(format!("kemari-monitor-{}.elf", std::process::id()));
     halting_kernel(&kernel);
     let mut machine = Machine::build(config(kernel.clone()), VmEventSink::new(|_| {}), false)

@@ -3,8 +3,6 @@
 //! return, a save on the vCPU's thread right after a pause takes them from
 //! there, and nobody else does.
 
-mod common;
-
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,12 +14,10 @@ use vmm::vstate::vcpu::{synced_registers, PauseLength, Vcpu};
 use vmm::vstate::vm::Vm;
 use vmm::vstate::VmEventSink;
 
-use common::have_kvm;
-
 const PORT: u16 = 0x510;
 
 /// A 16 MiB VM whose one vCPU runs a [`PageWriter`] (an `out` to [`PORT`]
-/// per round); None where KVM lacks the sync area.
+/// per round). The tests carry the probe's `no_kvm_sync_regs`.
 struct Rig {
     _file: GuestMemoryFile,
     /// The mapping KVM's memory slot points into.
@@ -31,51 +27,39 @@ struct Rig {
     writer: PageWriter,
 }
 
-fn rig() -> Option<Rig> {
+fn rig() -> Rig {
     let file = GuestMemoryFile::create(16 << 20, &MemoryBacking::Memfd).unwrap();
     let mem = file.map().unwrap();
     let vm = Vm::new().unwrap();
-    if !have_sync_regs(&vm) {
-        return None;
-    }
+    let mask = vm.fd().check_extension_int(kvm_ioctls::Cap::SyncRegs);
+    assert_eq!(mask & 3, 3, "KVM_CAP_SYNC_REGS is {mask} here");
     vm.register_memory(&mem).unwrap();
     let mut vcpu = Vcpu::new(vm.fd(), 0).unwrap();
     let writer = PageWriter::new(16, 4, PORT).unwrap();
     writer.install(&mem, &mut vcpu).unwrap();
-    Some(Rig {
+    Rig {
         _file: file,
         _mem: mem,
         _vm: vm,
         vcpu,
         writer,
-    })
-}
-
-fn have_sync_regs(vm: &Vm) -> bool {
-    let mask = vm.fd().check_extension_int(kvm_ioctls::Cap::SyncRegs);
-    if mask & 3 != 3 {
-        eprintln!("SKIP: KVM_CAP_SYNC_REGS is {mask} here");
-        return false;
     }
-    true
 }
 
 #[test]
+#[cfg_attr(
+    no_kvm_sync_regs,
+    ignore = "needs a usable /dev/kvm with KVM_CAP_SYNC_REGS"
+)]
 fn the_sync_area_holds_what_the_ioctls_return() {
-    if !have_kvm() {
-        return;
-    }
     // Every part bound (a `..` would drop the memory mapping at once).
-    let Some(Rig {
+    let Rig {
         _file,
         _mem,
         _vm,
         mut vcpu,
         writer,
-    }) = rig()
-    else {
-        return;
-    };
+    } = rig();
     for round in 0..3 {
         writer.run_round(&mut vcpu).unwrap();
         let fd = vcpu.fd();
@@ -113,20 +97,18 @@ fn read_both(fd: &mut kvm_ioctls::VcpuFd) -> Registers {
 }
 
 #[test]
+#[cfg_attr(
+    no_kvm_sync_regs,
+    ignore = "needs a usable /dev/kvm with KVM_CAP_SYNC_REGS"
+)]
 fn a_paused_vcpu_thread_saves_from_the_sync_area_once() {
-    if !have_kvm() {
-        return;
-    }
-    let Some(Rig {
+    let Rig {
         _file,
         _mem,
         _vm,
         vcpu,
         writer: _writer,
-    }) = rig()
-    else {
-        return;
-    };
+    } = rig();
     let (tx, rounds): (Sender<()>, Receiver<()>) = channel();
     let mut io = Bus::new();
     io.insert(Arc::new(Mutex::new(Rounds(tx))), u64::from(PORT), 1)

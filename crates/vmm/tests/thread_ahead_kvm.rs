@@ -3,18 +3,12 @@
 //! answers EINTR, as for a run cut short) and leaves `immediate_exit` as it
 //! was; it is refused for a vCPU of another index.
 
-mod common;
-
 use vmm::vstate::vcpu::{Vcpu, VcpuError, VcpuThreadAhead};
 use vmm::vstate::vm::Vm;
 
-use common::have_kvm;
-
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn the_first_run_ahead_enters_no_guest_and_only_for_its_own_vcpu() {
-    if !have_kvm() {
-        return;
-    }
     let vm = Vm::new().unwrap();
     let mut vcpu = Vcpu::new(vm.fd(), 0).unwrap();
     let mut other = Vcpu::new(vm.fd(), 1).unwrap();

@@ -14,8 +14,8 @@ use super::{
     wait_exit, wait_first_counter, wait_lines_after, wait_more_counters, wait_steady, Env, Op,
     OpError, QemuLocalMode, Sample, Workload, STEP,
 };
-use crate::bench::procs::{wait_path, Scratch, Vmm};
-use crate::bench::qmp::{Qmp, QmpError};
+use crate::procs::{wait_path, Scratch, Vmm};
+use crate::qmp::{Qmp, QmpError};
 
 /// The QEMU migration bandwidth limit we set: effectively none (QEMU 7.2's
 /// default is 32 MiB/s, which would measure the limit, not QEMU).
@@ -40,24 +40,17 @@ fn qemu_cmd(env: &Env, s: &QemuSpec) -> Command {
             path.display()
         ));
     }
-    c.args([
-        "-accel",
-        "kvm",
-        "-M",
-        &machine,
-        "-cpu",
-        crate::bench::QEMU_CPU,
-    ])
-    .args(["-m", s.mem])
-    .args(["-nodefaults", "-no-user-config", "-nographic"])
-    .args(["-serial", "stdio"])
-    .args(["-device", "isa-debug-exit,iobase=0xf4,iosize=4"])
-    .arg("-qmp")
-    .arg(format!("unix:{},server=on,wait=off", s.qmp.display()))
-    .arg("-append")
-    .arg(s.w.cmdline())
-    .arg("-kernel")
-    .arg(&env.kernel);
+    c.args(["-accel", "kvm", "-M", &machine, "-cpu", crate::QEMU_CPU])
+        .args(["-m", s.mem])
+        .args(["-nodefaults", "-no-user-config", "-nographic"])
+        .args(["-serial", "stdio"])
+        .args(["-device", "isa-debug-exit,iobase=0xf4,iosize=4"])
+        .arg("-qmp")
+        .arg(format!("unix:{},server=on,wait=off", s.qmp.display()))
+        .arg("-append")
+        .arg(s.w.cmdline())
+        .arg("-kernel")
+        .arg(&env.kernel);
     if let Some(inc) = s.incoming {
         c.args(["-incoming", inc]);
     }

@@ -220,16 +220,8 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
     fn vcpu_save_is_measured_through_a_pause() {
-        if std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open("/dev/kvm")
-            .is_err()
-        {
-            eprintln!("SKIP: /dev/kvm is not usable here");
-            return;
-        }
         let save = vcpu_save(5).unwrap();
         assert!(save > Duration::ZERO);
     }

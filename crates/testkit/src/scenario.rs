@@ -2,140 +2,22 @@
 //! writing flushed blocks and echoing TCP through a TAP, and the checks that it
 //! went on across an operation.
 
-#![allow(dead_code)]
-
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::process::Stdio;
+use std::sync::Mutex;
+use std::time::Duration;
 
-use super::*;
+use crate::bins::{guest_elf, kemari, kemarictl};
+use crate::dirs::read_text;
+use crate::net::{EchoChecker, TapNet};
+use crate::procs::{run_with_timeout, wait_for, KillOnDrop};
 
-/// One scenario at a time: each runs a polling guest and a TAP subnet.
+/// One VM scenario at a time in a test binary: the guests poll, so side by
+/// side on a small machine they would skew timing and rate checks, and the
+/// scenarios reuse TAP subnets.
 pub fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// A TAP device with the host end at 10.201.N.1/24, removed on drop.
-pub struct TapNet {
-    pub name: String,
-    pub subnet: u8,
-}
-
-impl TapNet {
-    pub fn create(tag: &str, subnet: u8) -> TapNet {
-        let name = format!("kav{tag}{}", std::process::id() % 10000);
-        let _ = Command::new("ip")
-            .args(["link", "del", &name])
-            .stderr(Stdio::null())
-            .status();
-        let ok = |args: &[&str]| {
-            let st = Command::new("ip").args(args).status().expect("ip");
-            assert!(st.success(), "ip {args:?} failed (tests need root)");
-        };
-        ok(&["tuntap", "add", &name, "mode", "tap"]);
-        ok(&[
-            "addr",
-            "add",
-            &format!("10.201.{subnet}.1/24"),
-            "dev",
-            &name,
-        ]);
-        ok(&["link", "set", &name, "up"]);
-        TapNet { name, subnet }
-    }
-
-    pub fn guest_ip(&self) -> String {
-        format!("10.201.{}.2", self.subnet)
-    }
-}
-
-impl Drop for TapNet {
-    fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["link", "del", &self.name])
-            .status();
-    }
-}
-
-/// Streams random chunks to the guest's echo port and checks every byte.
-pub struct EchoChecker {
-    stop: Arc<AtomicBool>,
-    verified: Arc<AtomicU64>,
-    thread: Option<JoinHandle<Result<(), String>>>,
-}
-
-impl EchoChecker {
-    pub fn start(ip: &str) -> EchoChecker {
-        let mut s = None;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while s.is_none() {
-            match TcpStream::connect_timeout(
-                &format!("{ip}:7").parse().unwrap(),
-                Duration::from_secs(2),
-            ) {
-                Ok(c) => s = Some(c),
-                Err(e) => {
-                    assert!(
-                        Instant::now() < deadline,
-                        "cannot connect to the guest's echo service: {e}"
-                    );
-                    std::thread::sleep(Duration::from_millis(100));
-                }
-            }
-        }
-        let mut s = s.unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-        let stop = Arc::new(AtomicBool::new(false));
-        let verified = Arc::new(AtomicU64::new(0));
-        let (st, v) = (stop.clone(), verified.clone());
-        let thread = std::thread::spawn(move || {
-            let mut seed: u32 = 0x1234_5678;
-            while !st.load(Ordering::SeqCst) {
-                let chunk: Vec<u8> = (0..2048)
-                    .map(|_| {
-                        seed ^= seed << 13;
-                        seed ^= seed >> 17;
-                        seed ^= seed << 5;
-                        seed as u8
-                    })
-                    .collect();
-                s.write_all(&chunk).map_err(|e| format!("send: {e}"))?;
-                let mut back = vec![0u8; chunk.len()];
-                s.read_exact(&mut back)
-                    .map_err(|e| format!("receive: {e}"))?;
-                if back != chunk {
-                    return Err("echoed bytes differ".into());
-                }
-                v.fetch_add(chunk.len() as u64, Ordering::SeqCst);
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Ok(())
-        });
-        EchoChecker {
-            stop,
-            verified,
-            thread: Some(thread),
-        }
-    }
-
-    pub fn verified(&self) -> u64 {
-        self.verified.load(Ordering::SeqCst)
-    }
-
-    pub fn finish(mut self) -> u64 {
-        self.stop.store(true, Ordering::SeqCst);
-        let r = self.thread.take().unwrap().join().unwrap();
-        if let Err(e) = r {
-            panic!("TCP echo through the operation failed: {e}");
-        }
-        self.verified()
-    }
 }
 
 /// Numbers `n` of complete `counter: n ...` lines in a console file.
@@ -190,17 +72,6 @@ pub fn spawn_vmm(args: &[String], console: &Path, api: &Path, env: &[(&str, &str
     }
 }
 
-pub fn wait_exit(child: &mut Child, what: &str) -> std::process::ExitStatus {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            return s;
-        }
-        assert!(Instant::now() < deadline, "{what} did not exit");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 pub fn ctl(api: &Path, args: &[&str]) -> std::process::Output {
     run_with_timeout(kemarictl(api).args(args), Duration::from_secs(60))
 }
@@ -212,46 +83,78 @@ pub const BLOCKS: u64 = 3000;
 /// holds the previous pass's value (docs/test-guest.md).
 pub const DIRTY: &str = "dirty=2000,8";
 
-/// Boots the guest with counter + flushed sequential disk writes + network;
-/// waits until it runs and its echo service answers.
+/// Boots the guest with counter + flushed sequential disk writes + network
+/// (256 MiB, [`DIRTY`], on `net`); waits until it runs and its echo service
+/// answers.
 pub fn start_source(dir: &Path, net: &TapNet, disk: &Path, extra: &[String]) -> (Vmm, EchoChecker) {
-    let mut args: Vec<String> = vec![
-        "--kernel".into(),
-        guest_elf().display().to_string(),
-        "--memory".into(),
-        "256M".into(),
-        "--cmdline".into(),
-        format!(
-            "counter=100 ip={}/24 disk=write,{BLOCKS},seq,flush {DIRTY}",
-            net.guest_ip()
-        ),
-        "--disk".into(),
-        disk.display().to_string(),
-        "--net".into(),
-        format!("tap={}", net.name),
-    ];
-    args.extend_from_slice(extra);
-    let vmm = spawn_vmm(
-        &args,
-        &dir.join("console-1.log"),
-        &dir.join("api-1.sock"),
-        &[],
-    );
-    wait_for("guest network up", Duration::from_secs(30), || {
-        read_text(&vmm.console).contains("net: up")
-    });
-    let echo = EchoChecker::start(&net.guest_ip());
-    // Operate mid-way through the disk job: some blocks acknowledged, more to come.
-    wait_for(
-        "echo traffic, counter and disk writes",
-        Duration::from_secs(60),
-        || {
-            echo.verified() > 8192
-                && counters(&vmm.console).len() >= 3
-                && acked_blocks(&vmm.console) >= 1000
-        },
-    );
-    (vmm, echo)
+    LoadedGuest {
+        memory: "256M",
+        ip: net.guest_ip(),
+        tap: &net.name,
+        dirty: DIRTY,
+        disk,
+        extra,
+    }
+    .start(dir)
+}
+
+/// The guest a scenario operates on: counting, writing [`BLOCKS`] flushed
+/// blocks to `disk`, dirtying memory and echoing TCP at `ip` behind `tap`.
+pub struct LoadedGuest<'a> {
+    pub memory: &'a str,
+    /// The guest's address, in a /24 with the host.
+    pub ip: String,
+    pub tap: &'a str,
+    /// The dirty workload (`dirty=RATE,MIB`; [`DIRTY`] unless a test wants another).
+    pub dirty: &'a str,
+    pub disk: &'a Path,
+    /// More kemari flags.
+    pub extra: &'a [String],
+}
+
+impl LoadedGuest<'_> {
+    /// Boots it with its console and API in `dir` (`console-1.log`,
+    /// `api-1.sock`); returns once it runs mid-way through its disk job with
+    /// its echo stream flowing.
+    pub fn start(&self, dir: &Path) -> (Vmm, EchoChecker) {
+        let mut args: Vec<String> = vec![
+            "--kernel".into(),
+            guest_elf().display().to_string(),
+            "--memory".into(),
+            self.memory.into(),
+            "--cmdline".into(),
+            format!(
+                "counter=100 ip={}/24 disk=write,{BLOCKS},seq,flush {}",
+                self.ip, self.dirty
+            ),
+            "--disk".into(),
+            self.disk.display().to_string(),
+            "--net".into(),
+            format!("tap={}", self.tap),
+        ];
+        args.extend_from_slice(self.extra);
+        let vmm = spawn_vmm(
+            &args,
+            &dir.join("console-1.log"),
+            &dir.join("api-1.sock"),
+            &[],
+        );
+        wait_for("guest network up", Duration::from_secs(30), || {
+            read_text(&vmm.console).contains("net: up")
+        });
+        let echo = EchoChecker::start(&self.ip);
+        // Operate mid-way through the disk job: some blocks acknowledged, more to come.
+        wait_for(
+            "echo traffic, counter and disk writes",
+            Duration::from_secs(60),
+            || {
+                echo.verified() > 8192
+                    && counters(&vmm.console).len() >= 3
+                    && acked_blocks(&vmm.console) >= 1000
+            },
+        );
+        (vmm, echo)
+    }
 }
 
 /// `(ws_pages, total, bad)` of each report of the guest's dirty workload.

@@ -13,7 +13,7 @@ use super::{
     unreachable_op, wait_exit, wait_first_counter, wait_lines_after, wait_more_counters,
     wait_steady, Env, Op, OpError, Sample, Workload, STEP,
 };
-use crate::bench::procs::{wait_listening, wait_path, Scratch};
+use crate::procs::{wait_listening, wait_path, Scratch};
 
 fn kemari_boot(
     env: &Env,

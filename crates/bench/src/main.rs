@@ -11,7 +11,7 @@
 //! 16 GiB of guest memory (docs/dirty-tracking.md).
 //! `kemari-bench availability`: downtime and total time of whole-VM operations
 //! (snapshot/restore, warm restart, zero-copy migration) vs QEMU
-//! (`kemari::bench::availability`).
+//! (`kemari_bench::availability`).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -68,11 +68,11 @@ enum Bench {
     },
     /// Whole-VM state: downtime and total time of reboot, snapshot/restore,
     /// warm restart and zero-copy migration, kemari vs QEMU.
-    Availability(kemari::bench::availability::AvailabilityArgs),
+    Availability(kemari_bench::availability::AvailabilityArgs),
     /// Fault tolerance: TCP request/response and stream, O_SYNC-style and
     /// buffered disk writes, sync pause and link bytes — unprotected vs
     /// event-driven vs periodic checkpoints, at several memory sizes.
-    Ft(kemari::bench::ft::FtBenchArgs),
+    Ft(kemari_bench::ft::FtBenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -105,7 +105,7 @@ fn main() -> ExitCode {
                 }
             }
         }
-        Bench::Ft(args) => match kemari::bench::ft::run(&args, sibling("kemari")) {
+        Bench::Ft(args) => match kemari_bench::ft::run(&args, sibling("kemari")) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("kemari-bench: {e}");
@@ -114,7 +114,7 @@ fn main() -> ExitCode {
         },
         Bench::Availability(args) => {
             let opts = args.options(sibling("kemari"));
-            match kemari::bench::availability::run(&opts) {
+            match kemari_bench::availability::run(&opts) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("kemari-bench: {e}");
@@ -186,7 +186,7 @@ fn qemu_cmd(qemu: &str, kernel: &Path, cmdline: &str, mem: &str) -> Command {
         "-M",
         "microvm,x-option-roms=off,rtc=off,isa-serial=on",
         "-cpu",
-        kemari::bench::QEMU_CPU,
+        kemari_bench::QEMU_CPU,
         "-m",
         mem,
         "-nodefaults",

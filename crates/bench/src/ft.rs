@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use super::procs::{wait_path, Scratch, Vmm};
-use crate::api::client::request;
+use kemari::api::client::request;
 
 /// Command-line arguments.
 #[derive(Debug, clap::Args)]

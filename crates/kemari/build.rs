@@ -1,0 +1,7 @@
+//! Probes what the integration tests need; see `kemari-test-probe`.
+
+use kemari_test_probe::{probe, Need};
+
+fn main() {
+    probe(&[Need::Kvm, Need::Tap]);
+}

@@ -1,0 +1,30 @@
+//! What the integration tests share: the binaries under test, scratch
+//! folders, child processes and waiting, the PVH stub kernel and the test
+//! guest, TAP devices and bridges, and the guest-under-load scenario of the
+//! availability tests. A `[dev-dependencies]` entry only; never shipped.
+//!
+//! - [`bins`]: `kemari` and `kemarictl` (found beside the test executable,
+//!   see there), the test guest's ELF, binaries of other packages;
+//! - [`dirs`]: scratch folders, reading a file that may not exist yet;
+//! - [`procs`]: children killed on drop, timeouts, polling, tools on PATH;
+//! - [`stub`]: the PVH stub kernel (`fixtures/pvh-stub.S`);
+//! - [`net`]: free ports, TAP devices and bridges, the TCP echo checker;
+//! - [`scenario`]: the test guest counting, writing its disk and echoing TCP,
+//!   and the checks that it went on across an operation.
+//!
+//! What a test needs from the machine (KVM, TAP, tools) is probed when its
+//! crate is built; a test that cannot run is reported ignored with the
+//! reason (the `kemari-test-probe` crate in `probe/`).
+
+pub mod bins;
+pub mod dirs;
+pub mod net;
+pub mod procs;
+pub mod scenario;
+pub mod stub;
+
+pub use bins::{guest_elf, kemari, kemarictl};
+pub use dirs::{read_text, scratch, TempDir};
+pub use net::{free_port, wait_port, Bridge, EchoChecker, TapNet};
+pub use procs::{run, run_with_timeout, sh, tool, wait_exit, wait_for, KillOnDrop};
+pub use stub::{build_stub, build_stub_mode};

@@ -1,0 +1,203 @@
+//! The network side of tests: free ports, TAP devices and bridges made with
+//! `ip` (root: tests that make them carry the probe's `no_tap` cfg), and a
+//! checker of the test guest's TCP echo.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// A TCP port free on 127.0.0.1 a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free port")
+}
+
+/// Waits up to 10 s until something listens on 127.0.0.1:`port`.
+pub fn wait_port(port: u16) {
+    let t = Instant::now();
+    while TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "port {port} never opened"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `ip ARGS`, which must succeed.
+fn ip(args: &[&str]) {
+    let st = Command::new("ip").args(args).status().expect("ip");
+    assert!(st.success(), "ip {args:?} failed (tests need root)");
+}
+
+/// `ip link del NAME`, quietly: it may not be there.
+fn delete_link(name: &str) {
+    let _ = Command::new("ip")
+        .args(["link", "del", name])
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// A TAP device with the host end at 10.201.N.1/24, removed on drop.
+pub struct TapNet {
+    pub name: String,
+    pub subnet: u8,
+}
+
+impl TapNet {
+    pub fn create(tag: &str, subnet: u8) -> TapNet {
+        let name = format!("kav{tag}{}", std::process::id() % 10000);
+        delete_link(&name);
+        ip(&["tuntap", "add", &name, "mode", "tap"]);
+        ip(&[
+            "addr",
+            "add",
+            &format!("10.201.{subnet}.1/24"),
+            "dev",
+            &name,
+        ]);
+        ip(&["link", "set", &name, "up"]);
+        TapNet { name, subnet }
+    }
+
+    pub fn guest_ip(&self) -> String {
+        format!("10.201.{}.2", self.subnet)
+    }
+
+    pub fn host_ip(&self) -> String {
+        format!("10.201.{}.1", self.subnet)
+    }
+}
+
+impl Drop for TapNet {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.name])
+            .status();
+    }
+}
+
+/// A bridge with the host at 10.202.N.1/24 and two TAPs (source, destination).
+pub struct Bridge {
+    pub name: String,
+    pub taps: [String; 2],
+    pub subnet: u8,
+}
+
+impl Bridge {
+    pub fn create(tag: &str, subnet: u8) -> Bridge {
+        let id = std::process::id() % 10000;
+        let name = format!("klb{tag}{id}");
+        let taps = [format!("kla{tag}{id}"), format!("klz{tag}{id}")];
+        delete_link(&name);
+        taps.iter().for_each(|t| delete_link(t));
+        ip(&["link", "add", &name, "type", "bridge"]);
+        ip(&[
+            "addr",
+            "add",
+            &format!("10.202.{subnet}.1/24"),
+            "dev",
+            &name,
+        ]);
+        ip(&["link", "set", &name, "up"]);
+        for t in &taps {
+            ip(&["tuntap", "add", t, "mode", "tap"]);
+            ip(&["link", "set", t, "master", &name]);
+            ip(&["link", "set", t, "up"]);
+        }
+        Bridge { name, taps, subnet }
+    }
+
+    pub fn guest_ip(&self) -> String {
+        format!("10.202.{}.2", self.subnet)
+    }
+}
+
+impl Drop for Bridge {
+    fn drop(&mut self) {
+        for n in self.taps.iter().chain(std::iter::once(&self.name)) {
+            let _ = Command::new("ip").args(["link", "del", n]).status();
+        }
+    }
+}
+
+/// Streams random chunks to the guest's echo port and checks every byte.
+pub struct EchoChecker {
+    stop: Arc<AtomicBool>,
+    verified: Arc<AtomicU64>,
+    thread: Option<JoinHandle<Result<(), String>>>,
+}
+
+impl EchoChecker {
+    pub fn start(ip: &str) -> EchoChecker {
+        let mut s = None;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while s.is_none() {
+            match TcpStream::connect_timeout(
+                &format!("{ip}:7").parse().unwrap(),
+                Duration::from_secs(2),
+            ) {
+                Ok(c) => s = Some(c),
+                Err(e) => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "cannot connect to the guest's echo service: {e}"
+                    );
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
+        let mut s = s.unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let verified = Arc::new(AtomicU64::new(0));
+        let (st, v) = (stop.clone(), verified.clone());
+        let thread = std::thread::spawn(move || {
+            let mut seed: u32 = 0x1234_5678;
+            while !st.load(Ordering::SeqCst) {
+                let chunk: Vec<u8> = (0..2048)
+                    .map(|_| {
+                        seed ^= seed << 13;
+                        seed ^= seed >> 17;
+                        seed ^= seed << 5;
+                        seed as u8
+                    })
+                    .collect();
+                s.write_all(&chunk).map_err(|e| format!("send: {e}"))?;
+                let mut back = vec![0u8; chunk.len()];
+                s.read_exact(&mut back)
+                    .map_err(|e| format!("receive: {e}"))?;
+                if back != chunk {
+                    return Err("echoed bytes differ".into());
+                }
+                v.fetch_add(chunk.len() as u64, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Ok(())
+        });
+        EchoChecker {
+            stop,
+            verified,
+            thread: Some(thread),
+        }
+    }
+
+    pub fn verified(&self) -> u64 {
+        self.verified.load(Ordering::SeqCst)
+    }
+
+    pub fn finish(mut self) -> u64 {
+        self.stop.store(true, Ordering::SeqCst);
+        let r = self.thread.take().unwrap().join().unwrap();
+        if let Err(e) = r {
+            panic!("TCP echo through the operation failed: {e}");
+        }
+        self.verified()
+    }
+}

@@ -1,0 +1,99 @@
+//! Child processes: killed on drop, run with a timeout, waited for; polling
+//! for a condition; external tools.
+
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// A child process killed on drop.
+pub struct KillOnDrop(pub Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl KillOnDrop {
+    /// SIGKILL, as in a crash.
+    pub fn crash(self) {
+        drop(self);
+    }
+}
+
+/// Runs a command to completion with a timeout, killing it if it hangs.
+pub fn run_with_timeout(cmd: &mut Command, timeout: Duration) -> Output {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let start = Instant::now();
+    loop {
+        if child.try_wait().expect("wait").is_some() {
+            return child.wait_with_output().expect("output");
+        }
+        if start.elapsed() > timeout {
+            let _ = child.kill();
+            let out = child.wait_with_output().expect("output");
+            panic!(
+                "command timed out after {timeout:?}; stdout: {} stderr: {}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Runs `cmd`, asserts it succeeded, returns its stdout.
+pub fn run(cmd: &mut Command) -> Vec<u8> {
+    let out = cmd.output().expect("spawn tool");
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}
+
+/// [`run`] for a shell script.
+pub fn sh(script: &str) -> Vec<u8> {
+    run(Command::new("sh").args(["-c", script]))
+}
+
+/// Whether `name` is installed. For an optional step of a test; a test that
+/// needs the tool says so with the probe's `no_<name>` cfg instead.
+pub fn tool(name: &str) -> bool {
+    let ok = Command::new("sh")
+        .args(["-c", &format!("command -v {name}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        eprintln!("SKIP: {name} is not installed");
+    }
+    ok
+}
+
+/// Waits until `cond` holds, polling; panics with `what` after `timeout`.
+pub fn wait_for(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < timeout, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits up to 30 s for `child` to exit; panics naming `what` otherwise.
+pub fn wait_exit(child: &mut Child, what: &str) -> ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "{what} did not exit");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
