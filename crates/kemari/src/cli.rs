@@ -54,6 +54,13 @@ pub struct Args {
     /// Serve the control API on this Unix socket.
     #[arg(long)]
     pub api_socket: Option<PathBuf>,
+    /// Permissions of the API socket, in octal (default 0600: only this
+    /// user may control the VM; 0660 with --api-socket-group for a group).
+    #[arg(long, value_name = "MODE", value_parser = kemari_api::bind::parse_mode)]
+    pub api_socket_mode: Option<u32>,
+    /// Group of the API socket (a name or a number).
+    #[arg(long, value_name = "GROUP")]
+    pub api_socket_group: Option<String>,
     /// Restore the VM saved in this snapshot directory (`kemarictl snapshot`
     /// or `kemarictl warm-restart`) instead of booting a kernel. --serial,
     /// --api-socket and --memory-file/--hugepages (for a full snapshot's copy
@@ -142,6 +149,9 @@ pub enum CliError {
     /// A value is invalid.
     #[error(transparent)]
     Invalid(#[from] ConfigError),
+    /// The API socket's mode does not parse.
+    #[error("config file: {0}")]
+    SocketMode(String),
     /// The serial option does not parse.
     #[error("invalid --serial {0:?}: use stdout, null, file:PATH or socket:PATH")]
     Serial(String),
@@ -165,6 +175,8 @@ struct FileConfig {
     #[serde(default)]
     nets: Vec<NetConfig>,
     api_socket: Option<PathBuf>,
+    api_socket_mode: Option<String>,
+    api_socket_group: Option<String>,
 }
 
 impl Args {
@@ -230,6 +242,22 @@ impl Args {
             Some(path) => Ok(read_config_file(path)?.api_socket),
             None => Ok(None),
         }
+    }
+
+    /// The API socket's permissions, from the flags or the config file.
+    pub fn api_socket_options(&self) -> Result<kemari_api::bind::SocketOptions, CliError> {
+        let file = match &self.config {
+            Some(path) => read_config_file(path)?,
+            None => FileConfig::default(),
+        };
+        let mut options = kemari_api::bind::SocketOptions::default();
+        if let Some(mode) = self.api_socket_mode {
+            options.mode = mode;
+        } else if let Some(text) = &file.api_socket_mode {
+            options.mode = kemari_api::bind::parse_mode(text).map_err(CliError::SocketMode)?;
+        }
+        options.group = self.api_socket_group.clone().or(file.api_socket_group);
+        Ok(options)
     }
 
     /// Memory backing chosen by flags (memfd if none).
