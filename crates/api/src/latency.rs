@@ -50,10 +50,13 @@ impl ProbeOptions {
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct LatencyReport {
     /// Median time to a complete answer.
+    #[serde(rename = "p50_ms", serialize_with = "milliseconds")]
     pub p50: Duration,
     /// 99th percentile.
+    #[serde(rename = "p99_ms", serialize_with = "milliseconds")]
     pub p99: Duration,
     /// Slowest.
+    #[serde(rename = "max_ms", serialize_with = "milliseconds")]
     pub max: Duration,
     /// Requests answered with 2xx.
     pub answered: usize,
@@ -66,6 +69,10 @@ pub struct LatencyReport {
     /// Answers the slow clients received (408s from a server with a request
     /// deadline).
     pub slow_answers: usize,
+}
+
+fn milliseconds<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64() * 1000.0)
 }
 
 /// Why a probe could not run.

@@ -7,7 +7,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -270,24 +270,12 @@ fn answers_carry_the_status_of_their_kind() {
     server.shutdown(Duration::from_secs(1));
 }
 
-fn follow_operation(
-    sock: &Path,
-) -> std::thread::JoinHandle<(Vec<serde_json::Value>, serde_json::Value)> {
-    let sock = sock.to_owned();
-    std::thread::spawn(move || {
-        let mut lines = Vec::new();
-        let last = client::follow(&sock, &ApiRequest::OperationStatus, |v| {
-            lines.push(v.clone())
-        })
-        .unwrap();
-        (lines, last)
-    })
-}
+type Follower = std::thread::JoinHandle<(Vec<serde_json::Value>, serde_json::Value)>;
 
-#[test]
-fn a_stream_delivers_every_line_in_order() {
-    let dir = scratch("stream");
-    let sock = dir.join("api.sock");
+/// A server whose `GET /vm/operation?follow` streams what the returned
+/// sender sends, and a client following it.
+fn follow_a_stream(name: &str) -> (ApiServer, PathBuf, mpsc::Sender<String>, Follower) {
+    let sock = scratch(name).join("api.sock");
     let (give, streams) = mpsc::channel();
     let vmm = TestVmm {
         streams: Mutex::new(Some(streams)),
@@ -296,7 +284,19 @@ fn a_stream_delivers_every_line_in_order() {
     let server = start(&sock, ServerOptions::default(), vmm);
     let (tx, stream) = LineStream::channel();
     give.send(stream).unwrap();
-    let follower = follow_operation(&sock);
+    let s = sock.clone();
+    let follower = std::thread::spawn(move || {
+        let mut lines = Vec::new();
+        let last =
+            client::follow(&s, &ApiRequest::OperationStatus, |v| lines.push(v.clone())).unwrap();
+        (lines, last)
+    });
+    (server, sock, tx, follower)
+}
+
+#[test]
+fn a_stream_delivers_every_line_in_order() {
+    let (server, _, tx, follower) = follow_a_stream("stream");
     for i in 0..200 {
         // Pretty JSON: its newlines must not split the line.
         tx.send(serde_json::to_string_pretty(&json!({ "step": i })).unwrap())
@@ -315,17 +315,7 @@ fn a_stream_delivers_every_line_in_order() {
 
 #[test]
 fn the_shutdown_grace_flushes_what_a_stream_was_sent() {
-    let dir = scratch("grace");
-    let sock = dir.join("api.sock");
-    let (give, streams) = mpsc::channel();
-    let vmm = TestVmm {
-        streams: Mutex::new(Some(streams)),
-        ..test_vmm()
-    };
-    let server = start(&sock, ServerOptions::default(), vmm);
-    let (tx, stream) = LineStream::channel();
-    give.send(stream).unwrap();
-    let follower = follow_operation(&sock);
+    let (server, sock, tx, follower) = follow_a_stream("grace");
     tx.send(json!({ "step": "first" }).to_string()).unwrap();
     std::thread::sleep(Duration::from_millis(200));
     for i in 0..1000 {
@@ -341,4 +331,38 @@ fn the_shutdown_grace_flushes_what_a_stream_was_sent() {
     assert_eq!(last["step"], "last");
     assert!(!sock.exists());
     drop(tx);
+}
+
+#[test]
+fn an_answer_in_flight_at_shutdown_is_still_written_within_the_grace() {
+    let sock = scratch("inflight").join("api.sock");
+    let vmm = TestVmm {
+        pause_for: Duration::from_millis(300),
+        ..test_vmm()
+    };
+    let server = start(&sock, ServerOptions::default(), vmm);
+    let s = sock.clone();
+    let pause = std::thread::spawn(move || client::call(&s, &ApiRequest::Pause));
+    std::thread::sleep(Duration::from_millis(100));
+    server.shutdown(Duration::from_secs(5));
+    assert_eq!(pause.join().unwrap().unwrap()["state"], "paused");
+
+    // An answer not ready within the grace: 503, and the shutdown does not
+    // wait for the handler.
+    let server = start(&sock, ServerOptions::default(), test_vmm());
+    let s = sock.clone();
+    let pause = std::thread::spawn(move || client::call(&s, &ApiRequest::Pause));
+    std::thread::sleep(Duration::from_millis(100));
+    let started = Instant::now();
+    server.shutdown(Duration::from_millis(100));
+    assert!(started.elapsed() < Duration::from_secs(2));
+    match pause.join().unwrap() {
+        Err(ClientError::Status {
+            status: 503,
+            message,
+        }) => {
+            assert!(message.contains("shutting down"), "{message}")
+        }
+        other => panic!("expected 503, got {other:?}"),
+    }
 }

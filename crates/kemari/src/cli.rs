@@ -486,4 +486,38 @@ mod tests {
         ]);
         assert!(a.machine_config().is_err());
     }
+
+    #[test]
+    fn api_socket_permissions_from_flags_or_file() {
+        let a = Args::parse_from(["kemari", "--kernel", "/k"]);
+        assert_eq!(a.api_socket_options().unwrap().mode, 0o600);
+        let a = Args::parse_from([
+            "kemari",
+            "--api-socket-mode",
+            "0660",
+            "--api-socket-group",
+            "kvm",
+        ]);
+        let o = a.api_socket_options().unwrap();
+        assert_eq!((o.mode, o.group.as_deref()), (0o660, Some("kvm")));
+        assert!(Args::try_parse_from(["kemari", "--api-socket-mode", "0999"]).is_err());
+        let dir = std::env::temp_dir().join(format!("kemari-cli-mode-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = dir.join("vm.toml");
+        std::fs::write(
+            &cfg,
+            "api_socket_mode = \"640\"\napi_socket_group = \"0\"\n",
+        )
+        .unwrap();
+        let a = Args::parse_from(["kemari", "--config", cfg.to_str().unwrap()]);
+        let o = a.api_socket_options().unwrap();
+        assert_eq!((o.mode, o.group.as_deref()), (0o640, Some("0")));
+        std::fs::write(&cfg, "api_socket_mode = \"rw\"\n").unwrap();
+        let a = Args::parse_from(["kemari", "--config", cfg.to_str().unwrap()]);
+        assert!(matches!(
+            a.api_socket_options(),
+            Err(CliError::SocketMode(_))
+        ));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 }

@@ -241,6 +241,10 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         )?),
         None => None,
     };
+    // Declared after the server, so dropped before it when `run` returns:
+    // requests still queued for the main thread are then answered 503 at
+    // once, and the server's shutdown need not wait for them.
+    let rx = rx;
     // The fence: a primary holds it for its whole life; a standby takes it
     // before it fails over.
     let mut _fence: Option<Fence> = None;

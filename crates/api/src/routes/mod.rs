@@ -220,27 +220,25 @@ mod tests {
 
     #[test]
     fn routes() {
-        assert_eq!(action("GET", "/vm", b"").unwrap(), ApiRequest::Info);
-        assert_eq!(
-            action("get", "/vm/metrics/", b"").unwrap(),
-            ApiRequest::Metrics
-        );
-        assert_eq!(
-            action("PUT", "/vm/pause", b"{}").unwrap(),
-            ApiRequest::Pause
-        );
-        assert_eq!(
-            action("PUT", "/vm/shutdown", b" \n").unwrap(),
-            ApiRequest::Shutdown
-        );
-        assert_eq!(
-            action("GET", "/vm/operation", b"").unwrap(),
-            ApiRequest::OperationStatus
-        );
-        assert_eq!(
-            action("PUT", "/vm/operation/cancel", b"").unwrap(),
-            ApiRequest::OperationCancel
-        );
+        for (method, target, body, expected) in [
+            ("GET", "/vm", &b""[..], ApiRequest::Info),
+            ("get", "/vm/metrics/", b"", ApiRequest::Metrics),
+            ("PUT", "/vm/pause", b"{}", ApiRequest::Pause),
+            ("PUT", "/vm/shutdown", b" \n", ApiRequest::Shutdown),
+            ("GET", "/vm/operation", b"", ApiRequest::OperationStatus),
+            (
+                "PUT",
+                "/vm/operation/cancel",
+                b"",
+                ApiRequest::OperationCancel,
+            ),
+        ] {
+            assert_eq!(
+                action(method, target, body),
+                Ok(expected),
+                "{method} {target}"
+            );
+        }
     }
 
     #[test]
@@ -291,20 +289,10 @@ mod tests {
             action(
                 "PUT",
                 "/vm/ft/start",
-                br#"{"peer":"h:1","key_file":"/k","periodic_ms":25}"#
+                br#"{"peer":"h:1","key_file":"/k","periodic_ms":25,"keep_writable_pages":0}"#
             ),
             Ok(ApiRequest::FtStart(FtStartRequest {
                 periodic_ms: Some(25),
-                ..
-            }))
-        ));
-        assert!(matches!(
-            action(
-                "PUT",
-                "/vm/ft/start",
-                br#"{"peer":"h:1","key_file":"/k","keep_writable_pages":0}"#
-            ),
-            Ok(ApiRequest::FtStart(FtStartRequest {
                 keep_writable_pages: Some(0),
                 ..
             }))
@@ -346,8 +334,8 @@ mod tests {
         assert!(route("GET", &long, b"").unwrap_err().to_string().len() < 300);
     }
 
-    /// One request per action; the match makes a new variant a compile
-    /// error here until it is added.
+    /// One request per action (a new action needs one here: the table's
+    /// length is checked against this list).
     fn one_of_each() -> Vec<ApiRequest> {
         let all = vec![
             ApiRequest::Info,
@@ -389,28 +377,6 @@ mod tests {
             ApiRequest::OperationStatus,
             ApiRequest::OperationCancel,
         ];
-        for r in &all {
-            match r {
-                ApiRequest::Info
-                | ApiRequest::Config
-                | ApiRequest::Devices
-                | ApiRequest::Metrics
-                | ApiRequest::Pause
-                | ApiRequest::Resume
-                | ApiRequest::Shutdown
-                | ApiRequest::Snapshot { .. }
-                | ApiRequest::WarmRestart { .. }
-                | ApiRequest::MigrateLocal { .. }
-                | ApiRequest::Migrate { .. }
-                | ApiRequest::MigrationStatus
-                | ApiRequest::MigrationCancel
-                | ApiRequest::FtStart(_)
-                | ApiRequest::FtStatus
-                | ApiRequest::FtStop
-                | ApiRequest::OperationStatus
-                | ApiRequest::OperationCancel => {}
-            }
-        }
         all
     }
 

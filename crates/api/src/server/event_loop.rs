@@ -14,7 +14,6 @@ use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,7 +22,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::stream::Streams;
-use super::{Handler, ServerOptions};
+use super::{Handler, ServerOptions, Stop};
 use crate::http::{response_bytes, HttpRequest, Progress, RequestBuffer};
 use crate::reply::{ActionError, Reply};
 use crate::routes::{route, MAX_BODY};
@@ -66,7 +65,7 @@ pub(super) struct EventLoop {
     /// Not polled until this time (out of file descriptors).
     listener_rests_until: Option<Instant>,
     wake: Arc<EventFd>,
-    stop: Arc<AtomicBool>,
+    stop: Arc<Stop>,
     options: ServerOptions,
     handler: Handler,
     /// By id, which grows with accept time: the first is the oldest.
@@ -92,7 +91,7 @@ impl EventLoop {
     pub(super) fn new(
         listener: UnixListener,
         wake: Arc<EventFd>,
-        stop: Arc<AtomicBool>,
+        stop: Arc<Stop>,
         options: ServerOptions,
         handler: Handler,
         streams: Arc<Streams>,
@@ -129,35 +128,76 @@ impl EventLoop {
 
     pub(super) fn run(mut self) {
         let mut events = vec![EpollEvent::default(); 128];
-        while !self.stop.load(Ordering::SeqCst) {
-            let timeout = self.next_timeout();
-            let n = match self.epoll.wait(timeout, &mut events) {
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => 0,
-                Err(e) => {
-                    tracing::error!(error = %e, "API event loop: epoll_wait failed; the API stops");
-                    break;
-                }
-            };
-            for event in &events[..n] {
-                match event.data() {
-                    LISTENER => self.accept(),
-                    WAKE => {
-                        let _ = self.wake.read();
-                    }
-                    id => self.on_ready(id),
-                }
+        let deadline = loop {
+            if let Some(deadline) = self.stop.deadline() {
+                break deadline;
             }
-            self.take_answers();
-            self.expire();
+            if !self.turn(&mut events, None) {
+                return self.close_all();
+            }
+        };
+        // Stopping: no new connection or request; answers in flight are
+        // still written until the deadline.
+        let _ = self.epoll.ctl(
+            ControlOperation::Delete,
+            self.listener.as_raw_fd(),
+            EpollEvent::default(),
+        );
+        self.listener_rests_until = None;
+        let reading: Vec<u64> = self
+            .conns
+            .iter()
+            .filter(|(_, c)| matches!(c.state, State::Reading(_)))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in reading {
+            if let Some(conn) = self.conns.remove(&id) {
+                send_refusal(&conn.stream, &Refusal::ShuttingDown);
+            }
+        }
+        while !self.conns.is_empty() && Instant::now() < deadline {
+            if !self.turn(&mut events, Some(deadline)) {
+                break;
+            }
         }
         self.close_all();
     }
 
-    /// Milliseconds until the next deadline (rounded up), or -1.
-    fn next_timeout(&mut self) -> i32 {
+    /// Waits for events (until the next deadline, or `until` at the latest)
+    /// and serves them. False if the loop cannot go on.
+    fn turn(&mut self, events: &mut [EpollEvent], until: Option<Instant>) -> bool {
+        let mut timeout = self.next_timeout(until.is_none());
+        if let Some(until) = until {
+            let left = millis_until(until);
+            timeout = if timeout < 0 { left } else { timeout.min(left) };
+        }
+        let n = match self.epoll.wait(timeout, events) {
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => 0,
+            Err(e) => {
+                tracing::error!(error = %e, "API event loop: epoll_wait failed; the API stops");
+                return false;
+            }
+        };
+        for event in &events[..n] {
+            match event.data() {
+                LISTENER => self.accept(),
+                WAKE => {
+                    let _ = self.wake.read();
+                }
+                id => self.on_ready(id),
+            }
+        }
+        self.take_answers();
+        self.expire();
+        true
+    }
+
+    /// Milliseconds until the next deadline (rounded up), or -1; puts the
+    /// listener back when its rest is over (if `accepting`).
+    fn next_timeout(&mut self, accepting: bool) -> i32 {
         let now = Instant::now();
-        if self.listener_rests_until.is_some_and(|t| t <= now) {
+        if accepting && self.listener_rests_until.is_some_and(|t| t <= now) {
             self.listener_rests_until = None;
             if let Err(e) = self.epoll.ctl(
                 ControlOperation::Add,
@@ -174,13 +214,7 @@ impl EventLoop {
             .map(|c| c.deadline)
             .chain(self.listener_rests_until)
             .min();
-        match next {
-            None => -1,
-            Some(t) => {
-                let left = t.saturating_duration_since(now);
-                left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
-            }
-        }
+        next.map_or(-1, millis_until)
     }
 
     fn accept(&mut self) {
@@ -451,7 +485,7 @@ impl EventLoop {
         }
     }
 
-    /// At shutdown: requests not yet answered get a 503, answers being
+    /// At the end: requests not yet answered get a 503, answers being
     /// written get one more try.
     fn close_all(&mut self) {
         let ids: Vec<u64> = self.conns.keys().copied().collect();
@@ -468,6 +502,12 @@ impl EventLoop {
             }
         }
     }
+}
+
+/// Milliseconds from now until `t`, rounded up (an epoll timeout).
+fn millis_until(t: Instant) -> i32 {
+    let left = t.saturating_duration_since(Instant::now());
+    left.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
 }
 
 /// Reads what has arrived until the request is decided or nothing more is

@@ -21,12 +21,10 @@
 mod event_loop;
 mod stream;
 
-use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
@@ -100,7 +98,7 @@ pub enum ServerError {
 pub struct ApiServer {
     path: PathBuf,
     identity: SocketIdentity,
-    stop: Arc<AtomicBool>,
+    stop: Arc<Stop>,
     wake: Arc<EventFd>,
     thread: Option<JoinHandle<()>>,
     streams: Arc<stream::Streams>,
@@ -127,11 +125,27 @@ impl ApiServer {
                 path: path.into(),
                 source,
             })?;
-        let started = Self::serve(listener, options, handler);
-        if started.is_err() {
+        let stop = Arc::new(Stop::default());
+        let streams = Arc::new(stream::Streams::default());
+        let started = EventFd::new(EFD_NONBLOCK).and_then(|wake| {
+            let wake = Arc::new(wake);
+            let event_loop = event_loop::EventLoop::new(
+                listener,
+                wake.clone(),
+                stop.clone(),
+                options,
+                handler,
+                streams.clone(),
+            )?;
+            let thread = std::thread::Builder::new()
+                .name("api".into())
+                .spawn(move || event_loop.run())?;
+            Ok((wake, thread))
+        });
+        let (wake, thread) = started.map_err(|e| {
             bind::remove_if_ours(path, identity);
-        }
-        let (stop, wake, thread, streams) = started?;
+            ServerError::Setup(e)
+        })?;
         tracing::info!(path = %path.display(), "API server listening");
         Ok(ApiServer {
             path: path.into(),
@@ -143,47 +157,15 @@ impl ApiServer {
         })
     }
 
-    #[allow(clippy::type_complexity)]
-    fn serve(
-        listener: UnixListener,
-        options: ServerOptions,
-        handler: Handler,
-    ) -> Result<
-        (
-            Arc<AtomicBool>,
-            Arc<EventFd>,
-            JoinHandle<()>,
-            Arc<stream::Streams>,
-        ),
-        ServerError,
-    > {
-        let stop = Arc::new(AtomicBool::new(false));
-        let wake = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(ServerError::Setup)?);
-        let streams = Arc::new(stream::Streams::default());
-        let event_loop = event_loop::EventLoop::new(
-            listener,
-            wake.clone(),
-            stop.clone(),
-            options,
-            handler,
-            streams.clone(),
-        )
-        .map_err(ServerError::Setup)?;
-        let thread = std::thread::Builder::new()
-            .name("api".into())
-            .spawn(move || event_loop.run())
-            .map_err(ServerError::Setup)?;
-        Ok((stop, wake, thread, streams))
-    }
-
     /// The socket's path.
     pub fn path(&self) -> &Path {
         &self.path
     }
 
-    /// Stops accepting (the socket file is removed first), answers requests
-    /// still waiting for a handler with 503, and gives streams up to `grace`
-    /// to write the lines their senders already sent.
+    /// Stops accepting (the socket file is removed first) and, for up to
+    /// `grace`, finishes what is in flight: answers of requests being
+    /// handled are still written (those not ready by then get a 503), and
+    /// streams write the lines their senders already sent.
     pub fn shutdown(mut self, grace: Duration) {
         self.stop_serving(grace);
     }
@@ -192,16 +174,34 @@ impl ApiServer {
         let Some(thread) = self.thread.take() else {
             return;
         };
+        let deadline = Instant::now() + grace;
         bind::remove_if_ours(&self.path, self.identity);
-        self.stop.store(true, Ordering::SeqCst);
+        self.stop.request(deadline);
         if let Err(e) = self.wake.write(1) {
             tracing::warn!(error = %e, "cannot wake the API event loop");
         }
         if thread.join().is_err() {
             tracing::error!("the API event loop panicked");
         }
-        self.streams.close(grace);
+        self.streams
+            .close(deadline.saturating_duration_since(Instant::now()));
         tracing::info!(path = %self.path.display(), "API server stopped");
+    }
+}
+
+/// Whether the server was asked to stop, and until when what is in flight
+/// may finish.
+#[derive(Debug, Default)]
+pub(super) struct Stop(Mutex<Option<Instant>>);
+
+impl Stop {
+    fn request(&self, deadline: Instant) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(deadline);
+    }
+
+    /// The deadline, once asked to stop.
+    pub(super) fn deadline(&self) -> Option<Instant> {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
