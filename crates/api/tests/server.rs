@@ -64,6 +64,25 @@ fn test_vmm() -> TestVmm {
     }
 }
 
+/// Asserts that `result` is an error answer with `status` and a message
+/// holding `words`.
+fn assert_refused(result: Result<serde_json::Value, ClientError>, status: u16, words: &str) {
+    match result {
+        Err(ClientError::Status { status: s, message }) if s == status => {
+            assert!(message.contains(words), "{message}")
+        }
+        other => panic!("expected {status}, got {other:?}"),
+    }
+}
+
+/// `PUT /vm/pause` from a thread of its own.
+fn pause_in_background(
+    sock: &Path,
+) -> std::thread::JoinHandle<Result<serde_json::Value, ClientError>> {
+    let sock = sock.to_owned();
+    std::thread::spawn(move || client::call(&sock, &ApiRequest::Pause))
+}
+
 fn timed_info(sock: &Path) -> Duration {
     let started = Instant::now();
     let info = client::call(sock, &ApiRequest::Info).unwrap();
@@ -173,22 +192,9 @@ fn handlers_beyond_the_limit_are_refused_with_503() {
         ..ServerOptions::default()
     };
     let server = start(&sock, options, test_vmm());
-    let busy: Vec<_> = (0..2)
-        .map(|_| {
-            let s = sock.clone();
-            std::thread::spawn(move || client::call(&s, &ApiRequest::Pause))
-        })
-        .collect();
+    let busy: Vec<_> = (0..2).map(|_| pause_in_background(&sock)).collect();
     std::thread::sleep(Duration::from_millis(500));
-    match client::call(&sock, &ApiRequest::Info) {
-        Err(ClientError::Status {
-            status: 503,
-            message,
-        }) => {
-            assert!(message.contains("busy"), "{message}")
-        }
-        other => panic!("expected 503, got {other:?}"),
-    }
+    assert_refused(client::call(&sock, &ApiRequest::Info), 503, "busy");
     for b in busy {
         b.join().unwrap().unwrap();
     }
@@ -341,8 +347,7 @@ fn an_answer_in_flight_at_shutdown_is_still_written_within_the_grace() {
         ..test_vmm()
     };
     let server = start(&sock, ServerOptions::default(), vmm);
-    let s = sock.clone();
-    let pause = std::thread::spawn(move || client::call(&s, &ApiRequest::Pause));
+    let pause = pause_in_background(&sock);
     std::thread::sleep(Duration::from_millis(100));
     server.shutdown(Duration::from_secs(5));
     assert_eq!(pause.join().unwrap().unwrap()["state"], "paused");
@@ -350,19 +355,10 @@ fn an_answer_in_flight_at_shutdown_is_still_written_within_the_grace() {
     // An answer not ready within the grace: 503, and the shutdown does not
     // wait for the handler.
     let server = start(&sock, ServerOptions::default(), test_vmm());
-    let s = sock.clone();
-    let pause = std::thread::spawn(move || client::call(&s, &ApiRequest::Pause));
+    let pause = pause_in_background(&sock);
     std::thread::sleep(Duration::from_millis(100));
     let started = Instant::now();
     server.shutdown(Duration::from_millis(100));
     assert!(started.elapsed() < Duration::from_secs(2));
-    match pause.join().unwrap() {
-        Err(ClientError::Status {
-            status: 503,
-            message,
-        }) => {
-            assert!(message.contains("shutting down"), "{message}")
-        }
-        other => panic!("expected 503, got {other:?}"),
-    }
+    assert_refused(pause.join().unwrap(), 503, "shutting down");
 }
