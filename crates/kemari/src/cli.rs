@@ -54,6 +54,13 @@ pub struct Args {
     /// Serve the control API on this Unix socket.
     #[arg(long)]
     pub api_socket: Option<PathBuf>,
+    /// Permissions of the API socket, in octal (default 0600: only this
+    /// user may control the VM; 0660 with --api-socket-group for a group).
+    #[arg(long, value_name = "MODE", value_parser = kemari_api::bind::parse_mode)]
+    pub api_socket_mode: Option<u32>,
+    /// Group of the API socket (a name or a number).
+    #[arg(long, value_name = "GROUP")]
+    pub api_socket_group: Option<String>,
     /// Restore the VM saved in this snapshot directory (`kemarictl snapshot`
     /// or `kemarictl warm-restart`) instead of booting a kernel. --serial,
     /// --api-socket and --memory-file/--hugepages (for a full snapshot's copy
@@ -142,6 +149,9 @@ pub enum CliError {
     /// A value is invalid.
     #[error(transparent)]
     Invalid(#[from] ConfigError),
+    /// The API socket's mode does not parse.
+    #[error("config file: {0}")]
+    SocketMode(String),
     /// The serial option does not parse.
     #[error("invalid --serial {0:?}: use stdout, null, file:PATH or socket:PATH")]
     Serial(String),
@@ -165,6 +175,8 @@ struct FileConfig {
     #[serde(default)]
     nets: Vec<NetConfig>,
     api_socket: Option<PathBuf>,
+    api_socket_mode: Option<String>,
+    api_socket_group: Option<String>,
 }
 
 impl Args {
@@ -230,6 +242,22 @@ impl Args {
             Some(path) => Ok(read_config_file(path)?.api_socket),
             None => Ok(None),
         }
+    }
+
+    /// The API socket's permissions, from the flags or the config file.
+    pub fn api_socket_options(&self) -> Result<kemari_api::bind::SocketOptions, CliError> {
+        let file = match &self.config {
+            Some(path) => read_config_file(path)?,
+            None => FileConfig::default(),
+        };
+        let mut options = kemari_api::bind::SocketOptions::default();
+        if let Some(mode) = self.api_socket_mode {
+            options.mode = mode;
+        } else if let Some(text) = &file.api_socket_mode {
+            options.mode = kemari_api::bind::parse_mode(text).map_err(CliError::SocketMode)?;
+        }
+        options.group = self.api_socket_group.clone().or(file.api_socket_group);
+        Ok(options)
     }
 
     /// Memory backing chosen by flags (memfd if none).
@@ -457,5 +485,39 @@ mod tests {
             "kemari", "--kernel", "/k", "--memory", "256M", "--vcpus", "9",
         ]);
         assert!(a.machine_config().is_err());
+    }
+
+    #[test]
+    fn api_socket_permissions_from_flags_or_file() {
+        let a = Args::parse_from(["kemari", "--kernel", "/k"]);
+        assert_eq!(a.api_socket_options().unwrap().mode, 0o600);
+        let a = Args::parse_from([
+            "kemari",
+            "--api-socket-mode",
+            "0660",
+            "--api-socket-group",
+            "kvm",
+        ]);
+        let o = a.api_socket_options().unwrap();
+        assert_eq!((o.mode, o.group.as_deref()), (0o660, Some("kvm")));
+        assert!(Args::try_parse_from(["kemari", "--api-socket-mode", "0999"]).is_err());
+        let dir = std::env::temp_dir().join(format!("kemari-cli-mode-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = dir.join("vm.toml");
+        std::fs::write(
+            &cfg,
+            "api_socket_mode = \"640\"\napi_socket_group = \"0\"\n",
+        )
+        .unwrap();
+        let a = Args::parse_from(["kemari", "--config", cfg.to_str().unwrap()]);
+        let o = a.api_socket_options().unwrap();
+        assert_eq!((o.mode, o.group.as_deref()), (0o640, Some("0")));
+        std::fs::write(&cfg, "api_socket_mode = \"rw\"\n").unwrap();
+        let a = Args::parse_from(["kemari", "--config", cfg.to_str().unwrap()]);
+        assert!(matches!(
+            a.api_socket_options(),
+            Err(CliError::SocketMode(_))
+        ));
+        std::fs::remove_dir_all(dir).unwrap();
     }
 }

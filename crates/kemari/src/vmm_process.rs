@@ -20,7 +20,8 @@ use vmm::vstate::{VmEvent, VmEventSink};
 
 use crate::api::routes::ApiRequest;
 use crate::api::routes::FtStartRequest;
-use crate::api::server::{ApiResponse, ApiServer, PendingRequest, ServerError};
+use crate::api::server::{ApiServer, ServerError, ServerOptions};
+use crate::api::{ActionError, Reply, Routed};
 use crate::cli::{Args, CliError};
 use ft::{fence::Fence, gate::FtGate, status::FtShared, status::FtState};
 use std::sync::Arc;
@@ -71,6 +72,89 @@ enum Control {
     Vm(VmEvent),
     Api(PendingRequest),
     Signal(i32),
+}
+
+/// The main thread's answer to a request.
+#[derive(Debug, Clone, PartialEq)]
+struct ApiResponse {
+    /// HTTP-like status, turned into a typed reply by [`into_reply`](Self::into_reply).
+    status: u16,
+    /// JSON body.
+    body: serde_json::Value,
+}
+
+impl ApiResponse {
+    /// 200 with `body`.
+    fn ok(body: serde_json::Value) -> Self {
+        ApiResponse { status: 200, body }
+    }
+
+    /// An error with `status` and a message.
+    fn error(status: u16, message: impl std::fmt::Display) -> Self {
+        ApiResponse {
+            status,
+            body: json!({ "error": message.to_string() }),
+        }
+    }
+
+    /// The typed answer the API server takes.
+    fn into_reply(self) -> Result<Reply, ActionError> {
+        if self.status == 200 {
+            return Ok(Reply::Json(self.body));
+        }
+        let message = self.body["error"].as_str().unwrap_or("error").to_owned();
+        Err(match self.status {
+            400 => ActionError::BadRequest(message),
+            409 => ActionError::Conflict(message),
+            502 => ActionError::PeerFailed(message),
+            503 => ActionError::Unavailable(message),
+            _ => ActionError::Internal(message),
+        })
+    }
+}
+
+/// A routed request waiting for the main thread.
+struct PendingRequest {
+    /// The action.
+    request: ApiRequest,
+    /// Where the answer goes.
+    reply: Sender<ApiResponse>,
+}
+
+/// The API handler: what can be answered beside the main thread is, the
+/// rest waits for the main thread's answer.
+fn api_handler(
+    forward: impl Fn(PendingRequest) + Send + Sync + 'static,
+    migration: Arc<MigrationShared>,
+    ft: Arc<FtShared>,
+) -> crate::api::Handler {
+    Arc::new(move |routed: Routed| {
+        if let Some(r) = direct_api(&migration, &ft, &routed.request) {
+            return r.into_reply();
+        }
+        match routed.request {
+            ApiRequest::OperationStatus => {
+                return Err(ActionError::NotFound(
+                    "operation tracking is not implemented yet: GET /vm/migration or GET /vm/ft"
+                        .into(),
+                ))
+            }
+            ApiRequest::OperationCancel => {
+                return Err(ActionError::Conflict(
+                    "operation tracking is not implemented yet: PUT /vm/migration/cancel".into(),
+                ))
+            }
+            _ => {}
+        }
+        let (tx, rx) = channel();
+        forward(PendingRequest {
+            request: routed.request,
+            reply: tx,
+        });
+        rx.recv()
+            .map_err(|_| ActionError::Unavailable("the VMM is shutting down".into()))?
+            .into_reply()
+    })
 }
 
 fn forwarder<T: Send + 'static>(
@@ -145,13 +229,20 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
     let ft_shared = Arc::new(FtShared::default());
     let (m, f) = (migration.clone(), ft_shared.clone());
     let _api = match &api_socket {
-        Some(path) => Some(ApiServer::start_with_direct(
+        Some(path) => Some(ApiServer::start(
             path,
-            forwarder(&tx, Control::Api),
-            move |req| direct_api(&m, &f, req),
+            ServerOptions {
+                socket: args.api_socket_options()?,
+                ..ServerOptions::default()
+            },
+            api_handler(forwarder(&tx, Control::Api), m, f),
         )?),
         None => None,
     };
+    // Declared after the server, so dropped before it when `run` returns:
+    // requests still queued for the main thread are then answered 503 at
+    // once, and the server's shutdown need not wait for them.
+    let rx = rx;
     // The fence: a primary holds it for its whole life; a standby takes it
     // before it fails over.
     let mut _fence: Option<Fence> = None;
@@ -638,6 +729,8 @@ fn handle_query(machine: &mut Machine, request: ApiRequest) -> ApiResponse {
         | ApiRequest::MigrationCancel
         | ApiRequest::FtStart(_)
         | ApiRequest::FtStatus
-        | ApiRequest::FtStop => ApiResponse::error(500, "not a query"),
+        | ApiRequest::FtStop
+        | ApiRequest::OperationStatus
+        | ApiRequest::OperationCancel => ApiResponse::error(500, "not a query"),
     }
 }

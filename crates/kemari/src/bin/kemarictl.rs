@@ -4,7 +4,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use kemari::api::client::request;
+use kemari::api::client::call;
+use kemari::api::{ApiRequest, FtStartRequest};
 
 /// Control a running kemari VM.
 #[derive(Debug, Parser)]
@@ -122,37 +123,42 @@ enum FtCommand {
     Stop,
 }
 
-fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let abs = |p: &PathBuf| std::path::absolute(p).unwrap_or_else(|_| p.clone());
-    let mut body = None;
-    let (method, path) = match &cli.command {
-        Command::Snapshot { dir, exit } => {
-            body = Some(serde_json::json!({ "dir": abs(dir), "exit": exit }));
-            ("PUT", "/vm/snapshot")
-        }
-        Command::WarmRestart { dir, prepare } => {
-            body = Some(serde_json::json!({ "dir": abs(dir), "prepare": prepare }));
-            ("PUT", "/vm/warm-restart")
-        }
-        Command::MigrateLocal { socket } => {
-            body = Some(serde_json::json!({ "socket": abs(socket) }));
-            ("PUT", "/vm/migrate-local")
-        }
+/// The API action a subcommand asks for; paths become absolute, since the
+/// VMM may run in another directory.
+fn action(command: Command) -> ApiRequest {
+    let abs = |p: PathBuf| std::path::absolute(&p).unwrap_or(p);
+    match command {
+        Command::Info => ApiRequest::Info,
+        Command::Config => ApiRequest::Config,
+        Command::Devices => ApiRequest::Devices,
+        Command::Metrics => ApiRequest::Metrics,
+        Command::Pause => ApiRequest::Pause,
+        Command::Resume => ApiRequest::Resume,
+        Command::Shutdown => ApiRequest::Shutdown,
+        Command::Snapshot { dir, exit } => ApiRequest::Snapshot {
+            dir: abs(dir),
+            exit,
+        },
+        Command::WarmRestart { dir, prepare } => ApiRequest::WarmRestart {
+            dir: abs(dir),
+            prepare,
+        },
         Command::Migrate {
             to,
             key_file,
             max_downtime_ms,
             max_rounds,
-        } => {
-            body = Some(serde_json::json!({
-                "to": to,
-                "key_file": abs(key_file),
-                "max_downtime_ms": max_downtime_ms,
-                "max_rounds": max_rounds,
-            }));
-            ("PUT", "/vm/migrate")
-        }
+        } => ApiRequest::Migrate {
+            to,
+            key_file: abs(key_file),
+            max_downtime_ms,
+            max_rounds,
+        },
+        Command::Migration => ApiRequest::MigrationStatus,
+        Command::MigrateCancel => ApiRequest::MigrationCancel,
+        Command::MigrateLocal { socket } => ApiRequest::MigrateLocal {
+            socket: abs(socket),
+        },
         Command::Ft {
             command:
                 FtCommand::Start {
@@ -163,34 +169,26 @@ fn main() -> ExitCode {
                     timeout_ms,
                     keep_writable_pages,
                 },
-        } => {
-            body = Some(serde_json::json!({
-                "peer": peer,
-                "key_file": abs(key_file),
-                "periodic_ms": periodic_ms,
-                "heartbeat_ms": heartbeat_ms,
-                "timeout_ms": timeout_ms,
-                "keep_writable_pages": keep_writable_pages,
-            }));
-            ("PUT", "/vm/ft/start")
-        }
+        } => ApiRequest::FtStart(FtStartRequest {
+            peer,
+            key_file: abs(key_file),
+            periodic_ms,
+            heartbeat_ms,
+            timeout_ms,
+            keep_writable_pages,
+        }),
         Command::Ft {
             command: FtCommand::Status,
-        } => ("GET", "/vm/ft"),
+        } => ApiRequest::FtStatus,
         Command::Ft {
             command: FtCommand::Stop,
-        } => ("PUT", "/vm/ft/stop"),
-        Command::Migration => ("GET", "/vm/migration"),
-        Command::MigrateCancel => ("PUT", "/vm/migration/cancel"),
-        Command::Info => ("GET", "/vm"),
-        Command::Config => ("GET", "/vm/config"),
-        Command::Devices => ("GET", "/vm/devices"),
-        Command::Metrics => ("GET", "/vm/metrics"),
-        Command::Pause => ("PUT", "/vm/pause"),
-        Command::Resume => ("PUT", "/vm/resume"),
-        Command::Shutdown => ("PUT", "/vm/shutdown"),
-    };
-    match request(&cli.api_socket, method, path, body.as_ref()) {
+        } => ApiRequest::FtStop,
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match call(&cli.api_socket, &action(cli.command)) {
         Ok(v) => {
             println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
             ExitCode::SUCCESS

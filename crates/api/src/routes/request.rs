@@ -1,0 +1,112 @@
+//! The API's actions, as typed values.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// One API action.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub enum ApiRequest {
+    /// VM info.
+    Info,
+    /// Machine configuration.
+    Config,
+    /// Device list.
+    Devices,
+    /// Metrics.
+    Metrics,
+    /// Pause.
+    Pause,
+    /// Resume.
+    Resume,
+    /// Shut down.
+    Shutdown,
+    /// Full snapshot into a directory; the process ends afterwards if `exit`.
+    Snapshot {
+        /// Target directory.
+        dir: PathBuf,
+        /// End the VMM after saving (suspend to disk).
+        #[serde(default)]
+        exit: bool,
+    },
+    /// Warm restart: state into `dir`, memory kept in its file, process ends
+    /// (handing the VM to a successor waiting on `dir`, if one does).
+    WarmRestart {
+        /// Target directory.
+        dir: PathBuf,
+        /// Only write `dir/config.json` for a successor; the VM runs on.
+        #[serde(default)]
+        prepare: bool,
+    },
+    /// Zero-copy migration into the kemari listening on `socket`.
+    MigrateLocal {
+        /// The destination's Unix socket (`kemari --incoming-local`).
+        socket: PathBuf,
+    },
+    /// Live migration over TCP.
+    Migrate {
+        /// Destination `host:port` (`kemari --incoming`).
+        to: String,
+        /// Pre-shared key file.
+        key_file: PathBuf,
+        /// Downtime limit in ms.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max_downtime_ms: Option<u64>,
+        /// Round limit.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max_rounds: Option<u32>,
+    },
+    /// Progress of the live migration.
+    MigrationStatus,
+    /// Cancel the live migration.
+    MigrationCancel,
+    /// Start fault tolerance with the standby at `peer`.
+    FtStart(FtStartRequest),
+    /// Fault-tolerance state and metrics.
+    FtStatus,
+    /// Stop fault tolerance.
+    FtStop,
+    /// The current or last long operation.
+    OperationStatus,
+    /// Cancel the current long operation.
+    OperationCancel,
+}
+
+/// Parameters of `PUT /vm/ft/start`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FtStartRequest {
+    /// The standby's `host:port` (`kemari --ft-standby`).
+    pub peer: String,
+    /// Pre-shared key file (the standby's --migration-key-file).
+    pub key_file: PathBuf,
+    /// Periodic checkpoints every this many ms (Remus-style) instead of
+    /// event-driven synchronization.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub periodic_ms: Option<u64>,
+    /// Heartbeat interval on the sync link, ms (default 100).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heartbeat_ms: Option<u64>,
+    /// Peer declared lost after this long without a frame, ms (default 1000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    /// Pages the guest rewrites from sync to sync left writable, at most
+    /// (default 64; 0: every harvested page is write-protected again).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep_writable_pages: Option<usize>,
+}
+
+impl ApiRequest {
+    /// Whether the request moves the VM to another VMM (which a protected VM
+    /// must not do: its standby follows this VMM, and live migration would
+    /// share the dirty-page tracker with fault tolerance).
+    pub fn moves_vm(&self) -> bool {
+        matches!(
+            self,
+            ApiRequest::WarmRestart { prepare: false, .. }
+                | ApiRequest::MigrateLocal { .. }
+                | ApiRequest::Migrate { .. }
+        )
+    }
+}
