@@ -38,6 +38,14 @@ pub enum ClientError {
     /// The answer is not HTTP/JSON.
     #[error("malformed API response: {0}")]
     Malformed(String),
+    /// A long operation ended without success (failed or cancelled).
+    #[error("{message}")]
+    Operation {
+        /// "failed" or "cancelled".
+        status: String,
+        /// Why.
+        message: String,
+    },
     /// The VMM answered with an error status.
     #[error("{message} (HTTP {status})")]
     Status {
@@ -125,6 +133,52 @@ pub fn follow(
         last = Some(value);
     }
     last.ok_or_else(|| ClientError::Malformed("the stream ended without a line".into()))
+}
+
+/// Runs the long operation `request` starts to its end, following it
+/// (`on_line` gets each view of it); returns its final report, or
+/// [`ClientError::Operation`] if it failed or was cancelled. A request that
+/// is not an operation is simply asked.
+pub fn run_operation(
+    socket: &Path,
+    request: &ApiRequest,
+    on_line: impl FnMut(&Value),
+) -> Result<Value, ClientError> {
+    if !request.is_operation() {
+        return call(socket, request);
+    }
+    let last = follow(socket, request, on_line)?;
+    match last["status"].as_str() {
+        Some("completed") => Ok(last["result"].clone()),
+        Some(status @ ("failed" | "cancelled")) => Err(ClientError::Operation {
+            status: status.to_owned(),
+            message: last["error"]
+                .as_str()
+                .unwrap_or("the operation failed")
+                .to_owned(),
+        }),
+        _ => Err(ClientError::Malformed(format!(
+            "the VMM ended before the operation did (last seen: {last})"
+        ))),
+    }
+}
+
+/// [`request`], but a long operation is followed to its end (see
+/// [`run_operation`]): for callers that speak in methods and paths and want
+/// the final report (benchmarks).
+pub fn request_to_end(
+    socket: &Path,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+) -> Result<Value, ClientError> {
+    let bytes = body.map(|b| b.to_string()).unwrap_or_default();
+    match crate::routes::route(method, path, bytes.as_bytes()) {
+        Ok(routed) if routed.request.is_operation() => {
+            run_operation(socket, &routed.request, |_| {})
+        }
+        _ => request(socket, method, path, body),
+    }
 }
 
 /// What the client needs from a response head.

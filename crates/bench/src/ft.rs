@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use super::procs::{wait_path, Scratch, Vmm};
-use kemari::api::client::request;
+use kemari::api::client::request_to_end as request;
 
 /// Command-line arguments.
 #[derive(Debug, clap::Args)]

@@ -139,7 +139,7 @@ fn connect_and_sync(
         heartbeat_ms: opts.heartbeat.as_millis() as u64,
         timeout_ms: opts.timeout.as_millis() as u64,
     };
-    source::offer(&mut ch, mode, machine, &[])?;
+    source::offer(&mut ch, mode, machine, &[], &shared.initial)?;
     let link = Link::start(ch, opts.heartbeat, opts.timeout, on_lost.clone())?;
     *link_out = Some(link.clone());
     initial_sync(machine, opts, shared, &link, on_lost, cancel)

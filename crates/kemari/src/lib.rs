@@ -1,7 +1,10 @@
-//! The `kemari` VMM process (one VM per process); its control API is the
-//! `kemari-api` crate, re-exported as [`api`].
+//! The `kemari` VMM process (one VM per process): its command line, its
+//! controller (the main loop and the workers of long operations) and its
+//! operations; its control API is the `kemari-api` crate, re-exported as
+//! [`api`].
 
 pub use kemari_api as api;
 pub mod cli;
-pub mod teardown;
-pub mod vmm_process;
+pub mod controller;
+pub mod operation;
+pub mod sys;

@@ -10,7 +10,7 @@ use kemari::cli::Args;
 fn main() -> ExitCode {
     let args = Args::parse();
     init_logging(&args.log_level, args.log_json);
-    match kemari::vmm_process::run(&args) {
+    match kemari::controller::run(&args) {
         Ok(code) => code,
         Err(e) => {
             let mut msg = format!("kemari: error: {e}");

@@ -5,8 +5,8 @@
 mod common;
 
 use common::*;
-use nbd_client::client::Client;
 use kemari_testkit::*;
+use nbd_client::client::Client;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::process::Command;

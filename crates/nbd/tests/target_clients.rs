@@ -4,8 +4,8 @@
 mod common;
 
 use common::*;
-use nbd_client::client::Client;
 use kemari_testkit::*;
+use nbd_client::client::Client;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::Command;

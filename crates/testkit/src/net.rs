@@ -30,6 +30,34 @@ pub fn wait_port(port: u16) {
     }
 }
 
+/// Waits up to 10 s until a socket listens on TCP `port`, without
+/// connecting to it (a kemari waiting for a migration or a primary accepts
+/// exactly one connection: a probe would be it).
+pub fn wait_listening(port: u16) {
+    let t = Instant::now();
+    let listening = || {
+        let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+        table.lines().skip(1).any(|l| {
+            let mut f = l.split_whitespace();
+            let local = f.nth(1).unwrap_or_default();
+            let state = f.nth(1).unwrap_or_default();
+            state == "0A"
+                && local
+                    .rsplit(':')
+                    .next()
+                    .and_then(|p| u16::from_str_radix(p, 16).ok())
+                    == Some(port)
+        })
+    };
+    while !listening() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "nothing listens on port {port}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// `ip ARGS`, which must succeed.
 fn ip(args: &[&str]) {
     let st = Command::new("ip").args(args).status().expect("ip");

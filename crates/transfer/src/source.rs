@@ -51,7 +51,9 @@ pub fn offer<S: FdRead + FdWrite>(
     mode: Mode,
     machine: &Machine,
     fds: &[std::os::fd::RawFd],
+    progress: &ProgressCell,
 ) -> Result<(), TransferError> {
+    progress.phase("offering the VM");
     ch.set_phase("offering the VM");
     ch.send_msg_with_fds(
         &Message::Offer {
@@ -64,6 +66,7 @@ pub fn offer<S: FdRead + FdWrite>(
     )?;
     ch.flush()?;
     ch.set_phase("waiting for it to be ready");
+    progress.phase(&format!("waiting for the {} to be ready", ch.peer()));
     ch.expect(&mut Vec::new(), "Ready", |m| matches!(m, Message::Ready))?;
     Ok(())
 }

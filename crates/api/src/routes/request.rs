@@ -109,4 +109,17 @@ impl ApiRequest {
                 | ApiRequest::Migrate { .. }
         )
     }
+
+    /// Whether the request starts a long operation: the VMM answers at once
+    /// (202, or its progress with `?follow`) and runs it on a worker.
+    pub fn is_operation(&self) -> bool {
+        matches!(
+            self,
+            ApiRequest::Migrate { .. }
+                | ApiRequest::MigrateLocal { .. }
+                | ApiRequest::Snapshot { .. }
+                | ApiRequest::WarmRestart { prepare: false, .. }
+                | ApiRequest::FtStart(_)
+        )
+    }
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use super::console::{self, Line, Outage};
 use super::procs::Vmm;
 use super::qmp::QmpError;
-use ::kemari::api::client::{request, ClientError};
+use ::kemari::api::client::{request_to_end as request, ClientError};
 
 mod kemari;
 mod qemu;

@@ -81,7 +81,7 @@ fn migrate_out_inner(
     progress.phase("handshake");
     let mut ch = Channel::connect(stream, Auth::Psk(key), Peer::Destination)?;
     ch.note_timeout(Some(STEP_TIMEOUT));
-    source::offer(&mut ch, Mode::Live, machine, &[])?;
+    source::offer(&mut ch, Mode::Live, machine, &[], progress)?;
     let memory = machine.guest_memory().clone();
     let mut sender = PageSender::new(&memory);
     let pre = precopy::run(machine, &mut ch, &mut sender, &mut rule, cancel, progress)?;

@@ -114,7 +114,7 @@ fn migrate_out_inner(
     machine.prepare_to_save();
     let mut fds = vec![machine.memory_file().file().as_raw_fd()];
     fds.extend(machine.tap_fds());
-    source::offer(&mut ch, Mode::Local, machine, &fds)?;
+    source::offer(&mut ch, Mode::Local, machine, &fds, progress)?;
     source::pause_and_hand_over(&mut ch, machine, None, Delivery::Inline, cancel, progress)
 }
 

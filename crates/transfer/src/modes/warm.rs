@@ -207,7 +207,7 @@ fn with_successor(
     cancel: &Cancel,
     progress: &ProgressCell,
 ) -> Result<WarmReport, TransferError> {
-    source::offer(&mut ch, Mode::Warm, machine, &[])?;
+    source::offer(&mut ch, Mode::Warm, machine, &[], progress)?;
     let handed = source::pause_and_hand_over(
         &mut ch,
         machine,

@@ -1,5 +1,8 @@
-//! Leaving the KVM VM's destruction to a reaper process.
+//! The process-level system calls of the kemari binary, each behind a safe
+//! function: the reaper that destroys the KVM VM after the VMM exited, and
+//! the idle priority the VMM ends at.
 //!
+//! **The reaper.**
 //! When the last reference to a KVM VM goes, the kernel destroys it
 //! (`kvm_destroy_vm`: shadow pages, memory slots, SRCU grace periods): 15–17
 //! ms on this PVM host, paid by whichever process drops that reference — at
@@ -38,5 +41,29 @@ pub fn fork_reaper() {
     }
     if pid < 0 {
         tracing::debug!(error = %std::io::Error::last_os_error(), "no reaper: the VM is destroyed in this process");
+    }
+}
+
+/// Every thread of this process to `SCHED_IDLE` (best effort: a thread that
+/// ended since, or a refusal, is only logged).
+pub fn all_threads_at_idle_priority() {
+    let param = libc::sched_param { sched_priority: 0 };
+    let threads: Vec<libc::pid_t> = std::fs::read_dir("/proc/self/task")
+        .map(|dir| {
+            dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        // At least this thread (pid 0 = the caller).
+        .unwrap_or_else(|_| vec![0]);
+    for tid in threads {
+        // SAFETY: sched_setscheduler only reads `param`; `tid` is a thread
+        // of this process (one that ended since is refused with ESRCH).
+        if unsafe { libc::sched_setscheduler(tid, libc::SCHED_IDLE, &param) } != 0 {
+            tracing::debug!(
+                tid,
+                error = %std::io::Error::last_os_error(),
+                "cannot lower a thread's priority for the exit"
+            );
+        }
     }
 }

@@ -1,11 +1,19 @@
 //! `kemarictl`: control a running kemari VMM through its API socket.
+//!
+//! A long operation (migrate, migrate-local, warm-restart, snapshot, ft
+//! start) is followed until it ends — a progress bar on a terminal, nothing
+//! otherwise — and its final report printed as before; `--detach` returns
+//! at once with the operation (`kemarictl operation` shows it later).
+
+mod progress;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use kemari::api::client::call;
+use kemari::api::client::{call, follow, run_operation};
 use kemari::api::{ApiRequest, FtStartRequest};
+use serde_json::Value;
 
 /// Control a running kemari VM.
 #[derive(Debug, Parser)]
@@ -14,6 +22,10 @@ struct Cli {
     /// The VMM's API socket (kemari --api-socket).
     #[arg(long, short = 's', env = "KEMARI_API_SOCKET")]
     api_socket: PathBuf,
+    /// Start a long operation and return at once (its id and state) instead
+    /// of following it to its end.
+    #[arg(long, global = true)]
+    detach: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -88,6 +100,20 @@ enum Command {
         #[command(subcommand)]
         command: FtCommand,
     },
+    /// The running or last long operation (migrate, migrate-local,
+    /// warm-restart, snapshot, ft start): its state, progress and result.
+    Operation {
+        #[command(subcommand)]
+        command: Option<OperationCommand>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum OperationCommand {
+    /// Follow it until it ends, with a progress bar on a terminal.
+    Follow,
+    /// Cancel it (before its commit point the VM keeps running here).
+    Cancel,
 }
 
 #[derive(Debug, Subcommand)]
@@ -183,12 +209,55 @@ fn action(command: Command) -> ApiRequest {
         Command::Ft {
             command: FtCommand::Stop,
         } => ApiRequest::FtStop,
+        Command::Operation {
+            command: None | Some(OperationCommand::Follow),
+        } => ApiRequest::OperationStatus,
+        Command::Operation {
+            command: Some(OperationCommand::Cancel),
+        } => ApiRequest::OperationCancel,
     }
+}
+
+/// Follows an operation to its end: its final report, or its error.
+fn run_following(socket: &std::path::Path, request: &ApiRequest) -> Result<Value, String> {
+    let mut view = progress::View::new();
+    let answer = if request.is_operation() {
+        run_operation(socket, request, |line| view.show(line))
+    } else {
+        // `operation follow`: the running (or last) one, to its end.
+        follow(socket, request, |line| view.show(line)).and_then(|last| {
+            if last["status"] == "completed" {
+                Ok(last["result"].clone())
+            } else {
+                Err(kemari::api::client::ClientError::Operation {
+                    status: last["status"].as_str().unwrap_or("?").to_owned(),
+                    message: last["error"]
+                        .as_str()
+                        .unwrap_or("the operation failed")
+                        .to_owned(),
+                })
+            }
+        })
+    };
+    view.done();
+    answer.map_err(|e| e.to_string())
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match call(&cli.api_socket, &action(cli.command)) {
+    let follow_op = matches!(
+        cli.command,
+        Command::Operation {
+            command: Some(OperationCommand::Follow)
+        }
+    );
+    let request = action(cli.command);
+    let answer = if (request.is_operation() && !cli.detach) || follow_op {
+        run_following(&cli.api_socket, &request)
+    } else {
+        call(&cli.api_socket, &request).map_err(|e| e.to_string())
+    };
+    match answer {
         Ok(v) => {
             println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
             ExitCode::SUCCESS

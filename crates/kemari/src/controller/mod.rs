@@ -1,0 +1,541 @@
+//! The VMM process: builds (or receives) the machine, serves the API, and
+//! runs the main loop — guest events, API actions, signals and the ends of
+//! long operations in, typed replies out — until the VM ends.
+//!
+//! ```text
+//!  API threads ──queries, progress, cancels──▶ Shared (monitor, FT status, operations)
+//!       │ actions                                   ▲
+//!       ▼                                           │ progress
+//!  main loop ──long operation + the Machine──▶ worker thread
+//!       ▲ guest events, signals, Done{machine, result, after} ┘
+//! ```
+//!
+//! The main loop never waits for a long operation: `migrate`,
+//! `migrate-local`, `warm-restart`, `snapshot` and `ft start` run on a
+//! worker that owns the machine meanwhile, and the API answers at once with
+//! the operation (202) or follows it (`?follow`). Only this module's
+//! callers choose the process's exit status:
+//!
+//! Exit status: 0 after a clean guest poweroff, a guest reset, an API
+//! shutdown or SIGTERM/SIGINT, a completed hand-over, or a fault-tolerance
+//! standby whose primary ended protection; 1 when the VMM fails (bad
+//! configuration, KVM error, a standby that may not fail over); 3 when the
+//! guest reports a failure through the exit port (code != 0).
+
+mod ending;
+mod queries;
+mod shared;
+mod startup;
+mod worker;
+
+use std::process::ExitCode;
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::json;
+use vmm::machine::{Machine, MachineError};
+use vmm::persist::snapshot::SnapshotError;
+use vmm::vstate::{VmEvent, VmEventSink};
+
+use ft::fence::Fence;
+use ft::gate::FtGate;
+use ft::status::FtState;
+use transfer::modes::warm;
+use transfer::precopy::DowntimeEstimate;
+use transfer::{ProgressCell, TransferError};
+
+use crate::api::server::ServerError;
+use crate::api::{
+    ActionError, ApiRequest, ApiServer, FtStartRequest, Reply, Routed, ServerOptions,
+};
+use crate::cli::{Args, CliError};
+use crate::operation::OpKind;
+
+use self::ending::end_vm;
+use self::shared::{Role, Shared};
+use self::worker::{After, Done, Op};
+
+/// Exit status when the guest reported a failure.
+pub const EXIT_GUEST_FAILURE: u8 = 3;
+
+/// How long the ending VMM lets the API write what followers of the last
+/// operation are owed (its final line).
+const FLUSH_GRACE: Duration = Duration::from_millis(500);
+
+/// Errors that end the VMM process.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    /// Bad command line or config file.
+    #[error(transparent)]
+    Cli(#[from] CliError),
+    /// The machine could not be built or failed.
+    #[error(transparent)]
+    Machine(#[from] MachineError),
+    /// An incoming hand-over (migration, warm restart) failed.
+    #[error(transparent)]
+    Transfer(#[from] TransferError),
+    /// A snapshot could not be read.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+    /// The API server could not start.
+    #[error(transparent)]
+    Api(#[from] ServerError),
+    /// The guest or KVM failed while running.
+    #[error("VM failed: {0}")]
+    VmFailed(String),
+    /// Signal handling could not be set up.
+    #[error("cannot install signal handlers")]
+    Signals(#[source] std::io::Error),
+    /// Fault tolerance (standby, fence).
+    #[error(transparent)]
+    Ft(#[from] ft::FtError),
+}
+
+type Answer = Result<Reply, ActionError>;
+
+enum Control {
+    Vm(VmEvent),
+    Api(Routed, Sender<Answer>),
+    Signal(i32),
+    Done(Box<Done>),
+}
+
+fn forwarder<T: Send + 'static>(
+    tx: &Sender<Control>,
+    wrap: fn(T) -> Control,
+) -> impl Fn(T) + Send + Sync + 'static {
+    let tx = Mutex::new(tx.clone());
+    move |v| {
+        let _ = tx.lock().unwrap_or_else(|p| p.into_inner()).send(wrap(v));
+    }
+}
+
+/// The API handler: queries, progress and cancels from shared state on the
+/// API's thread; actions through the main loop, which answers at once.
+fn api_handler(shared: Arc<Shared>, tx: Sender<Control>) -> crate::api::Handler {
+    let tx = Mutex::new(tx);
+    Arc::new(move |routed: Routed| {
+        if let Some(answer) = queries::answer(&shared, &routed.request, routed.follow) {
+            return answer;
+        }
+        let (reply, answer) = channel();
+        let sent = tx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send(Control::Api(routed, reply));
+        if sent.is_err() {
+            return Err(ActionError::Unavailable("the VMM is shutting down".into()));
+        }
+        answer
+            .recv()
+            .unwrap_or_else(|_| Err(ActionError::Unavailable("the VMM is shutting down".into())))
+    })
+}
+
+/// Where the machine is.
+enum Slot {
+    /// With the main loop.
+    Here(Machine),
+    /// With the worker running operation `id`.
+    Away(u64),
+}
+
+/// Why the VMM ends once the machine is back.
+enum Ending {
+    /// With this status.
+    Status(ExitCode),
+    /// With this error.
+    Failed(String),
+}
+
+struct Controller {
+    slot: Slot,
+    ft_gate: Option<Arc<FtGate>>,
+    shared: Arc<Shared>,
+    tx: Sender<Control>,
+    ending: Option<Ending>,
+}
+
+/// Runs the VM described by `args` until it ends.
+pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
+    let api_socket = args.api_socket_path()?;
+    let shared = Shared::new(startup::describe(args));
+    let (tx, rx) = channel();
+    let sink = VmEventSink::new(forwarder(&tx, Control::Vm));
+    // The API socket first: a socket in use is refused before any VM exists.
+    let api = match &api_socket {
+        Some(path) => Some(ApiServer::start(
+            path,
+            ServerOptions {
+                socket: args.api_socket_options()?,
+                ..ServerOptions::default()
+            },
+            api_handler(shared.clone(), tx.clone()),
+        )?),
+        None => None,
+    };
+    let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT])
+        .map_err(ProcessError::Signals)?;
+    let sig_tx = forwarder(&tx, Control::Signal);
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            for s in signals.forever() {
+                sig_tx(s);
+            }
+        })
+        .map_err(ProcessError::Signals)?;
+    // The fence: a primary holds it for its whole life; a standby takes it
+    // before it fails over.
+    let mut _fence: Option<Fence> = None;
+    let machine = if let Some(listen) = &args.ft_standby {
+        shared.set_role(Role::Standby);
+        match startup::standby(args, listen, sink, &shared.ft)? {
+            ft::standby::StandbyOutcome::FailedOver(m, fence) => {
+                _fence = fence;
+                m
+            }
+            ft::standby::StandbyOutcome::PrimaryStopped(reason) => {
+                eprintln!("kemari: standby done: the primary ended protection ({reason})");
+                return Ok(ExitCode::SUCCESS);
+            }
+        }
+    } else {
+        if let Some(path) = &args.ft_fence {
+            _fence =
+                Some(Fence::acquire(path, std::time::Duration::ZERO).map_err(ft::FtError::from)?);
+        }
+        startup::make_machine(args, sink)?
+    };
+    shared.set_machine(machine.monitor());
+    let mut controller = Controller {
+        slot: Slot::Here(machine),
+        ft_gate: None,
+        shared: shared.clone(),
+        tx,
+        ending: None,
+    };
+    let status = loop {
+        let Ok(event) = rx.recv() else {
+            break Err(ProcessError::VmFailed("all event sources are gone".into()));
+        };
+        if let Some(status) = controller.handle(event) {
+            break status;
+        }
+    };
+    shared.set_role(Role::Ending);
+    if let Some(api) = api {
+        // The followers of the last operation get their final line.
+        api.shutdown(FLUSH_GRACE);
+    }
+    status
+}
+
+impl Controller {
+    /// Handles one event; `Some` once the VMM ends.
+    fn handle(&mut self, event: Control) -> Option<Result<ExitCode, ProcessError>> {
+        if let (Control::Vm(_) | Control::Signal(_), Some(g)) = (&event, &self.ft_gate) {
+            // The VM ends here on purpose: the standby must not take over.
+            g.stop("the primary VM ended");
+        }
+        match event {
+            Control::Vm(VmEvent::Poweroff { code: 0 }) => {
+                tracing::info!("guest powered off");
+                self.end(Ending::Status(ExitCode::SUCCESS))
+            }
+            Control::Vm(VmEvent::Poweroff { code }) => {
+                eprintln!("kemari: guest reported failure (exit code {code})");
+                self.end(Ending::Status(ExitCode::from(EXIT_GUEST_FAILURE)))
+            }
+            Control::Vm(VmEvent::Reset) => {
+                tracing::info!("guest reset: ending the VM");
+                self.end(Ending::Status(ExitCode::SUCCESS))
+            }
+            Control::Vm(VmEvent::Error(message)) => self.end(Ending::Failed(message)),
+            Control::Signal(sig) => {
+                tracing::info!(signal = sig, "signal received: shutting down");
+                self.end(Ending::Status(ExitCode::SUCCESS))
+            }
+            Control::Api(routed, reply) => {
+                let (answer, exit) = self.act(routed);
+                let _ = reply.send(answer);
+                if exit {
+                    if let Some(g) = &self.ft_gate {
+                        g.stop("the primary VMM is shutting down");
+                    }
+                    return self.end(Ending::Status(ExitCode::SUCCESS));
+                }
+                None
+            }
+            Control::Done(done) => self.operation_done(*done),
+        }
+    }
+
+    /// Ends the VMM now, or once the running operation hands the machine
+    /// back (it is cancelled).
+    fn end(&mut self, why: Ending) -> Option<Result<ExitCode, ProcessError>> {
+        match std::mem::replace(&mut self.slot, Slot::Away(0)) {
+            Slot::Here(machine) => {
+                self.shared.set_role(Role::Ending);
+                end_vm(machine);
+                Some(match why {
+                    Ending::Status(code) => Ok(code),
+                    Ending::Failed(message) => Err(ProcessError::VmFailed(message)),
+                })
+            }
+            Slot::Away(id) => {
+                self.slot = Slot::Away(id);
+                if let Err(e) = self.shared.operations.cancel(None) {
+                    tracing::info!(error = %e, "ending once the running operation returns the VM");
+                }
+                self.ending.get_or_insert(why);
+                None
+            }
+        }
+    }
+
+    fn operation_done(&mut self, done: Done) -> Option<Result<ExitCode, ProcessError>> {
+        let Done {
+            id,
+            machine,
+            result,
+            after,
+            gate,
+        } = done;
+        self.slot = Slot::Here(machine);
+        if let Some(g) = gate {
+            self.ft_gate = Some(g);
+        }
+        if after == After::Exit {
+            self.shared.set_role(Role::Ending);
+        }
+        self.shared.operations.finish(id, result);
+        if after == After::Exit {
+            if let Some(g) = &self.ft_gate {
+                g.stop("the primary VMM is shutting down");
+            }
+            self.shared.operations.wait_followers(FLUSH_GRACE);
+            let ending = self
+                .ending
+                .take()
+                .unwrap_or(Ending::Status(ExitCode::SUCCESS));
+            return self.end(ending);
+        }
+        if let Some(ending) = self.ending.take() {
+            return self.end(ending);
+        }
+        None
+    }
+
+    /// Answers an action; `true` if the VMM ends now.
+    fn act(&mut self, routed: Routed) -> (Answer, bool) {
+        let Routed { request, follow } = routed;
+        let machine = match &mut self.slot {
+            Slot::Here(m) => m,
+            Slot::Away(_) => return (self.act_while_away(request), false),
+        };
+        let protected = matches!(
+            self.shared.ft.state(),
+            FtState::Protected | FtState::Syncing
+        );
+        let op = match request {
+            ApiRequest::Pause => return (pause_or_resume(machine, true), false),
+            ApiRequest::Resume => return (pause_or_resume(machine, false), false),
+            ApiRequest::Shutdown => {
+                return (Ok(Reply::Json(json!({ "state": "shutting_down" }))), true)
+            }
+            ApiRequest::FtStop => return (self.ft_stop(), false),
+            ApiRequest::WarmRestart { dir, prepare: true } => {
+                return (
+                    match warm::write_config(&dir, machine.config()) {
+                        Ok(config) => Ok(Reply::Json(json!({ "dir": dir, "config": config }))),
+                        Err(e) => Err(ActionError::Conflict(e.to_string())),
+                    },
+                    false,
+                )
+            }
+            ApiRequest::Migrate { .. }
+            | ApiRequest::MigrateLocal { .. }
+            | ApiRequest::WarmRestart { .. }
+                if protected =>
+            {
+                return (
+                    Err(ActionError::Conflict(
+                        "the VM is protected by fault tolerance: `kemarictl ft stop` first".into(),
+                    )),
+                    false,
+                )
+            }
+            ApiRequest::FtStart(_) if protected => {
+                return (
+                    Err(ActionError::Conflict("the VM is already protected".into())),
+                    false,
+                )
+            }
+            ApiRequest::Migrate {
+                to,
+                key_file,
+                max_downtime_ms,
+                max_rounds,
+            } => {
+                let key = match transfer::key::read_key(&key_file) {
+                    Ok(k) => k,
+                    Err(e) => return (Err(ActionError::BadRequest(e.to_string())), false),
+                };
+                let mut rule = DowntimeEstimate::default();
+                if let Some(ms) = max_downtime_ms {
+                    rule.max_downtime = Duration::from_millis(ms);
+                }
+                if let Some(r) = max_rounds {
+                    rule.max_rounds = r.max(1);
+                }
+                Op::Migrate { to, key, rule }
+            }
+            ApiRequest::MigrateLocal { socket } => Op::MigrateLocal { socket },
+            ApiRequest::WarmRestart { dir, .. } => Op::WarmRestart { dir },
+            ApiRequest::Snapshot { dir, exit } => Op::Snapshot { dir, exit },
+            ApiRequest::FtStart(req) => match ft_options(&req) {
+                Ok(o) => Op::FtStart(Box::new(o)),
+                Err(e) => return (Err(e), false),
+            },
+            other => {
+                return (
+                    Err(ActionError::Internal(format!(
+                        "{other:?} is answered by the API itself"
+                    ))),
+                    false,
+                )
+            }
+        };
+        (self.start_operation(op, follow), false)
+    }
+
+    fn act_while_away(&mut self, request: ApiRequest) -> Answer {
+        let busy = || {
+            let (kind, id) = self
+                .shared
+                .operations
+                .running()
+                .unwrap_or((OpKind::Migrate, 0));
+            ActionError::Busy(format!(
+                "a {} is running (operation {id}): wait for it, or cancel it with `kemarictl operation cancel`",
+                kind.describe()
+            ))
+        };
+        match request {
+            ApiRequest::Shutdown => {
+                let cancelling = self.shared.operations.cancel(None).ok();
+                self.ending.get_or_insert(Ending::Status(ExitCode::SUCCESS));
+                Ok(Reply::Json(json!({
+                    "state": "shutting_down",
+                    "after_operation": cancelling,
+                })))
+            }
+            ApiRequest::FtStop => match self.shared.operations.running() {
+                Some((OpKind::FtStart, _)) => match self.shared.operations.cancel(Some(OpKind::FtStart)) {
+                    Ok(id) => Ok(Reply::Json(json!({ "cancelling": true, "operation": id }))),
+                    Err(_) => Err(ActionError::Conflict(
+                        "protection is being set up (its first epoch is on its way): `ft stop` again in a moment".into(),
+                    )),
+                },
+                _ => Err(busy()),
+            },
+            _ => Err(busy()),
+        }
+    }
+
+    fn start_operation(&mut self, op: Op, follow: bool) -> Answer {
+        let kind = op.kind();
+        // `GET /vm/migration` shows the running or last live migration.
+        let progress = if kind == OpKind::Migrate {
+            self.shared.migration.clone()
+        } else {
+            Arc::new(ProgressCell::default())
+        };
+        let started = self
+            .shared
+            .operations
+            .begin(kind, &op.target(), progress)
+            .map_err(|e| ActionError::Busy(e.to_string()))?;
+        let Slot::Here(machine) = std::mem::replace(&mut self.slot, Slot::Away(started.id)) else {
+            return Err(ActionError::Internal("the machine is not here".into()));
+        };
+        let tx = Mutex::new(self.tx.clone());
+        let id = started.id;
+        let spawned = worker::spawn(op, machine, started, self.shared.clone(), move |done| {
+            let _ = tx
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .send(Control::Done(Box::new(done)));
+        });
+        if let Err((e, machine)) = spawned {
+            if let Some(m) = machine {
+                self.slot = Slot::Here(m);
+            }
+            self.shared.operations.finish(
+                id,
+                Err((format!("cannot start a worker thread: {e}"), false)),
+            );
+            return Err(ActionError::Internal(format!(
+                "cannot start a worker thread: {e}"
+            )));
+        }
+        if follow {
+            return Ok(Reply::Stream(queries::follower(&self.shared, id)));
+        }
+        Ok(Reply::Accepted(
+            self.shared
+                .operations
+                .view()
+                .unwrap_or_else(|| json!({ "id": id, "kind": kind, "status": "running" })),
+        ))
+    }
+
+    fn ft_stop(&mut self) -> Answer {
+        let Some(g) = self.ft_gate.take() else {
+            return Err(ActionError::Conflict(
+                "fault tolerance is not active".into(),
+            ));
+        };
+        g.stop("stopped through the API");
+        if let Slot::Here(machine) = &self.slot {
+            if let Err(e) = machine.set_output_gate(Arc::new(vmm::output::PassThroughGate)) {
+                return Err(ActionError::Internal(e.to_string()));
+            }
+        }
+        Ok(Reply::Json(
+            serde_json::to_value(self.shared.ft.report())
+                .map_err(|e| ActionError::Internal(e.to_string()))?,
+        ))
+    }
+}
+
+fn pause_or_resume(machine: &mut Machine, pause: bool) -> Answer {
+    let done = if pause {
+        machine.pause()
+    } else {
+        machine.resume()
+    };
+    match done {
+        Ok(()) => Ok(Reply::Json(json!({ "state": machine.state() }))),
+        Err(MachineError::State(s)) => Err(ActionError::Conflict(format!("the VM is already {s}"))),
+        Err(e) => Err(ActionError::Internal(e.to_string())),
+    }
+}
+
+fn ft_options(req: &FtStartRequest) -> Result<ft::primary::FtStartOptions, ActionError> {
+    let bad = |e: String| ActionError::BadRequest(e);
+    let key = transfer::key::read_key(&req.key_file).map_err(|e| bad(e.to_string()))?;
+    let (mode, heartbeat, timeout) =
+        ft::timing(req.periodic_ms, req.heartbeat_ms, req.timeout_ms).map_err(bad)?;
+    let keep_writable = ft::keep_writable(req.keep_writable_pages).map_err(bad)?;
+    Ok(ft::primary::FtStartOptions {
+        peer: req.peer.clone(),
+        key,
+        mode,
+        heartbeat,
+        timeout,
+        keep_writable,
+    })
+}

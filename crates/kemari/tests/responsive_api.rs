@@ -1,0 +1,515 @@
+//! The API answers while the operations it exists for run, and cancels
+//! them in any phase before their commit point (issue 23's behaviour as
+//! tests). Real kemari processes; each bound is generous (1 s), the real
+//! figures come from `kemari-bench api` (docs/benchmarks.md).
+//!
+//! - a live migration through a relay that delays every chunk 400 ms: 20
+//!   `GET /vm/migration` answered while it runs, with progress advancing;
+//! - `migrate-cancel` in round 1 and in the final phase (the source paused,
+//!   the destination holding the state): the source runs on, the guest's
+//!   dirty check finds no lost write, and a second migration succeeds;
+//! - the same for fault tolerance's initial synchronization;
+//! - 1,000 idle connections and a client sending one byte a second:
+//!   `kemarictl info` still answers.
+
+use std::collections::VecDeque;
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use kemari::api::client::{request_with_timeout, ClientError};
+use kemari_testkit::scenario::*;
+use kemari_testkit::*;
+use serde_json::Value;
+
+const KEY: &str = "kemari-test-key-0123456789abcdef";
+/// The most any answer may take (today's API missed it by seconds).
+const BOUND: Duration = Duration::from_secs(1);
+
+fn key_file(dir: &Path) -> PathBuf {
+    let p = dir.join("key");
+    std::fs::write(&p, KEY).unwrap();
+    p
+}
+
+/// A guest that counts and rewrites 8 MiB, checking every page (256 MiB,
+/// no devices).
+fn source(dir: &Path, tag: &str) -> Vmm {
+    let args: Vec<String> = vec![
+        "--kernel".into(),
+        guest_elf().display().to_string(),
+        "--memory".into(),
+        "256M".into(),
+        "--cmdline".into(),
+        format!("counter=100 {DIRTY}"),
+    ];
+    let vmm = spawn_vmm(
+        &args,
+        &dir.join(format!("console-{tag}.log")),
+        &dir.join(format!("api-{tag}.sock")),
+        &[],
+    );
+    wait_for(
+        "the guest's dirty workload",
+        Duration::from_secs(60),
+        || dirty_reports(&vmm.console).len() >= 2,
+    );
+    vmm
+}
+
+fn destination(dir: &Path, tag: &str, port: u16, env: &[(&str, &str)]) -> Vmm {
+    let args: Vec<String> = vec![
+        "--incoming".into(),
+        format!("127.0.0.1:{port}"),
+        "--migration-key-file".into(),
+        key_file(dir).display().to_string(),
+    ];
+    let vmm = spawn_vmm(
+        &args,
+        &dir.join(format!("console-{tag}.log")),
+        &dir.join(format!("api-{tag}.sock")),
+        env,
+    );
+    wait_listening(port);
+    vmm
+}
+
+/// One API call, timed; panics past [`BOUND`].
+fn timed_get(api: &Path, path: &str) -> Result<Value, ClientError> {
+    let t = Instant::now();
+    let answer = request_with_timeout(api, "GET", path, None, Duration::from_secs(10));
+    let took = t.elapsed();
+    assert!(took < BOUND, "GET {path} took {took:?}");
+    answer
+}
+
+/// A TCP relay to `to` that delivers every chunk `delay` after it arrived,
+/// both ways (a long link, not a slow one); `cut()` ends its connections.
+struct DelayRelay {
+    port: u16,
+    conns: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl DelayRelay {
+    fn start(to: u16, delay: Duration) -> DelayRelay {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let conns = Arc::new(Mutex::new(Vec::new()));
+        let kept = conns.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { return };
+                let Ok(server) = TcpStream::connect(("127.0.0.1", to)) else {
+                    return;
+                };
+                for s in [&client, &server] {
+                    kept.lock().unwrap().push(s.try_clone().unwrap());
+                }
+                pipe(
+                    client.try_clone().unwrap(),
+                    server.try_clone().unwrap(),
+                    delay,
+                );
+                pipe(server, client, delay);
+            }
+        });
+        DelayRelay { port, conns }
+    }
+
+    fn cut(&self) {
+        for s in self.conns.lock().unwrap().drain(..) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for DelayRelay {
+    fn drop(&mut self) {
+        self.cut();
+    }
+}
+
+/// Copies `from` to `to`, each chunk `delay` after it was read.
+fn pipe(mut from: TcpStream, mut to: TcpStream, delay: Duration) {
+    type Line = (Mutex<(VecDeque<(Instant, Vec<u8>)>, bool)>, Condvar);
+    let line: Arc<Line> = Arc::new((Mutex::new((VecDeque::new(), false)), Condvar::new()));
+    let writer = line.clone();
+    std::thread::spawn(move || loop {
+        let (due, chunk) = {
+            let (lock, cv) = &*writer;
+            let mut q = lock.lock().unwrap();
+            loop {
+                if let Some(c) = q.0.pop_front() {
+                    break c;
+                }
+                if q.1 {
+                    let _ = to.shutdown(Shutdown::Write);
+                    return;
+                }
+                q = cv.wait(q).unwrap();
+            }
+        };
+        if let Some(wait) = due.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+        if to.write_all(&chunk).is_err() {
+            return;
+        }
+    });
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 256 << 10];
+        loop {
+            let n = from.read(&mut buf).unwrap_or(0);
+            let (lock, cv) = &*line;
+            let mut q = lock.lock().unwrap();
+            if n == 0 {
+                q.1 = true;
+                cv.notify_all();
+                return;
+            }
+            q.0.push_back((Instant::now() + delay, buf[..n].to_vec()));
+            cv.notify_all();
+        }
+    });
+}
+
+/// Starts `kemarictl migrate` to `to` (it follows the migration until it
+/// ends); returns its thread.
+fn migrate_in_background(
+    api: &Path,
+    to: String,
+    key: PathBuf,
+    extra: &'static [&'static str],
+) -> std::thread::JoinHandle<std::process::Output> {
+    let api = api.to_path_buf();
+    std::thread::spawn(move || {
+        let mut args = vec![
+            "migrate".to_string(),
+            "--to".into(),
+            to,
+            "--key-file".into(),
+        ];
+        args.push(key.display().to_string());
+        args.extend(extra.iter().map(|s| s.to_string()));
+        run_with_timeout(kemarictl(&api).args(&args), Duration::from_secs(120))
+    })
+}
+
+/// The source runs its guest on, and the guest's dirty check — which reads
+/// back every page it wrote — finds nothing lost over two more passes.
+fn assert_runs_without_lost_writes(vmm: &Vmm) {
+    let info = timed_get(&vmm.api, "/vm").unwrap();
+    assert_eq!(info["state"], "running", "{info}");
+    let before = dirty_reports(&vmm.console).len();
+    wait_for(
+        "two more passes of the dirty check",
+        Duration::from_secs(30),
+        || dirty_reports(&vmm.console).len() >= before + 2,
+    );
+    let text = read_text(&vmm.console);
+    assert!(!text.contains("dirty: lost write"), "{text}");
+    assert!(dirty_reports(&vmm.console)
+        .iter()
+        .all(|&(_, _, bad)| bad == 0));
+}
+
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+fn the_api_answers_during_a_migration_over_a_long_link_and_it_completes() {
+    let _turn = one_at_a_time();
+    let dir = scratch("api-long-link");
+    let mut src = source(&dir, "1");
+    let port = free_port();
+    let mut dst = destination(&dir, "2", port, &[]);
+    let relay = DelayRelay::start(port, Duration::from_millis(400));
+    let migrate = migrate_in_background(
+        &src.api,
+        format!("127.0.0.1:{}", relay.port),
+        key_file(&dir),
+        &["--max-rounds", "4"],
+    );
+    wait_for("the migration to start", Duration::from_secs(10), || {
+        timed_get(&src.api, "/vm/migration").is_ok_and(|p| p["status"] == "running")
+    });
+    let mut seen = Vec::new();
+    for _ in 0..20 {
+        let p = timed_get(&src.api, "/vm/migration").unwrap();
+        assert_eq!(p["status"], "running", "answered only while it runs: {p}");
+        seen.push((
+            p["phase"].to_string(),
+            p["bytes_sent"].as_u64().unwrap_or(0),
+        ));
+        // Other calls answer too, not only the migration's own.
+        assert_eq!(
+            timed_get(&src.api, "/vm").unwrap()["operation"]["kind"],
+            "migrate"
+        );
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    assert!(
+        seen.first() != seen.last(),
+        "the progress never moved: {seen:?}"
+    );
+    let out = migrate.join().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(report["downtime_ms"].as_f64().is_some(), "{report}");
+    assert!(src.child.0.wait_timeout_secs(30).success());
+    check_no_lost_writes(&src.console, &dst.console);
+    assert!(ctl(&dst.api, &["shutdown"]).status.success());
+    let _ = dst.child.0.wait();
+}
+
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+fn migrate_cancel_in_round_1_and_in_the_final_phase_leaves_the_source_running() {
+    let _turn = one_at_a_time();
+    let dir = scratch("api-cancel");
+    let src = source(&dir, "1");
+
+    // In round 1, through a long link.
+    let port = free_port();
+    let mut dst = destination(&dir, "2", port, &[]);
+    let relay = DelayRelay::start(port, Duration::from_millis(400));
+    let migrate = migrate_in_background(
+        &src.api,
+        format!("127.0.0.1:{}", relay.port),
+        key_file(&dir),
+        &[],
+    );
+    wait_for("round 1", Duration::from_secs(30), || {
+        timed_get(&src.api, "/vm/migration").is_ok_and(|p| p["phase"] == "round 1")
+    });
+    let out = ctl(&src.api, &["migrate-cancel"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = migrate.join().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cancelled"), "{err}");
+    assert_eq!(
+        timed_get(&src.api, "/vm/migration").unwrap()["status"],
+        "cancelled"
+    );
+    assert!(
+        !dst.child.0.wait_timeout_secs(30).success(),
+        "the destination gives up"
+    );
+    drop(relay);
+    assert_runs_without_lost_writes(&src);
+
+    // In the final phase: the source paused, the destination holding the
+    // whole VM before it restores.
+    let port = free_port();
+    let mut dst = destination(
+        &dir,
+        "3",
+        port,
+        &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "4000")],
+    );
+    let migrate = migrate_in_background(&src.api, format!("127.0.0.1:{port}"), key_file(&dir), &[]);
+    wait_for("the final phase", Duration::from_secs(60), || {
+        timed_get(&src.api, "/vm/migration").is_ok_and(|p| {
+            p["phase"]
+                .as_str()
+                .is_some_and(|ph| ph.starts_with("paused"))
+        })
+    });
+    let paused = timed_get(&src.api, "/vm").unwrap();
+    assert_eq!(paused["state"], "paused", "{paused}");
+    let out = ctl(&src.api, &["migrate-cancel"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = migrate.join().unwrap();
+    assert!(!out.status.success());
+    assert!(
+        !dst.child.0.wait_timeout_secs(30).success(),
+        "the destination discards its copy"
+    );
+    assert_runs_without_lost_writes(&src);
+
+    // Then a migration that completes.
+    let port = free_port();
+    let mut dst = destination(&dir, "4", port, &[]);
+    let out = ctl(
+        &src.api,
+        &[
+            "migrate",
+            "--to",
+            &format!("127.0.0.1:{port}"),
+            "--key-file",
+            key_file(&dir).to_str().unwrap(),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    check_no_lost_writes(&src.console, &dst.console);
+    assert!(ctl(&dst.api, &["shutdown"]).status.success());
+    let _ = dst.child.0.wait();
+}
+
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+fn ft_start_answers_and_cancels_during_its_initial_synchronization() {
+    let _turn = one_at_a_time();
+    let dir = scratch("api-ft-cancel");
+    let src = source(&dir, "1");
+    let port = free_port();
+    let standby = |tag: &str, port: u16| {
+        let args: Vec<String> = vec![
+            "--ft-standby".into(),
+            format!("127.0.0.1:{port}"),
+            "--migration-key-file".into(),
+            key_file(&dir).display().to_string(),
+        ];
+        let vmm = spawn_vmm(
+            &args,
+            &dir.join(format!("console-{tag}.log")),
+            &dir.join(format!("api-{tag}.sock")),
+            &[],
+        );
+        wait_listening(port);
+        vmm
+    };
+    let mut sb = standby("2", port);
+    let relay = DelayRelay::start(port, Duration::from_millis(400));
+    let api = src.api.clone();
+    let peer = format!("127.0.0.1:{}", relay.port);
+    let key = key_file(&dir);
+    let start = std::thread::spawn(move || {
+        run_with_timeout(
+            kemarictl(&api)
+                .args(["ft", "start", "--peer", &peer, "--key-file"])
+                .arg(&key)
+                .args(["--timeout-ms", "5000", "--heartbeat-ms", "200"]),
+            Duration::from_secs(120),
+        )
+    });
+    wait_for(
+        "the initial synchronization",
+        Duration::from_secs(30),
+        || timed_get(&src.api, "/vm/ft").is_ok_and(|f| f["state"] == "syncing"),
+    );
+    for _ in 0..5 {
+        let f = timed_get(&src.api, "/vm/ft").unwrap();
+        assert_eq!(f["state"], "syncing", "{f}");
+        assert!(f["initial_progress"].is_object(), "{f}");
+        // The standby answers too.
+        assert_eq!(timed_get(&sb.api, "/vm").unwrap()["role"], "standby");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = ctl(&src.api, &["ft", "stop"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = start.join().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cancelled"));
+    let f = timed_get(&src.api, "/vm/ft").unwrap();
+    assert_eq!(f["state"], "unprotected", "{f}");
+    // The standby had no complete image: it does not run the VM.
+    let _ = sb.child.0.wait_timeout_secs(30);
+    assert!(!read_text(&dir.join("console-2.log")).contains("counter"));
+    drop(relay);
+    assert_runs_without_lost_writes(&src);
+    assert!(ctl(&src.api, &["shutdown"]).status.success());
+}
+
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+fn a_thousand_idle_connections_and_a_slow_client_do_not_delay_info() {
+    raise_fd_limit();
+    let dir = scratch("api-idle");
+    let args: Vec<String> = vec![
+        "--kernel".into(),
+        guest_elf().display().to_string(),
+        "--memory".into(),
+        "64M".into(),
+        "--cmdline".into(),
+        "counter=500".into(),
+    ];
+    let vmm = spawn_vmm(&args, &dir.join("console.log"), &dir.join("api.sock"), &[]);
+    wait_for("the API socket", Duration::from_secs(30), || {
+        vmm.api.exists()
+    });
+    let idle: Vec<UnixStream> = (0..1000)
+        .filter_map(|_| UnixStream::connect(&vmm.api).ok())
+        .collect();
+    assert!(idle.len() >= 1000, "only {} connections", idle.len());
+    let mut slow = UnixStream::connect(&vmm.api).unwrap();
+    let request = b"GET /vm HTTP/1.1\r\nHost: x\r\n\r\n";
+    let slow_client = std::thread::spawn(move || {
+        for b in request {
+            if slow.write_all(&[*b]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    });
+    for _ in 0..20 {
+        let t = Instant::now();
+        let out = ctl(&vmm.api, &["info"]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // kemarictl's own start is in this; the API's share is far less.
+        assert!(t.elapsed() < BOUND, "info took {:?}", t.elapsed());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(idle);
+    assert!(ctl(&vmm.api, &["shutdown"]).status.success());
+    let _ = slow_client.join();
+}
+
+/// Raises this process's soft fd limit to its hard limit (1,000 sockets).
+fn raise_fd_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write the struct we own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+        }
+    }
+}
+
+/// Waiting for a child with a bound.
+trait WaitTimeout {
+    fn wait_timeout_secs(&mut self, secs: u64) -> std::process::ExitStatus;
+}
+
+impl WaitTimeout for std::process::Child {
+    fn wait_timeout_secs(&mut self, secs: u64) -> std::process::ExitStatus {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            if let Some(st) = self.try_wait().unwrap() {
+                return st;
+            }
+            assert!(Instant::now() < deadline, "the process did not end");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
