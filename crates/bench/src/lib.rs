@@ -15,6 +15,7 @@
 /// ("failed to set MSR 0x10a"); kemari and the test guest never use it.
 pub const QEMU_CPU: &str = "host,-arch-capabilities";
 
+pub mod api;
 pub mod availability;
 pub mod console;
 pub mod floor;

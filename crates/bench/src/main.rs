@@ -73,6 +73,9 @@ enum Bench {
     /// buffered disk writes, sync pause and link bytes — unprotected vs
     /// event-driven vs periodic checkpoints, at several memory sizes.
     Ft(kemari_bench::ft::FtBenchArgs),
+    /// The control API's answer times: behind 1,000 idle connections and a
+    /// slow client, and during a live migration.
+    Api(kemari_bench::api::ApiBenchArgs),
 }
 
 fn main() -> ExitCode {
@@ -106,6 +109,13 @@ fn main() -> ExitCode {
             }
         }
         Bench::Ft(args) => match kemari_bench::ft::run(&args, sibling("kemari")) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kemari-bench: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Bench::Api(args) => match kemari_bench::api::run(&args, &sibling("kemari")) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("kemari-bench: {e}");

@@ -198,6 +198,23 @@ fn migrate_in_background(
     })
 }
 
+/// The command succeeded; its error output otherwise.
+fn succeeded(out: &std::process::Output) {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The VM moved from `src` to `dst` with every page as the guest left it;
+/// then `dst` ends.
+fn moved_without_lost_writes(src: &Vmm, mut dst: Vmm) {
+    check_no_lost_writes(&src.console, &dst.console);
+    assert!(ctl(&dst.api, &["shutdown"]).status.success());
+    let _ = dst.child.0.wait();
+}
+
 /// The source runs its guest on, and the guest's dirty check — which reads
 /// back every page it wrote — finds nothing lost over two more passes.
 fn assert_runs_without_lost_writes(vmm: &Vmm) {
@@ -223,7 +240,7 @@ fn the_api_answers_during_a_migration_over_a_long_link_and_it_completes() {
     let dir = scratch("api-long-link");
     let mut src = source(&dir, "1");
     let port = free_port();
-    let mut dst = destination(&dir, "2", port, &[]);
+    let dst = destination(&dir, "2", port, &[]);
     let relay = DelayRelay::start(port, Duration::from_millis(400));
     let migrate = migrate_in_background(
         &src.api,
@@ -254,17 +271,11 @@ fn the_api_answers_during_a_migration_over_a_long_link_and_it_completes() {
         "the progress never moved: {seen:?}"
     );
     let out = migrate.join().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     let report: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(report["downtime_ms"].as_f64().is_some(), "{report}");
     assert!(src.child.0.wait_timeout_secs(30).success());
-    check_no_lost_writes(&src.console, &dst.console);
-    assert!(ctl(&dst.api, &["shutdown"]).status.success());
-    let _ = dst.child.0.wait();
+    moved_without_lost_writes(&src, dst);
 }
 
 #[test]
@@ -288,11 +299,7 @@ fn migrate_cancel_in_round_1_and_in_the_final_phase_leaves_the_source_running() 
         timed_get(&src.api, "/vm/migration").is_ok_and(|p| p["phase"] == "round 1")
     });
     let out = ctl(&src.api, &["migrate-cancel"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     let out = migrate.join().unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
@@ -328,11 +335,7 @@ fn migrate_cancel_in_round_1_and_in_the_final_phase_leaves_the_source_running() 
     let paused = timed_get(&src.api, "/vm").unwrap();
     assert_eq!(paused["state"], "paused", "{paused}");
     let out = ctl(&src.api, &["migrate-cancel"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     let out = migrate.join().unwrap();
     assert!(!out.status.success());
     assert!(
@@ -343,7 +346,7 @@ fn migrate_cancel_in_round_1_and_in_the_final_phase_leaves_the_source_running() 
 
     // Then a migration that completes.
     let port = free_port();
-    let mut dst = destination(&dir, "4", port, &[]);
+    let dst = destination(&dir, "4", port, &[]);
     let out = ctl(
         &src.api,
         &[
@@ -354,14 +357,8 @@ fn migrate_cancel_in_round_1_and_in_the_final_phase_leaves_the_source_running() 
             key_file(&dir).to_str().unwrap(),
         ],
     );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    check_no_lost_writes(&src.console, &dst.console);
-    assert!(ctl(&dst.api, &["shutdown"]).status.success());
-    let _ = dst.child.0.wait();
+    succeeded(&out);
+    moved_without_lost_writes(&src, dst);
 }
 
 #[test]
@@ -415,11 +412,7 @@ fn ft_start_answers_and_cancels_during_its_initial_synchronization() {
         std::thread::sleep(Duration::from_millis(50));
     }
     let out = ctl(&src.api, &["ft", "stop"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     let out = start.join().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cancelled"));
@@ -467,11 +460,7 @@ fn a_thousand_idle_connections_and_a_slow_client_do_not_delay_info() {
     for _ in 0..20 {
         let t = Instant::now();
         let out = ctl(&vmm.api, &["info"]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        succeeded(&out);
         // kemarictl's own start is in this; the API's share is far less.
         assert!(t.elapsed() < BOUND, "info took {:?}", t.elapsed());
         std::thread::sleep(Duration::from_millis(100));

@@ -240,13 +240,7 @@ impl<S: Read + Write> Channel<S> {
         let mut h = [0u8; HELLO_LEN];
         stream.read_exact(&mut h).map_err(closed)?;
         let (nonce_a, version) = parse_hello(&h, peer)?;
-        if version != VERSION {
-            return Err(TransferError::Version {
-                peer,
-                theirs: version,
-                ours: VERSION,
-            });
-        }
+        same_version(version, peer)?;
         let Auth::Psk(psk) = auth else {
             return Ok(Self::new(stream, None, Side::Initiator, peer));
         };
@@ -277,13 +271,7 @@ impl<S: Read + Write> Channel<S> {
         // Our hello even to another version: its end then names the
         // mismatch too, instead of seeing a closed connection.
         stream.write_all(&hello(&nonce_a)).map_err(closed)?;
-        if version != VERSION {
-            return Err(TransferError::Version {
-                peer,
-                theirs: version,
-                ours: VERSION,
-            });
-        }
+        same_version(version, peer)?;
         let Auth::Psk(psk) = auth else {
             return Ok(Self::new(stream, None, Side::Acceptor, peer));
         };
@@ -303,6 +291,18 @@ impl<S: Read + Write> Channel<S> {
         }
         Ok(Self::new(stream, Some(key), Side::Acceptor, peer))
     }
+}
+
+/// Err unless the peer speaks this version.
+fn same_version(theirs: u32, peer: Peer) -> Result<(), TransferError> {
+    if theirs != VERSION {
+        return Err(TransferError::Version {
+            peer,
+            theirs,
+            ours: VERSION,
+        });
+    }
+    Ok(())
 }
 
 /// An I/O error in the handshake: a peer that hangs up there is most likely

@@ -241,20 +241,7 @@ pub fn receive_rounds<D: Duplex + ?Sized>(
                     format::warm_up();
                 }
                 Message::Heartbeat => {}
-                Message::StateSaved { fds } => {
-                    let files = link.take_fds();
-                    if files.len() != fds as usize {
-                        return Err(TransferError::Malformed {
-                            peer: link.peer(),
-                            phase: link.phase(),
-                            detail: format!(
-                                "StateSaved announces {fds} TAP fds and carries {}",
-                                files.len()
-                            ),
-                        });
-                    }
-                    return Ok(Arrival::StateSaved(files));
-                }
+                Message::StateSaved { fds } => return state_saved(link, fds),
                 Message::Failed { reason } => {
                     return Err(TransferError::Refused {
                         peer: link.peer(),
@@ -458,6 +445,22 @@ fn receive_inner<D: Duplex + ?Sized>(
     restore_and_run(link, state, prepared, run_as, events, taps, started)
 }
 
+/// `StateSaved` came, announcing `fds` TAP fds: they must have come with it.
+fn state_saved<D: Duplex + ?Sized>(link: &mut D, fds: u32) -> Result<Arrival, TransferError> {
+    let files = link.take_fds();
+    if files.len() != fds as usize {
+        return Err(TransferError::Malformed {
+            peer: link.peer(),
+            phase: link.phase(),
+            detail: format!(
+                "StateSaved announces {fds} TAP fds and carries {}",
+                files.len()
+            ),
+        });
+    }
+    Ok(Arrival::StateSaved(files))
+}
+
 /// Waits for the state of a hand-over without pre-copy.
 fn receive_state_only<D: Duplex + ?Sized>(
     link: &mut D,
@@ -467,20 +470,7 @@ fn receive_state_only<D: Duplex + ?Sized>(
     match link.recv(buf)? {
         Kind::State => Ok(Arrival::State(std::mem::take(buf))),
         Kind::Control => match link.decode(buf)? {
-            Message::StateSaved { fds } => {
-                let files = link.take_fds();
-                if files.len() != fds as usize {
-                    return Err(TransferError::Malformed {
-                        peer: link.peer(),
-                        phase: link.phase(),
-                        detail: format!(
-                            "StateSaved announces {fds} TAP fds and carries {}",
-                            files.len()
-                        ),
-                    });
-                }
-                Ok(Arrival::StateSaved(files))
-            }
+            Message::StateSaved { fds } => state_saved(link, fds),
             other => Err(link.unexpected("the state", other)),
         },
         other => Err(link.out_of_order(other, "the state")),
@@ -665,32 +655,34 @@ pub fn mismatch(prepared: &MachineConfig, offered: &MachineConfig) -> Option<Str
     })
 }
 
+/// A machine configuration for unit tests: 64 MiB in the named file `path`.
+#[cfg(test)]
+pub(crate) fn test_config(path: &str) -> MachineConfig {
+    MachineConfig {
+        vcpus: 1,
+        memory_bytes: 64 << 20,
+        memory_backing: MemoryBacking::File { path: path.into() },
+        kernel: "/k".into(),
+        initramfs: None,
+        cmdline: String::new(),
+        serial: Default::default(),
+        disks: Vec::new(),
+        nets: Vec::new(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn config(path: &str) -> MachineConfig {
-        MachineConfig {
-            vcpus: 1,
-            memory_bytes: 64 << 20,
-            memory_backing: MemoryBacking::File { path: path.into() },
-            kernel: "/k".into(),
-            initramfs: None,
-            cmdline: String::new(),
-            serial: Default::default(),
-            disks: Vec::new(),
-            nets: Vec::new(),
-        }
-    }
-
     #[test]
     fn mismatches_are_named() {
-        let a = config("/dev/shm/a");
+        let a = test_config("/dev/shm/a");
         assert_eq!(mismatch(&a, &a), None);
         let mut serial = a.clone();
         serial.serial = vmm::config::SerialConfig::Null;
         assert_eq!(mismatch(&a, &serial), None, "the console may differ");
-        let b = config("/dev/shm/b");
+        let b = test_config("/dev/shm/b");
         assert!(mismatch(&a, &b).unwrap().contains("/dev/shm/b"));
         let mut two = a.clone();
         two.vcpus = 2;

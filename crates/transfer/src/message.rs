@@ -218,18 +218,8 @@ mod tests {
                 heartbeat_ms: 100,
                 timeout_ms: 1000,
             },
-            config: Box::new(vmm::config::MachineConfig {
-                vcpus: 1,
-                memory_bytes: 1 << 30,
-                memory_backing: Default::default(),
-                kernel: "/k".into(),
-                initramfs: None,
-                cmdline: String::new(),
-                serial: Default::default(),
-                disks: Vec::new(),
-                nets: Vec::new(),
-            }),
-            memory_size: 1 << 30,
+            config: Box::new(crate::destination::test_config("/m")),
+            memory_size: 64 << 20,
             fds: 0,
         };
         let text = serde_json::to_string(&m).unwrap();

@@ -39,7 +39,7 @@ fn kemari_boot(
 /// Creates the memory file `path` of `size` bytes with its top `mib` MiB
 /// (at most `size` − 192 MiB, which the test guest uses and expects zeroed)
 /// full of non-zero data, as memory in use by applications would be.
-fn fill_in_use(path: &Path, size: u64, mib: u64) -> std::io::Result<()> {
+pub(crate) fn fill_in_use(path: &Path, size: u64, mib: u64) -> std::io::Result<()> {
     use std::os::unix::fs::FileExt;
     const CHUNK: usize = 1 << 20;
     let file = std::fs::File::create(path)?;

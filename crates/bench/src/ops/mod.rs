@@ -16,6 +16,7 @@ use super::qmp::QmpError;
 use ::kemari::api::client::{request_to_end as request, ClientError};
 
 mod kemari;
+pub(crate) use kemari::fill_in_use;
 mod qemu;
 
 pub use kemari::run_kemari;

@@ -418,20 +418,7 @@ impl Successor {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn config(path: &str) -> MachineConfig {
-        MachineConfig {
-            vcpus: 1,
-            memory_bytes: 64 << 20,
-            memory_backing: MemoryBacking::File { path: path.into() },
-            kernel: "/k".into(),
-            initramfs: None,
-            cmdline: String::new(),
-            serial: Default::default(),
-            disks: Vec::new(),
-            nets: Vec::new(),
-        }
-    }
+    use crate::destination::test_config as config;
 
     #[test]
     fn config_needs_named_memory_and_prepare_needs_the_file() {
