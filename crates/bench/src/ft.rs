@@ -35,7 +35,8 @@ pub struct FtBenchArgs {
     /// Memory sizes.
     #[arg(long, value_delimiter = ',', default_value = "256M,1G,4G")]
     pub sizes: Vec<String>,
-    /// Modes: unprotected, event, periodic.
+    /// Modes: unprotected, event, periodic, event-plaintext (event-driven on
+    /// an authenticated but unencrypted link: what the encryption costs).
     #[arg(
         long,
         value_delimiter = ',',
@@ -186,6 +187,9 @@ fn start(
             .args(["--net", &format!("tap={}", env.tap), "--serial", "null"])
             .arg("--api-socket")
             .arg(scratch.path("standby.sock"));
+        if mode == "event-plaintext" {
+            cmd.arg("--plaintext-link");
+        }
         let s = Vmm::spawn("standby", cmd).map_err(|e| e.to_string())?;
         if !wait_path(&scratch.path("standby.sock"), Duration::from_secs(10)) {
             return Err(format!("the standby did not start: {}", s.tail()));
@@ -224,6 +228,9 @@ fn start(
         });
         if mode == "periodic" {
             body["periodic_ms"] = period_ms.into();
+        }
+        if mode == "event-plaintext" {
+            body["plaintext"] = true.into();
         }
         if let Some(k) = env.keep_writable_pages {
             body["keep_writable_pages"] = k.into();
@@ -555,6 +562,16 @@ pub fn run(args: &FtBenchArgs, kemari: PathBuf) -> Result<(), String> {
                 "  {size}: event-driven rr = {:.2} of unprotected (goal >= 0.33): {}{ceiling}",
                 r,
                 if r >= 1.0 / 3.0 { "met" } else { "missed" },
+            );
+        }
+        if let (Some(e), Some(p)) = (get(size, "event"), get(size, "event-plaintext")) {
+            let rr = e.rr_per_s / p.rr_per_s.max(1e-9);
+            let stream = e.stream_mb_s / p.stream_mb_s.max(1e-9);
+            println!(
+                "  {size}: encrypted vs plaintext link: rr {rr:.2}x, stream {stream:.2}x, sync p50 {} vs {} us (goal: rr cost <= 10%: {})",
+                e.sync_p50,
+                p.sync_p50,
+                if rr >= 0.9 { "met" } else { "missed" },
             );
         }
         if let (Some(b), Some(c)) = (get(size, "event"), get(size, "periodic")) {

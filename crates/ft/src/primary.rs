@@ -40,6 +40,8 @@ pub struct FtStartOptions {
     pub timeout: Duration,
     /// Pages the guest rewrites from sync to sync left writable, at most.
     pub keep_writable: usize,
+    /// An authenticated but unencrypted link (a trusted, dedicated one).
+    pub plaintext: bool,
 }
 
 /// Protects `machine` with the standby at `opts.peer`: live pre-copy while
@@ -132,7 +134,7 @@ fn connect_and_sync(
     stream
         .set_write_timeout(Some(opts.timeout))
         .map_err(|e| TransferError::io(Peer::Standby, "connecting", None, e))?;
-    let mut ch = Channel::connect(stream, Auth::Psk(&opts.key), Peer::Standby)?;
+    let mut ch = Channel::connect(stream, Auth::psk(&opts.key, opts.plaintext), Peer::Standby)?;
     ch.note_timeout(Some(opts.timeout));
     let mode = Mode::FaultTolerance {
         sync: opts.mode.name().into(),

@@ -55,6 +55,8 @@ pub struct StandbyOptions {
     pub fence: Option<PathBuf>,
     /// The STONITH-style command to run before running the VM.
     pub fence_cmd: Option<String>,
+    /// An authenticated but unencrypted link (a trusted, dedicated one).
+    pub plaintext: bool,
 }
 
 /// How standing by ended.
@@ -133,7 +135,7 @@ pub fn run(
     )?;
     let io = |e| TransferError::io(Peer::Primary, "setting up the sync link", None, e);
     let socket = stream.try_clone().map_err(io)?;
-    let channel = Channel::accept(stream, Auth::Psk(&opts.key), Peer::Primary)?;
+    let channel = Channel::accept(stream, Auth::psk(&opts.key, opts.plaintext), Peer::Primary)?;
     let (reader, writer) = channel.split(|s| {
         Ok((
             BufReader::with_capacity(1 << 20, s.try_clone()?),

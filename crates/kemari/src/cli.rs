@@ -110,9 +110,15 @@ pub struct Args {
     #[arg(long)]
     pub ft_fence_cmd: Option<String>,
     /// Pre-shared key (a file of at least 16 bytes) that authenticates the
-    /// live-migration stream; both ends need the same key.
+    /// live-migration and fault-tolerance streams, which are encrypted
+    /// (Noise, AES-256-GCM); both ends need the same key.
     #[arg(long)]
     pub migration_key_file: Option<PathBuf>,
+    /// With --incoming or --ft-standby: an authenticated but unencrypted
+    /// link, for a trusted, dedicated one (the source's `migrate` or the
+    /// primary's `ft start` must say `--plaintext-link` too).
+    #[arg(long)]
+    pub plaintext_link: bool,
     /// Build the VM but do not start its vCPUs until resumed through the API.
     #[arg(long)]
     pub start_paused: bool,

@@ -12,12 +12,9 @@
 //! - 1,000 idle connections and a client sending one byte a second:
 //!   `kemarictl info` still answers.
 
-use std::collections::VecDeque;
-use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use kemari::api::client::{request_with_timeout, ClientError};
@@ -86,96 +83,6 @@ fn timed_get(api: &Path, path: &str) -> Result<Value, ClientError> {
     answer
 }
 
-/// A TCP relay to `to` that delivers every chunk `delay` after it arrived,
-/// both ways (a long link, not a slow one); `cut()` ends its connections.
-struct DelayRelay {
-    port: u16,
-    conns: Arc<Mutex<Vec<TcpStream>>>,
-}
-
-impl DelayRelay {
-    fn start(to: u16, delay: Duration) -> DelayRelay {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let conns = Arc::new(Mutex::new(Vec::new()));
-        let kept = conns.clone();
-        std::thread::spawn(move || {
-            for client in listener.incoming() {
-                let Ok(client) = client else { return };
-                let Ok(server) = TcpStream::connect(("127.0.0.1", to)) else {
-                    return;
-                };
-                for s in [&client, &server] {
-                    kept.lock().unwrap().push(s.try_clone().unwrap());
-                }
-                pipe(
-                    client.try_clone().unwrap(),
-                    server.try_clone().unwrap(),
-                    delay,
-                );
-                pipe(server, client, delay);
-            }
-        });
-        DelayRelay { port, conns }
-    }
-
-    fn cut(&self) {
-        for s in self.conns.lock().unwrap().drain(..) {
-            let _ = s.shutdown(Shutdown::Both);
-        }
-    }
-}
-
-impl Drop for DelayRelay {
-    fn drop(&mut self) {
-        self.cut();
-    }
-}
-
-/// Copies `from` to `to`, each chunk `delay` after it was read.
-fn pipe(mut from: TcpStream, mut to: TcpStream, delay: Duration) {
-    type Line = (Mutex<(VecDeque<(Instant, Vec<u8>)>, bool)>, Condvar);
-    let line: Arc<Line> = Arc::new((Mutex::new((VecDeque::new(), false)), Condvar::new()));
-    let writer = line.clone();
-    std::thread::spawn(move || loop {
-        let (due, chunk) = {
-            let (lock, cv) = &*writer;
-            let mut q = lock.lock().unwrap();
-            loop {
-                if let Some(c) = q.0.pop_front() {
-                    break c;
-                }
-                if q.1 {
-                    let _ = to.shutdown(Shutdown::Write);
-                    return;
-                }
-                q = cv.wait(q).unwrap();
-            }
-        };
-        if let Some(wait) = due.checked_duration_since(Instant::now()) {
-            std::thread::sleep(wait);
-        }
-        if to.write_all(&chunk).is_err() {
-            return;
-        }
-    });
-    std::thread::spawn(move || {
-        let mut buf = vec![0u8; 256 << 10];
-        loop {
-            let n = from.read(&mut buf).unwrap_or(0);
-            let (lock, cv) = &*line;
-            let mut q = lock.lock().unwrap();
-            if n == 0 {
-                q.1 = true;
-                cv.notify_all();
-                return;
-            }
-            q.0.push_back((Instant::now() + delay, buf[..n].to_vec()));
-            cv.notify_all();
-        }
-    });
-}
-
 /// Starts `kemarictl migrate` to `to` (it follows the migration until it
 /// ends); returns its thread.
 fn migrate_in_background(
@@ -241,7 +148,7 @@ fn the_api_answers_during_a_migration_over_a_long_link_and_it_completes() {
     let mut src = source(&dir, "1");
     let port = free_port();
     let dst = destination(&dir, "2", port, &[]);
-    let relay = DelayRelay::start(port, Duration::from_millis(400));
+    let relay = Relay::start(port, Duration::from_millis(400));
     let migrate = migrate_in_background(
         &src.api,
         format!("127.0.0.1:{}", relay.port),
@@ -288,7 +195,7 @@ fn migrate_cancel_in_round_1_and_in_the_final_phase_leaves_the_source_running() 
     // In round 1, through a long link.
     let port = free_port();
     let mut dst = destination(&dir, "2", port, &[]);
-    let relay = DelayRelay::start(port, Duration::from_millis(400));
+    let relay = Relay::start(port, Duration::from_millis(400));
     let migrate = migrate_in_background(
         &src.api,
         format!("127.0.0.1:{}", relay.port),
@@ -385,7 +292,7 @@ fn ft_start_answers_and_cancels_during_its_initial_synchronization() {
         vmm
     };
     let mut sb = standby("2", port);
-    let relay = DelayRelay::start(port, Duration::from_millis(400));
+    let relay = Relay::start(port, Duration::from_millis(400));
     let api = src.api.clone();
     let peer = format!("127.0.0.1:{}", relay.port);
     let key = key_file(&dir);

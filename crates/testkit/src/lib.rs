@@ -20,6 +20,7 @@ pub mod bins;
 pub mod dirs;
 pub mod net;
 pub mod procs;
+pub mod relay;
 pub mod scenario;
 pub mod stub;
 
@@ -27,4 +28,5 @@ pub use bins::{guest_elf, kemari, kemarictl};
 pub use dirs::{read_text, scratch, TempDir};
 pub use net::{free_port, wait_listening, wait_port, Bridge, EchoChecker, TapNet};
 pub use procs::{run, run_with_timeout, sh, tool, wait_exit, wait_for, KillOnDrop};
+pub use relay::Relay;
 pub use stub::{build_stub, build_stub_mode};

@@ -317,7 +317,8 @@ mod tests {
                 to: "h:1".into(),
                 key_file: "/k".into(),
                 max_downtime_ms: None,
-                max_rounds: None
+                max_rounds: None,
+                plaintext: false,
             }
         );
         assert!(action("PUT", "/vm/warm-restart", br#"{"dir":"/w"}"#)
@@ -361,6 +362,7 @@ mod tests {
                 key_file: "/k".into(),
                 max_downtime_ms: Some(300),
                 max_rounds: None,
+                plaintext: true,
             },
             ApiRequest::MigrationStatus,
             ApiRequest::MigrationCancel,
@@ -371,6 +373,7 @@ mod tests {
                 heartbeat_ms: Some(50),
                 timeout_ms: None,
                 keep_writable_pages: Some(0),
+                plaintext: false,
             }),
             ApiRequest::FtStatus,
             ApiRequest::FtStop,

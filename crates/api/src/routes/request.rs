@@ -56,6 +56,10 @@ pub enum ApiRequest {
         /// Round limit.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         max_rounds: Option<u32>,
+        /// An authenticated but unencrypted link (a trusted, dedicated
+        /// link; the destination must be started with `--plaintext-link`).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        plaintext: bool,
     },
     /// Progress of the live migration.
     MigrationStatus,
@@ -95,6 +99,10 @@ pub struct FtStartRequest {
     /// (default 64; 0: every harvested page is write-protected again).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keep_writable_pages: Option<usize>,
+    /// An authenticated but unencrypted link (a trusted, dedicated link;
+    /// the standby must be started with `--plaintext-link`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub plaintext: bool,
 }
 
 impl ApiRequest {

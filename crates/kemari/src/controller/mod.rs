@@ -378,6 +378,7 @@ impl Controller {
                 key_file,
                 max_downtime_ms,
                 max_rounds,
+                plaintext,
             } => {
                 let key = match transfer::key::read_key(&key_file) {
                     Ok(k) => k,
@@ -390,7 +391,12 @@ impl Controller {
                 if let Some(r) = max_rounds {
                     rule.max_rounds = r.max(1);
                 }
-                Op::Migrate { to, key, rule }
+                Op::Migrate {
+                    to,
+                    key,
+                    plaintext,
+                    rule,
+                }
             }
             ApiRequest::MigrateLocal { socket } => Op::MigrateLocal { socket },
             ApiRequest::WarmRestart { dir, .. } => Op::WarmRestart { dir },
@@ -537,5 +543,6 @@ fn ft_options(req: &FtStartRequest) -> Result<ft::primary::FtStartOptions, Actio
         heartbeat,
         timeout,
         keep_writable,
+        plaintext: req.plaintext,
     })
 }

@@ -67,7 +67,8 @@ pub fn make_machine(args: &Args, sink: VmEventSink) -> Result<Machine, ProcessEr
             .as_ref()
             .ok_or(CliError::Missing("--migration-key-file (with --incoming)"))?;
         let key = transfer::key::read_key(key_file)?;
-        let machine = live::migrate_in(listen, &key, sink, &mut adjust)?;
+        let auth = transfer::channel::Auth::psk(&key, args.plaintext_link);
+        let machine = live::migrate_in(listen, auth, sink, &mut adjust)?;
         overrides?;
         return Ok(machine);
     }
@@ -100,6 +101,7 @@ pub fn standby(
         key: transfer::key::read_key(key_file)?,
         fence: args.ft_fence.clone(),
         fence_cmd: args.ft_fence_cmd.clone(),
+        plaintext: args.plaintext_link,
     };
     let mut overrides = Ok(());
     let outcome = ft::standby::run(

@@ -31,6 +31,8 @@ pub enum Op {
         to: String,
         /// Pre-shared key.
         key: Vec<u8>,
+        /// An authenticated but unencrypted link.
+        plaintext: bool,
         /// When to stop pre-copying.
         rule: DowntimeEstimate,
     },
@@ -144,11 +146,16 @@ fn run(op: Op, mut machine: Machine, started: &Started, shared: &Shared) -> Done
     let id = started.id;
     let what = op.kind().describe();
     let (result, after, gate) = match op {
-        Op::Migrate { to, key, rule } => {
+        Op::Migrate {
+            to,
+            key,
+            plaintext,
+            rule,
+        } => {
             match live::migrate_out(
                 &mut machine,
                 &to,
-                &key,
+                transfer::channel::Auth::psk(&key, plaintext),
                 rule,
                 &started.cancel,
                 &started.progress,

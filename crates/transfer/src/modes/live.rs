@@ -22,14 +22,15 @@ use crate::source::{self, Delivery, LastPages};
 /// How long either end waits for the other at any step.
 const STEP_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Source side: live-migrates `machine` to the kemari listening at `to`,
+/// Source side: live-migrates `machine` to the kemari listening at `to`
+/// (`key`: [`Auth::psk`], encrypted unless a trusted link's opt-out),
 /// reporting to `progress`. On success the caller ends without resuming;
 /// on failure or cancel the machine runs again (if it ran) and the error
 /// says why.
 pub fn migrate_out(
     machine: &mut Machine,
     to: &str,
-    key: &[u8],
+    key: Auth<'_>,
     rule: DowntimeEstimate,
     cancel: &Cancel,
     progress: &ProgressCell,
@@ -65,7 +66,7 @@ pub fn migrate_out(
 fn migrate_out_inner(
     machine: &mut Machine,
     to: &str,
-    key: &[u8],
+    key: Auth<'_>,
     mut rule: DowntimeEstimate,
     cancel: &Cancel,
     progress: &ProgressCell,
@@ -79,7 +80,7 @@ fn migrate_out_inner(
     cancel.watch_tcp(&stream);
     cancel.check("connecting")?;
     progress.phase("handshake");
-    let mut ch = Channel::connect(stream, Auth::Psk(key), Peer::Destination)?;
+    let mut ch = Channel::connect(stream, key, Peer::Destination)?;
     ch.note_timeout(Some(STEP_TIMEOUT));
     source::offer(&mut ch, Mode::Live, machine, &[], progress)?;
     let memory = machine.guest_memory().clone();
@@ -124,7 +125,7 @@ fn migrate_out_inner(
 /// names, serial output). On any failure nothing of the VM runs here.
 pub fn migrate_in(
     listen: &str,
-    key: &[u8],
+    key: Auth<'_>,
     events: VmEventSink,
     adjust: &mut dyn FnMut(&mut MachineConfig),
 ) -> Result<Machine, TransferError> {
@@ -134,7 +135,7 @@ pub fn migrate_in(
         Some(MIGRATION_SOCKET_BUFFER),
         Some(STEP_TIMEOUT),
     )?;
-    let mut ch = Channel::accept(stream, Auth::Psk(key), Peer::Source)?;
+    let mut ch = Channel::accept(stream, key, Peer::Source)?;
     ch.note_timeout(Some(STEP_TIMEOUT));
     let machine = destination::receive(
         &mut ch,

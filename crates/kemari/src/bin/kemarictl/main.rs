@@ -85,6 +85,10 @@ enum Command {
         /// Pause the guest after this many rounds whatever remains (default 30).
         #[arg(long)]
         max_rounds: Option<u32>,
+        /// An authenticated but unencrypted link, for a trusted, dedicated
+        /// one (the destination must be started with --plaintext-link).
+        #[arg(long)]
+        plaintext_link: bool,
     },
     /// Progress of the running (or last) live migration.
     Migration,
@@ -142,6 +146,10 @@ enum FtCommand {
         /// sent only if changed). Default 64; 0 re-protects every page.
         #[arg(long, value_name = "N")]
         keep_writable_pages: Option<usize>,
+        /// An authenticated but unencrypted link, for a trusted, dedicated
+        /// one (the standby must be started with --plaintext-link).
+        #[arg(long)]
+        plaintext_link: bool,
     },
     /// State (protected, degraded, standby, failed over) and metrics.
     Status,
@@ -174,11 +182,13 @@ fn action(command: Command) -> ApiRequest {
             key_file,
             max_downtime_ms,
             max_rounds,
+            plaintext_link,
         } => ApiRequest::Migrate {
             to,
             key_file: abs(key_file),
             max_downtime_ms,
             max_rounds,
+            plaintext: plaintext_link,
         },
         Command::Migration => ApiRequest::MigrationStatus,
         Command::MigrateCancel => ApiRequest::MigrationCancel,
@@ -194,6 +204,7 @@ fn action(command: Command) -> ApiRequest {
                     heartbeat_ms,
                     timeout_ms,
                     keep_writable_pages,
+                    plaintext_link,
                 },
         } => ApiRequest::FtStart(FtStartRequest {
             peer,
@@ -202,6 +213,7 @@ fn action(command: Command) -> ApiRequest {
             heartbeat_ms,
             timeout_ms,
             keep_writable_pages,
+            plaintext: plaintext_link,
         }),
         Command::Ft {
             command: FtCommand::Status,
