@@ -7,7 +7,8 @@
 //! - [`floor`]: what this host charges every fault-tolerance sync;
 //! - [`console`]: guest console lines timestamped on the host, downtime;
 //! - [`procs`]: child processes and scratch files, cleaned up on drop;
-//! - [`qmp`]: a small QMP client for QEMU.
+//! - [`qmp`]: a small QMP client for QEMU;
+//! - [`state_codec`]: encode and decode of a saved VM state.
 
 /// QEMU's `-cpu` for the side-by-side runs: the host CPU without
 /// ARCH_CAPABILITIES. This host's KVM (PVM, kernel 6.18) lists that MSR in
@@ -23,3 +24,4 @@ pub mod ft;
 pub mod ops;
 pub mod procs;
 pub mod qmp;
+pub mod state_codec;

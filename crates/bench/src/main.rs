@@ -12,6 +12,8 @@
 //! `kemari-bench availability`: downtime and total time of whole-VM operations
 //! (snapshot/restore, warm restart, zero-copy migration) vs QEMU
 //! (`kemari_bench::availability`).
+//! `kemari-bench state-codec`: encode and decode of a real saved VM state
+//! (`kemari_bench::state_codec`).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -76,6 +78,8 @@ enum Bench {
     /// The control API's answer times: behind 1,000 idle connections and a
     /// slow client, and during a live migration.
     Api(kemari_bench::api::ApiBenchArgs),
+    /// The state container: encode and decode of a real saved VM state.
+    StateCodec(kemari_bench::state_codec::StateCodecArgs),
 }
 
 fn main() -> ExitCode {
@@ -116,6 +120,13 @@ fn main() -> ExitCode {
             }
         },
         Bench::Api(args) => match kemari_bench::api::run(&args, &sibling("kemari")) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kemari-bench: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Bench::StateCodec(args) => match kemari_bench::state_codec::run(&args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("kemari-bench: {e}");
