@@ -5,6 +5,7 @@
 //!   restart, zero-copy migration) against QEMU's closest equivalents;
 //! - [`ops`]: one measurement of one operation;
 //! - [`floor`]: what this host charges every fault-tolerance sync;
+//! - [`memory_image`]: a memory image restored with and without its checks;
 //! - [`console`]: guest console lines timestamped on the host, downtime;
 //! - [`procs`]: child processes and scratch files, cleaned up on drop;
 //! - [`qmp`]: a small QMP client for QEMU;
@@ -21,6 +22,7 @@ pub mod availability;
 pub mod console;
 pub mod floor;
 pub mod ft;
+pub mod memory_image;
 pub mod ops;
 pub mod procs;
 pub mod qmp;

@@ -13,7 +13,8 @@
 //! (snapshot/restore, warm restart, zero-copy migration) vs QEMU
 //! (`kemari_bench::availability`).
 //! `kemari-bench state-codec`: encode and decode of a real saved VM state
-//! (`kemari_bench::state_codec`).
+//! (`kemari_bench::state_codec`); `kemari-bench memory-image`: a snapshot's
+//! memory image restored with and without its checksums.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -80,6 +81,9 @@ enum Bench {
     Api(kemari_bench::api::ApiBenchArgs),
     /// The state container: encode and decode of a real saved VM state.
     StateCodec(kemari_bench::state_codec::StateCodecArgs),
+    /// A snapshot's memory image restored with and without its per-extent
+    /// checksums.
+    MemoryImage(kemari_bench::memory_image::MemoryImageArgs),
 }
 
 fn main() -> ExitCode {
@@ -127,6 +131,13 @@ fn main() -> ExitCode {
             }
         },
         Bench::StateCodec(args) => match kemari_bench::state_codec::run(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kemari-bench: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Bench::MemoryImage(args) => match kemari_bench::memory_image::run(&args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("kemari-bench: {e}");

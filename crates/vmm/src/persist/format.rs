@@ -150,8 +150,8 @@ pub fn encode(state: &VmState) -> Result<Vec<u8>, FormatError> {
     out.extend_from_slice(&0u64.to_le_bytes()); // length, below
     out.extend_from_slice(&0u32.to_le_bytes()); // CRC, below
     out.extend_from_slice(&0u32.to_le_bytes());
-    let mut out =
-        postcard::to_extend(&body, out).map_err(|e| FormatError::Payload(e.to_string()))?;
+    let mut out = postcard::serialize_with_flavor(&body, Append(out))
+        .map_err(|e| FormatError::Payload(e.to_string()))?;
     let len = (out.len() - HEADER_LEN) as u64;
     if len > MAX_PAYLOAD {
         return Err(FormatError::Length {
@@ -163,6 +163,29 @@ pub fn encode(state: &VmState) -> Result<Vec<u8>, FormatError> {
     let crc = crc32fast::hash(&out[HEADER_LEN..]);
     out[24..28].copy_from_slice(&crc.to_le_bytes());
     Ok(out)
+}
+
+/// postcard's output into a `Vec` with `extend_from_slice` (its
+/// `ExtendFlavor` goes through `Extend`, which may copy KVM's byte arrays
+/// a byte at a time).
+struct Append(Vec<u8>);
+
+impl postcard::ser_flavors::Flavor for Append {
+    type Output = Vec<u8>;
+
+    fn try_push(&mut self, byte: u8) -> postcard::Result<()> {
+        self.0.push(byte);
+        Ok(())
+    }
+
+    fn try_extend(&mut self, bytes: &[u8]) -> postcard::Result<()> {
+        self.0.extend_from_slice(bytes);
+        Ok(())
+    }
+
+    fn finalize(self) -> postcard::Result<Vec<u8>> {
+        Ok(self.0)
+    }
 }
 
 fn u32_at(b: &[u8], at: usize) -> u32 {
