@@ -152,7 +152,7 @@ pub fn decode(bytes: &[u8], size: u64) -> Result<Vec<Extent>, IndexError> {
     }
     let count = u64_at(bytes, 24);
     let body = bytes.len() - HEADER_LEN - 4;
-    if body % ENTRY_LEN != 0 || count != (body / ENTRY_LEN) as u64 {
+    if !body.is_multiple_of(ENTRY_LEN) || count != (body / ENTRY_LEN) as u64 {
         return Err(IndexError::Count {
             count,
             len: bytes.len(),
