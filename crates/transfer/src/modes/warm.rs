@@ -280,16 +280,12 @@ impl Drop for SocketFile {
 pub fn prepare(dir: &Path) -> Result<Successor, TransferError> {
     let started = Instant::now();
     let path = dir.join(CONFIG_FILE);
-    let text = std::fs::read(&path).map_err(|source| TransferError::File {
+    let text = std::fs::read(&path).map_err(|e| TransferError::File {
         path: path.display().to_string(),
-        source: if source.kind() == std::io::ErrorKind::NotFound {
-            std::io::Error::new(
-                source.kind(),
-                "not found: run `kemarictl warm-restart DIR --prepare` on the running kemari first",
-            )
-        } else {
-            source
-        },
+        source: vmm::persist::explain_missing(
+            e,
+            "run `kemarictl warm-restart DIR --prepare` on the running kemari first",
+        ),
     })?;
     let file: PreparedConfig = serde_json::from_slice(&text)
         .map_err(|e| TransferError::Mismatch(format!("{}: {e}", path.display())))?;

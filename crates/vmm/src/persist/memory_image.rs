@@ -172,16 +172,12 @@ fn read_index(path: &Path, size: u64) -> Result<Vec<Extent>, ImageError> {
         path: path.display().to_string(),
         reason,
     };
-    let file = File::open(path).map_err(|source| ImageError::Io {
+    let file = File::open(path).map_err(|e| ImageError::Io {
         path: path.display().to_string(),
-        source: if source.kind() == std::io::ErrorKind::NotFound {
-            std::io::Error::new(
-                source.kind(),
-                "not found: the image cannot be checked without it (restore the snapshot directory whole, or take a new snapshot)",
-            )
-        } else {
-            source
-        },
+        source: super::explain_missing(
+            e,
+            "the image cannot be checked without it (restore the snapshot directory whole, or take a new snapshot)",
+        ),
     })?;
     let len = file.metadata().map_err(io_err(path))?.len();
     if len > image_index::max_len(size) {
@@ -236,12 +232,17 @@ pub fn load(
 mod tests {
     use super::*;
 
+    /// A fresh directory for `tag`, and the image and index paths in it.
+    fn files(tag: &str) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("kemari-img-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (img, idx) = (dir.join("memory.bin"), dir.join("memory.extents"));
+        (dir, img, idx)
+    }
+
     #[test]
     fn sparse_round_trip() {
-        let dir = std::env::temp_dir().join(format!("kemari-img-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let img = dir.join("memory.bin");
-        let idx = dir.join("memory.extents");
+        let (dir, img, idx) = files("sparse");
         let mem = GuestMemoryFile::create(64 << 20, &MemoryBacking::Memfd).unwrap();
         mem.file().write_all_at(b"hello", 0x1234).unwrap();
         mem.file().write_all_at(&[7u8; 3 * PAGE], 40 << 20).unwrap();
@@ -271,9 +272,7 @@ mod tests {
     #[test]
     fn files_are_private_whatever_the_umask() {
         use std::os::unix::fs::PermissionsExt;
-        let dir = std::env::temp_dir().join(format!("kemari-img-mode-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let (img, idx) = (dir.join("memory.bin"), dir.join("memory.extents"));
+        let (dir, img, idx) = files("mode");
         // An earlier file with a looser mode is tightened too.
         std::fs::write(&img, b"old").unwrap();
         std::fs::set_permissions(&img, std::fs::Permissions::from_mode(0o644)).unwrap();
@@ -289,9 +288,7 @@ mod tests {
 
     #[test]
     fn a_flipped_byte_is_refused_naming_its_extent_and_nothing_is_changed() {
-        let dir = std::env::temp_dir().join(format!("kemari-img-bad-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let (img, idx) = (dir.join("memory.bin"), dir.join("memory.extents"));
+        let (dir, img, idx) = files("bad");
         let mem = GuestMemoryFile::create(64 << 20, &MemoryBacking::Memfd).unwrap();
         mem.file()
             .write_all_at(&[7u8; 2 * PAGE], 0x10_0000)

@@ -259,6 +259,15 @@ pub fn write_private(path: &std::path::Path, bytes: &[u8], durable: bool) -> std
     std::fs::rename(&tmp, path)
 }
 
+/// `e`, or, if it says a file is missing, "not found: " and what to do.
+pub fn explain_missing(e: std::io::Error, what_to_do: &str) -> std::io::Error {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        std::io::Error::new(e.kind(), format!("not found: {what_to_do}"))
+    } else {
+        e
+    }
+}
+
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
