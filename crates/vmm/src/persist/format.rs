@@ -61,7 +61,7 @@ pub enum FormatError {
         found: u32,
     },
     /// Written in the retired bincode format (version 2).
-    #[error("state format version {FORMAT_VERSION_BINCODE} (bincode), written by kemari {written_by}, is no longer read (this kemari reads versions {FORMAT_VERSION_JSON} and {FORMAT_VERSION}): resume the VM with kemari {written_by}, then save it again with this kemari")]
+    #[error("state format version {FORMAT_VERSION_BINCODE} (bincode), written by kemari {written_by}, is no longer read (this kemari reads versions {FORMAT_VERSION_JSON} and {FORMAT_VERSION}): resume the VM with the kemari build that wrote it (version {written_by}, built before 2026-11-26), then save it again with this one")]
     Retired {
         /// The kemari version named in the payload ("an earlier version"
         /// if the payload does not say).
@@ -467,7 +467,9 @@ pub(crate) mod tests {
             assert!(text.contains("version 2"), "{text}");
             assert!(text.contains("written by kemari 0.1.0-old"), "{text}");
             assert!(
-                text.contains("resume the VM with kemari 0.1.0-old"),
+                text.contains(
+                    "resume the VM with the kemari build that wrote it (version 0.1.0-old"
+                ),
                 "{text}"
             );
         }
@@ -482,6 +484,21 @@ pub(crate) mod tests {
         let mut b = container(FORMAT_VERSION_BINCODE, &[7, 1, 2]);
         b[HEADER_LEN] ^= 1;
         assert!(matches!(decode(&b), Err(FormatError::Checksum { .. })));
+    }
+
+    #[test]
+    fn refuses_a_real_version_2_file() {
+        // Written by kemari at commit fb18863 (`kemarictl snapshot`, the
+        // test guest, 128M): bincode's varint head as it really was.
+        let old = include_bytes!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/state-v2.bin"
+        ));
+        let err = decode(old).unwrap_err();
+        assert!(
+            matches!(&err, FormatError::Retired { written_by } if written_by == "0.1.0"),
+            "{err:?}"
+        );
     }
 
     #[test]
