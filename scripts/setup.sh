@@ -29,5 +29,10 @@ fi
 rustup target list --installed | grep -qx x86_64-unknown-none \
   || rustup target add x86_64-unknown-none
 rustup component list --installed | grep -q '^clippy' || rustup component add clippy rustfmt
+# Supply-chain checks (deny.toml, scripts/deny.sh): built once, kept in ~/.cargo/bin.
+if ! cargo deny --version >/dev/null 2>&1; then
+  echo "setup: installing cargo-deny (a few minutes, once)"
+  nice -n 19 cargo install --locked cargo-deny
+fi
 echo "setup: done"
 python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q pytest

@@ -245,6 +245,7 @@ fn answers_carry_the_status_of_their_kind() {
     let snapshot = ApiRequest::Snapshot {
         dir: "/snap".into(),
         exit: false,
+        force: false,
     };
     assert_eq!(client::call(&sock, &snapshot).unwrap()["snapshot"], "/snap");
     let raw = raw_exchange(

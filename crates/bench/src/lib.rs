@@ -5,9 +5,11 @@
 //!   restart, zero-copy migration) against QEMU's closest equivalents;
 //! - [`ops`]: one measurement of one operation;
 //! - [`floor`]: what this host charges every fault-tolerance sync;
+//! - [`memory_image`]: a memory image restored with and without its checks;
 //! - [`console`]: guest console lines timestamped on the host, downtime;
 //! - [`procs`]: child processes and scratch files, cleaned up on drop;
-//! - [`qmp`]: a small QMP client for QEMU.
+//! - [`qmp`]: a small QMP client for QEMU;
+//! - [`state_codec`]: encode and decode of a saved VM state.
 
 /// QEMU's `-cpu` for the side-by-side runs: the host CPU without
 /// ARCH_CAPABILITIES. This host's KVM (PVM, kernel 6.18) lists that MSR in
@@ -20,6 +22,8 @@ pub mod availability;
 pub mod console;
 pub mod floor;
 pub mod ft;
+pub mod memory_image;
 pub mod ops;
 pub mod procs;
 pub mod qmp;
+pub mod state_codec;

@@ -12,6 +12,9 @@
 //! `kemari-bench availability`: downtime and total time of whole-VM operations
 //! (snapshot/restore, warm restart, zero-copy migration) vs QEMU
 //! (`kemari_bench::availability`).
+//! `kemari-bench state-codec`: encode and decode of a real saved VM state
+//! (`kemari_bench::state_codec`); `kemari-bench memory-image`: a snapshot's
+//! memory image restored with and without its checksums.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -76,6 +79,11 @@ enum Bench {
     /// The control API's answer times: behind 1,000 idle connections and a
     /// slow client, and during a live migration.
     Api(kemari_bench::api::ApiBenchArgs),
+    /// The state container: encode and decode of a real saved VM state.
+    StateCodec(kemari_bench::state_codec::StateCodecArgs),
+    /// A snapshot's memory image restored with and without its per-extent
+    /// checksums.
+    MemoryImage(kemari_bench::memory_image::MemoryImageArgs),
 }
 
 fn main() -> ExitCode {
@@ -116,6 +124,20 @@ fn main() -> ExitCode {
             }
         },
         Bench::Api(args) => match kemari_bench::api::run(&args, &sibling("kemari")) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kemari-bench: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Bench::StateCodec(args) => match kemari_bench::state_codec::run(&args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kemari-bench: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Bench::MemoryImage(args) => match kemari_bench::memory_image::run(&args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("kemari-bench: {e}");

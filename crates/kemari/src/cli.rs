@@ -1,9 +1,11 @@
 //! `kemari`'s command line and config file, turned into a [`MachineConfig`].
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::Parser;
-use vmm::config::{parse_size, ConfigError, DiskConfig, MachineConfig, NetConfig, SerialConfig};
+use vmm::config::{
+    parse_memory_size, ConfigError, DiskConfig, MachineConfig, NetConfig, SerialConfig, MAX_VCPUS,
+};
 use vmm::memory::MemoryBacking;
 
 /// Run one virtual machine.
@@ -130,16 +132,18 @@ pub struct Args {
     pub log_json: bool,
 }
 
-/// Errors assembling the configuration.
+/// Errors assembling the configuration. Each names the input as the user
+/// wrote it (`--memory 255M`, `memory = "255M" in vm.toml`) and what to do.
 #[derive(Debug, thiserror::Error)]
 pub enum CliError {
     /// The config file cannot be read.
-    #[error("cannot read config file {path}: {source}")]
+    #[error("cannot read config file {path} (--config): {cause}; check the path")]
     ReadConfig {
         /// The file.
         path: PathBuf,
-        /// The cause.
-        source: std::io::Error,
+        /// The cause (part of the message, so not a `#[source]`: it would
+        /// be printed twice).
+        cause: std::io::Error,
     },
     /// The config file does not parse.
     #[error("config file {path}: {message}")]
@@ -155,12 +159,58 @@ pub enum CliError {
     /// A value is invalid.
     #[error(transparent)]
     Invalid(#[from] ConfigError),
-    /// The API socket's mode does not parse.
-    #[error("config file: {0}")]
-    SocketMode(String),
-    /// The serial option does not parse.
-    #[error("invalid --serial {0:?}: use stdout, null, file:PATH or socket:PATH")]
-    Serial(String),
+    /// A setting's value is invalid.
+    #[error("{input}: {reason}")]
+    Setting {
+        /// The setting as the user wrote it: `--memory 255M`, or
+        /// `memory = "255M" in FILE`.
+        input: String,
+        /// What is wrong and what to do.
+        reason: String,
+    },
+}
+
+/// Where a setting came from: a flag or a key of the config file.
+#[derive(Debug, Clone, Copy)]
+enum Given<'a> {
+    Flag(&'static str),
+    File { key: &'static str, path: &'a Path },
+}
+
+impl Given<'_> {
+    /// `value` (as it appears in the input: quoted if a string) where it
+    /// was given, as the user wrote it.
+    fn input(self, value: &str) -> String {
+        match self {
+            Given::Flag(flag) => format!("{flag} {}", value.trim_matches('"')),
+            Given::File { key, path } if path.extension().is_some_and(|e| e == "json") => {
+                format!("\"{key}\": {value} in {}", path.display())
+            }
+            Given::File { key, path } => format!("{key} = {value} in {}", path.display()),
+        }
+    }
+
+    fn error(self, value: &str, reason: impl std::fmt::Display) -> CliError {
+        CliError::Setting {
+            input: self.input(value),
+            reason: reason.to_string(),
+        }
+    }
+}
+
+/// The flag's value if given, else the file's, with where it came from.
+fn pick<'a, T>(
+    flag: Option<T>,
+    file: Option<T>,
+    names: (&'static str, &'static str),
+    path: Option<&'a Path>,
+) -> Option<(T, Given<'a>)> {
+    match (flag, file, path) {
+        (Some(v), _, _) => Some((v, Given::Flag(names.0))),
+        (None, Some(v), Some(path)) => Some((v, Given::File { key: names.1, path })),
+        (None, Some(v), None) => Some((v, Given::Flag(names.0))),
+        (None, None, _) => None,
+    }
 }
 
 /// A partial configuration as read from a file: everything optional, flags fill
@@ -192,17 +242,30 @@ impl Args {
             Some(path) => read_config_file(path)?,
             None => FileConfig::default(),
         };
+        let path = self.config.as_deref();
         let kernel = self
             .kernel
             .clone()
             .or(file.kernel)
             .ok_or(CliError::Missing("--kernel"))?;
-        let memory = self
-            .memory
-            .clone()
-            .or(file.memory)
-            .ok_or(CliError::Missing("--memory"))?;
-        let memory_bytes = parse_size(&memory)?;
+        let (memory, given) = pick(
+            self.memory.clone(),
+            file.memory,
+            ("--memory", "memory"),
+            path,
+        )
+        .ok_or(CliError::Missing("--memory"))?;
+        let memory_bytes =
+            parse_memory_size(&memory).map_err(|e| given.error(&format!("{memory:?}"), e))?;
+        let vcpus = match pick(self.vcpus, file.vcpus, ("--vcpus", "vcpus"), path) {
+            Some((n, given)) if n == 0 || n > MAX_VCPUS => {
+                return Err(
+                    given.error(&n.to_string(), format!("must be between 1 and {MAX_VCPUS}"))
+                )
+            }
+            Some((n, _)) => n,
+            None => 1,
+        };
         let memory_backing = if let Some(p) = self.memory_file.clone().or(file.memory_file) {
             MemoryBacking::File { path: p }
         } else if self.hugepages || file.hugepages.unwrap_or(false) {
@@ -210,8 +273,13 @@ impl Args {
         } else {
             MemoryBacking::Memfd
         };
-        let serial = match self.serial.clone().or(file.serial) {
-            Some(s) => parse_serial(&s)?,
+        let serial = match pick(
+            self.serial.clone(),
+            file.serial,
+            ("--serial", "serial"),
+            path,
+        ) {
+            Some((s, given)) => parse_serial(&s).map_err(|e| given.error(&format!("{s:?}"), e))?,
             None => SerialConfig::Stdout,
         };
         let mut disks = file.disks;
@@ -223,7 +291,7 @@ impl Args {
             nets.push(parse_net(n)?);
         }
         let config = MachineConfig {
-            vcpus: self.vcpus.or(file.vcpus).unwrap_or(1),
+            vcpus,
             memory_bytes,
             memory_backing,
             kernel,
@@ -259,8 +327,13 @@ impl Args {
         let mut options = kemari_api::bind::SocketOptions::default();
         if let Some(mode) = self.api_socket_mode {
             options.mode = mode;
-        } else if let Some(text) = &file.api_socket_mode {
-            options.mode = kemari_api::bind::parse_mode(text).map_err(CliError::SocketMode)?;
+        } else if let (Some(text), Some(path)) = (&file.api_socket_mode, &self.config) {
+            let given = Given::File {
+                key: "api_socket_mode",
+                path,
+            };
+            options.mode = kemari_api::bind::parse_mode(text)
+                .map_err(|e| given.error(&format!("{text:?}"), e))?;
         }
         options.group = self.api_socket_group.clone().or(file.api_socket_group);
         Ok(options)
@@ -280,7 +353,7 @@ impl Args {
     /// Applies the flags a restore may change to the saved configuration.
     pub fn apply_restore_overrides(&self, config: &mut MachineConfig) -> Result<(), CliError> {
         if let Some(s) = &self.serial {
-            config.serial = parse_serial(s)?;
+            config.serial = parse_serial(s).map_err(|e| Given::Flag("--serial").error(s, e))?;
         }
         // TAPs of this host, in network-device order.
         for (i, n) in self.nets.iter().enumerate() {
@@ -301,9 +374,9 @@ impl Args {
 }
 
 fn read_config_file(path: &PathBuf) -> Result<FileConfig, CliError> {
-    let text = std::fs::read_to_string(path).map_err(|source| CliError::ReadConfig {
+    let text = std::fs::read_to_string(path).map_err(|cause| CliError::ReadConfig {
         path: path.clone(),
-        source,
+        cause,
     })?;
     let parsed = if path.extension().is_some_and(|e| e == "json") {
         serde_json::from_str(&text).map_err(|e| e.to_string())
@@ -316,14 +389,15 @@ fn read_config_file(path: &PathBuf) -> Result<FileConfig, CliError> {
     })
 }
 
-fn parse_serial(s: &str) -> Result<SerialConfig, CliError> {
+/// Parses a serial console target; the error says what to write instead.
+fn parse_serial(s: &str) -> Result<SerialConfig, &'static str> {
     Ok(match s {
         "stdout" => SerialConfig::Stdout,
         "null" | "none" => SerialConfig::Null,
         _ => match s.split_once(':') {
             Some(("file", p)) if !p.is_empty() => SerialConfig::File(p.into()),
             Some(("socket", p)) if !p.is_empty() => SerialConfig::Socket(p.into()),
-            _ => return Err(CliError::Serial(s.to_owned())),
+            _ => return Err("use stdout, null, file:PATH or socket:PATH"),
         },
     })
 }
@@ -486,11 +560,72 @@ mod tests {
             Err(CliError::Missing("--kernel"))
         ));
         let a = Args::parse_from(["kemari", "--kernel", "/k", "--memory", "1M"]);
-        assert!(matches!(a.machine_config(), Err(CliError::Invalid(_))));
+        assert_eq!(
+            a.machine_config().unwrap_err().to_string(),
+            "--memory 1M: must be at least 16M (try 16M)"
+        );
         let a = Args::parse_from([
             "kemari", "--kernel", "/k", "--memory", "256M", "--vcpus", "9",
         ]);
         assert!(a.machine_config().is_err());
+    }
+
+    #[test]
+    fn errors_name_the_input_as_written() {
+        let dir = std::env::temp_dir().join(format!("kemari-cli-echo-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = dir.join("vm.toml");
+        let at = cfg.display();
+        std::fs::write(&cfg, "kernel = \"/k\"\nmemory = \"255M\"\n").unwrap();
+        let run = |extra: &[&str]| {
+            let mut argv = vec!["kemari", "--config", cfg.to_str().unwrap()];
+            argv.extend_from_slice(extra);
+            Args::parse_from(argv)
+                .machine_config()
+                .unwrap_err()
+                .to_string()
+        };
+        assert_eq!(
+            run(&[]),
+            format!("memory = \"255M\" in {at}: must be a multiple of 2M (try 256M)")
+        );
+        assert_eq!(
+            run(&["--memory", "255M"]),
+            "--memory 255M: must be a multiple of 2M (try 256M)"
+        );
+        std::fs::write(&cfg, "kernel = \"/k\"\nmemory = \"1G\"\nvcpus = 9\n").unwrap();
+        assert_eq!(
+            run(&[]),
+            format!("vcpus = 9 in {at}: must be between 1 and 8")
+        );
+        std::fs::write(&cfg, "kernel = \"/k\"\nmemory = \"1G\"\nserial = \"tty\"\n").unwrap();
+        assert_eq!(
+            run(&[]),
+            format!("serial = \"tty\" in {at}: use stdout, null, file:PATH or socket:PATH")
+        );
+        let json = dir.join("vm.json");
+        std::fs::write(&json, r#"{"kernel": "/k", "memory": "255M"}"#).unwrap();
+        let e = Args::parse_from(["kemari", "--config", json.to_str().unwrap()])
+            .machine_config()
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            format!(
+                "\"memory\": \"255M\" in {}: must be a multiple of 2M (try 256M)",
+                json.display()
+            )
+        );
+        // A missing file: its cause once, and what to do.
+        let gone = dir.join("gone.toml");
+        let e = Args::parse_from(["kemari", "--config", gone.to_str().unwrap()])
+            .machine_config()
+            .unwrap_err();
+        assert!(std::error::Error::source(&e).is_none(), "{e:?}");
+        let text = e.to_string();
+        assert_eq!(text.matches("No such file").count(), 1, "{text}");
+        assert!(text.contains("check the path"), "{text}");
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]
@@ -520,10 +655,8 @@ mod tests {
         assert_eq!((o.mode, o.group.as_deref()), (0o640, Some("0")));
         std::fs::write(&cfg, "api_socket_mode = \"rw\"\n").unwrap();
         let a = Args::parse_from(["kemari", "--config", cfg.to_str().unwrap()]);
-        assert!(matches!(
-            a.api_socket_options(),
-            Err(CliError::SocketMode(_))
-        ));
+        let e = a.api_socket_options().unwrap_err().to_string();
+        assert!(e.starts_with("api_socket_mode = \"rw\" in "), "{e}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -13,16 +13,27 @@ fn main() -> ExitCode {
     match kemari::controller::run(&args) {
         Ok(code) => code,
         Err(e) => {
-            let mut msg = format!("kemari: error: {e}");
-            let mut src = e.source();
-            while let Some(s) = src {
-                msg.push_str(&format!(": {s}"));
-                src = s.source();
-            }
-            eprintln!("{msg}");
+            eprintln!("kemari: error: {}", with_causes(&e));
             ExitCode::from(1)
         }
     }
+}
+
+/// The error and its chain of causes, each said once: many errors already
+/// name their cause in their own message ("snapshot DIR/state.bin: No such
+/// file or directory"), and repeating it reads as two failures.
+fn with_causes(e: &dyn Error) -> String {
+    let mut msg = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        let cause = s.to_string();
+        if !msg.contains(&cause) {
+            msg.push_str(": ");
+            msg.push_str(&cause);
+        }
+        src = s.source();
+    }
+    msg
 }
 
 fn init_logging(level: &str, json: bool) {

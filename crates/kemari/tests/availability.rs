@@ -549,6 +549,11 @@ fn corrupt_truncated_and_foreign_state_is_refused_and_nothing_is_lost() {
             },
             "version 99",
         ),
+        (
+            "bincode",
+            bincode_state("0.0.9-old"),
+            "written by kemari 0.0.9-old, is no longer read",
+        ),
     ];
     for (name, bytes, needle) in variants {
         let bad = dir.join(name);
@@ -585,6 +590,189 @@ fn corrupt_truncated_and_foreign_state_is_refused_and_nothing_is_lost() {
     let first = counters(&new.console)[0];
     assert!(first > 1 && first <= last + 2, "{last} -> {first}");
     assert!(ctl(&new.api, &["shutdown"]).status.success());
+}
+
+/// A state file of the retired format 2 (bincode, kemari until 2026-11-25):
+/// the container with a payload whose first field is the JSON head behind
+/// bincode's one-byte length, as that kemari wrote it; the rest is not read.
+fn bincode_state(written_by: &str) -> Vec<u8> {
+    let head = format!(r#"{{"kemari_version":"{written_by}","saved_at_ms":1}}"#);
+    let mut payload = vec![head.len() as u8];
+    payload.extend_from_slice(head.as_bytes());
+    payload.extend_from_slice(&[0xfd; 512]);
+    let mut b = b"KEMARIVM".to_vec();
+    b.extend_from_slice(&2u32.to_le_bytes());
+    b.extend_from_slice(&0u32.to_le_bytes());
+    b.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    b.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
+    b.extend_from_slice(&0u32.to_le_bytes());
+    b.extend_from_slice(&payload);
+    b
+}
+
+fn mode(path: &std::path::Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .permissions()
+        .mode()
+        & 0o777
+}
+
+/// The extents `memory.extents` lists: (offset, length).
+fn image_extents(dir: &std::path::Path) -> Vec<(u64, u32)> {
+    let b = std::fs::read(dir.join("memory.extents")).unwrap();
+    assert_eq!(&b[..8], b"KEMARIMX");
+    b[32..b.len() - 4]
+        .chunks_exact(16)
+        .map(|e| {
+            (
+                u64::from_le_bytes(e[..8].try_into().unwrap()),
+                u32::from_le_bytes(e[8..12].try_into().unwrap()),
+            )
+        })
+        .collect()
+}
+
+/// Issue 24: every file kemari writes for a VM is 0600 (whatever the
+/// umask); a snapshot is not written over an existing one without
+/// `--force`; a memory image with one byte flipped inside an extent is
+/// refused naming that extent, the image left as it is and the VM that
+/// wrote it running on.
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+fn snapshot_files_are_private_checked_and_kept_unless_forced() {
+    let _turn = one_at_a_time();
+    let dir = scratch("av-private");
+    let memfile = shm_file("private");
+    // Under the usual umask (022) these files were 0644 before issue 24.
+    let vmm = guest_vm(&dir, "128M", Some(&memfile), "counter=100");
+    wait_for("counter", Duration::from_secs(30), || {
+        counters(&vmm.console).len() >= 3
+    });
+    assert_eq!(mode(&memfile), 0o600, "the memory file kemari created");
+    let snap = dir.join("snap");
+    let out = ctl(&vmm.api, &["snapshot", snap.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for f in ["state.bin", "memory.bin", "memory.extents"] {
+        assert_eq!(mode(&snap.join(f)), 0o600, "{f}");
+    }
+
+    // Not overwritten without --force; the VM is not even paused.
+    let state = std::fs::read(snap.join("state.bin")).unwrap();
+    let out = ctl(&vmm.api, &["snapshot", snap.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("already holds a snapshot") && err.contains("--force"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(snap.join("state.bin")).unwrap(), state);
+    let out = ctl(&vmm.api, &["snapshot", snap.to_str().unwrap(), "--force"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_ne!(
+        std::fs::read(snap.join("state.bin")).unwrap(),
+        state,
+        "replaced"
+    );
+
+    // One byte flipped inside an extent of the guest's memory (past the
+    // first MiB: the kernel's image), same size.
+    let (offset, len) = *image_extents(&snap)
+        .iter()
+        .find(|&&(offset, _)| offset >= 1 << 20)
+        .expect("the image has extents");
+    let at = offset + u64::from(len) / 2;
+    let image = snap.join("memory.bin");
+    let size = std::fs::metadata(&image).unwrap().len();
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&image)
+            .unwrap();
+        let mut b = [0u8];
+        f.read_exact_at(&mut b, at).unwrap();
+        f.write_all_at(&[b[0] ^ 0xff], at).unwrap();
+    }
+    let damaged = std::fs::read(&image).unwrap();
+    let out = run_with_timeout(
+        kemari()
+            .arg("--restore")
+            .arg(&snap)
+            .args(["--serial", "null"]),
+        Duration::from_secs(30),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    for needle in [
+        image.display().to_string(),
+        format!("the extent at offset {offset:#x} ({len} bytes)"),
+        "memory.extents".into(),
+        "take a new snapshot".into(),
+    ] {
+        assert!(err.contains(&needle), "expected {needle:?} in: {err}");
+    }
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), size);
+    assert!(
+        std::fs::read(&image).unwrap() == damaged,
+        "the image is left as it is"
+    );
+    // The VM that wrote it runs on, and a new snapshot of it restores.
+    let n = counters(&vmm.console).len();
+    wait_for("the VM runs on", Duration::from_secs(30), || {
+        counters(&vmm.console).len() > n + 2
+    });
+    let again = dir.join("again");
+    let out = ctl(&vmm.api, &["snapshot", again.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let restored = spawn_vmm(
+        &["--restore".into(), again.display().to_string()],
+        &dir.join("console-2.log"),
+        &dir.join("api-2.sock"),
+        &[],
+    );
+    wait_for("counter after restore", Duration::from_secs(30), || {
+        counters(&restored.console).len() >= 2
+    });
+    assert!(ctl(&restored.api, &["shutdown"]).status.success());
+
+    // Warm restart: config.json and state.bin.
+    let warm = dir.join("warm");
+    let out = ctl(
+        &vmm.api,
+        &["warm-restart", warm.to_str().unwrap(), "--prepare"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(mode(&warm.join("config.json")), 0o600);
+    let out = ctl(&vmm.api, &["warm-restart", warm.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(mode(&warm.join("state.bin")), 0o600);
+    let mut vmm = vmm;
+    assert!(wait_exit(&mut vmm.child.0, "the VMM").success());
+    let _ = std::fs::remove_file(memfile);
 }
 
 #[test]

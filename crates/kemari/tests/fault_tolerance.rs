@@ -488,6 +488,11 @@ fn unreachable_or_unauthenticated_standby_is_refused_and_the_vm_runs_on() {
         ],
     );
     assert!(!out.status.success());
+    // Issue 24: named in the operator's terms, not as the I/O error the
+    // standby's hang-up caused.
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("refused our key"), "{err}");
+    assert!(!err.contains("failed to fill whole buffer"), "{err}");
     let st = ft_status(&primary);
     assert_eq!(st["state"], "unprotected", "{st}");
     assert!(st["last_error"].as_str().is_some());

@@ -69,12 +69,18 @@ fn bad_input_is_a_clear_error_not_a_panic() {
     );
     expect_error(&["--kernel", g, "--memory", "64M"], "not a loadable ELF");
     expect_error(&["--kernel", e, "--memory", "64M"], "not a loadable ELF");
-    expect_error(&["--kernel", g, "--memory", "1M"], "invalid memory size");
-    expect_error(&["--kernel", g, "--memory", "lots"], "invalid memory size");
+    expect_error(
+        &["--kernel", g, "--memory", "1M"],
+        "--memory 1M: must be at least 16M",
+    );
+    expect_error(
+        &["--kernel", g, "--memory", "lots"],
+        "--memory lots: not a size",
+    );
     expect_error(&["--kernel", g], "missing --memory");
     expect_error(
         &["--kernel", g, "--memory", "64M", "--vcpus", "0"],
-        "vcpus must be",
+        "--vcpus 0: must be between 1 and 8",
     );
     expect_error(
         &["--kernel", g, "--memory", "64M", "--bogus"],
@@ -82,12 +88,43 @@ fn bad_input_is_a_clear_error_not_a_panic() {
     );
     expect_error(
         &["--kernel", g, "--memory", "64M", "--serial", "tty"],
-        "invalid --serial",
+        "--serial tty: use stdout, null, file:PATH or socket:PATH",
     );
     expect_error(
         &["--config", "/nonexistent.toml"],
         "cannot read config file",
     );
+}
+
+/// Issue 24: a missing config file's error was printed twice, and a size
+/// from the config file was echoed back in bytes.
+#[test]
+fn config_file_errors_are_said_once_and_as_written() {
+    let dir = scratch("bad-config");
+    let missing = dir.join("missing.toml");
+    let out = run_with_timeout(
+        kemari().arg("--config").arg(&missing),
+        Duration::from_secs(30),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains(&format!("{} (--config)", missing.display())),
+        "{err}"
+    );
+    let cfg = dir.join("vm.toml");
+    std::fs::write(&cfg, "kernel = \"/k\"\nmemory = \"255M\"\n").unwrap();
+    let out = run_with_timeout(kemari().arg("--config").arg(&cfg), Duration::from_secs(30));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    let expected = format!(
+        "memory = \"255M\" in {}: must be a multiple of 2M (try 256M)",
+        cfg.display()
+    );
+    assert!(err.contains(&expected), "expected {expected:?} in {err}");
+    assert!(!err.contains("267386880"), "{err}");
 }
 
 #[test]

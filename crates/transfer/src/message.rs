@@ -33,8 +33,10 @@ use serde::{Deserialize, Serialize};
 use vmm::config::MachineConfig;
 
 /// Protocol version (in the handshake). 5: one message set for live, local,
-/// warm and fault tolerance, key proofs in the handshake.
-pub const VERSION: u32 = 5;
+/// warm and fault tolerance, key proofs in the handshake. 6: `State` frames
+/// carry state format 3 (postcard, `vmm::persist::format`), which a version-5
+/// kemari cannot read — refused at the handshake, before any pause.
+pub const VERSION: u32 = 6;
 
 /// Frame kinds (the byte before the payload).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

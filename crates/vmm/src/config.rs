@@ -21,8 +21,14 @@ pub enum ConfigError {
         max: u32,
     },
     /// Memory size unparsable or out of range.
-    #[error("invalid memory size {0:?}: use e.g. 256M, 4G (16M..1T, a multiple of 2M)")]
-    Memory(String),
+    #[error("memory {value}: {reason}")]
+    Memory {
+        /// The size as written (or, from a saved configuration, in the
+        /// largest unit that divides it).
+        value: String,
+        /// What is wrong with it.
+        reason: SizeError,
+    },
     /// Too many virtio devices.
     #[error("at most {max} disks and network devices in all, got {got}")]
     TooManyDevices {
@@ -44,6 +50,64 @@ pub enum ConfigError {
         /// What is wrong.
         reason: String,
     },
+}
+
+/// What is wrong with a guest memory size.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum SizeError {
+    /// Not a number with an optional unit.
+    #[error("not a size: write it like 256M or 4G (16M to 1T, a multiple of 2M)")]
+    Unparsable,
+    /// Below the minimum.
+    #[error("must be at least 16M (try 16M)")]
+    TooSmall,
+    /// Above the maximum.
+    #[error("must be at most 1T")]
+    TooLarge,
+    /// Not a whole number of 2 MiB pages.
+    #[error("must be a multiple of 2M (try {suggestion})")]
+    NotMultiple {
+        /// The next size that is.
+        suggestion: String,
+    },
+}
+
+/// The alignment of guest memory sizes (a huge page).
+const MEMORY_ALIGN: u64 = 2 << 20;
+
+/// `bytes` in the largest unit that divides it exactly: `256M`, `4G`, `3000K`.
+pub fn format_size(bytes: u64) -> String {
+    for (shift, unit) in [(40, "T"), (30, "G"), (20, "M"), (10, "K")] {
+        if bytes != 0 && bytes.is_multiple_of(1 << shift) {
+            return format!("{}{unit}", bytes >> shift);
+        }
+    }
+    bytes.to_string()
+}
+
+/// Checks a guest memory size: 16 MiB to 1 TiB, a multiple of 2 MiB.
+pub fn check_memory_size(bytes: u64) -> Result<(), SizeError> {
+    if bytes < layout::MIN_MEMORY {
+        return Err(SizeError::TooSmall);
+    }
+    if bytes > layout::MAX_MEMORY {
+        return Err(SizeError::TooLarge);
+    }
+    if !bytes.is_multiple_of(MEMORY_ALIGN) {
+        let next = bytes.div_ceil(MEMORY_ALIGN) * MEMORY_ALIGN;
+        return Err(SizeError::NotMultiple {
+            suggestion: format_size(next),
+        });
+    }
+    Ok(())
+}
+
+/// Parses and checks a guest memory size as the user wrote it (`256M`,
+/// `4GiB`, a byte count).
+pub fn parse_memory_size(text: &str) -> Result<u64, SizeError> {
+    let bytes = parse_size(text).map_err(|_| SizeError::Unparsable)?;
+    check_memory_size(bytes)?;
+    Ok(bytes)
 }
 
 /// Most vCPUs a machine may have.
@@ -128,12 +192,10 @@ impl MachineConfig {
                 max: u32::from(MAX_VCPUS),
             });
         }
-        if self.memory_bytes < layout::MIN_MEMORY
-            || self.memory_bytes > layout::MAX_MEMORY
-            || !self.memory_bytes.is_multiple_of(2 << 20)
-        {
-            return Err(ConfigError::Memory(self.memory_bytes.to_string()));
-        }
+        check_memory_size(self.memory_bytes).map_err(|reason| ConfigError::Memory {
+            value: format_size(self.memory_bytes),
+            reason,
+        })?;
         let devices = self.disks.len() + self.nets.len();
         if devices > layout::VIRTIO_MAX_DEVICES {
             return Err(ConfigError::TooManyDevices {
@@ -153,7 +215,10 @@ impl MachineConfig {
 /// Parses a size like `256M`, `4G`, `512MiB` or a byte count.
 pub fn parse_size(s: &str) -> Result<u64, ConfigError> {
     let t = s.trim();
-    let bad = || ConfigError::Memory(s.to_owned());
+    let bad = || ConfigError::Memory {
+        value: s.to_owned(),
+        reason: SizeError::Unparsable,
+    };
     let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(digits);
     let n: u64 = num.parse().map_err(|_| bad())?;
@@ -225,6 +290,27 @@ mod tests {
     }
 
     #[test]
+    fn memory_sizes_are_checked_with_a_suggestion() {
+        assert_eq!(parse_memory_size("256M"), Ok(256 << 20));
+        assert_eq!(
+            parse_memory_size("255M"),
+            Err(SizeError::NotMultiple {
+                suggestion: "256M".into()
+            })
+        );
+        assert_eq!(
+            parse_memory_size("3073M").unwrap_err().to_string(),
+            "must be a multiple of 2M (try 3074M)"
+        );
+        assert_eq!(parse_memory_size("8M"), Err(SizeError::TooSmall));
+        assert_eq!(parse_memory_size("2T"), Err(SizeError::TooLarge));
+        assert_eq!(parse_memory_size("lots"), Err(SizeError::Unparsable));
+        assert_eq!(format_size(4 << 30), "4G");
+        assert_eq!(format_size(3 << 10), "3K");
+        assert_eq!(format_size(1000), "1000");
+    }
+
+    #[test]
     fn macs() {
         assert_eq!(
             parse_mac("52:54:00:ab:cd:EF").unwrap(),
@@ -253,7 +339,12 @@ mod tests {
         assert!(c.validate().is_err());
         let mut c = base();
         c.memory_bytes = 8 << 20;
-        assert!(matches!(c.validate(), Err(ConfigError::Memory(_))));
+        assert!(matches!(c.validate(), Err(ConfigError::Memory { .. })));
+        c.memory_bytes = 255 << 20;
+        assert_eq!(
+            c.validate().unwrap_err().to_string(),
+            "memory 255M: must be a multiple of 2M (try 256M)"
+        );
         let mut c = base();
         c.nets = vec![NetConfig {
             tap: "t".into(),

@@ -201,12 +201,16 @@ fn memfd(name: &str, extra_flags: libc::c_uint) -> Result<File, MemoryError> {
     .map_err(MemoryError::Memfd)
 }
 
+/// Opens a named memory file, creating it 0600 if absent (a file that
+/// exists keeps the mode its owner gave it).
 fn open_named(path: &Path) -> Result<File, MemoryError> {
+    use std::os::unix::fs::OpenOptionsExt;
     OpenOptions::new()
         .read(true)
         .write(true)
         .create(true)
         .truncate(false)
+        .mode(0o600)
         .open(path)
         .map_err(|source| MemoryError::OpenFile {
             path: path.to_owned(),
@@ -286,6 +290,10 @@ mod tests {
             m.map().unwrap().read_obj::<u8>(GuestAddress(100)).unwrap(),
             7
         );
+        // Created by kemari: only its owner may read the guest's memory.
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
         assert!(matches!(
             GuestMemoryFile::create(64 << 20, &backing),
             Err(MemoryError::FileSize { .. })

@@ -258,7 +258,16 @@ mod tests {
             snap.request,
             ApiRequest::Snapshot {
                 dir: "/s".into(),
-                exit: false
+                exit: false,
+                force: false
+            }
+        );
+        assert_eq!(
+            action("PUT", "/vm/snapshot", br#"{"dir":"/s","force":true}"#).unwrap(),
+            ApiRequest::Snapshot {
+                dir: "/s".into(),
+                exit: false,
+                force: true
             }
         );
         assert_eq!(status("GET", "/vm?follow", b""), 400);
@@ -349,6 +358,7 @@ mod tests {
             ApiRequest::Snapshot {
                 dir: "/s".into(),
                 exit: true,
+                force: true,
             },
             ApiRequest::WarmRestart {
                 dir: "/w".into(),

@@ -29,6 +29,9 @@ pub enum ApiRequest {
         /// End the VMM after saving (suspend to disk).
         #[serde(default)]
         exit: bool,
+        /// Replace a snapshot already in `dir` (refused otherwise).
+        #[serde(default)]
+        force: bool,
     },
     /// Warm restart: state into `dir`, memory kept in its file, process ends
     /// (handing the VM to a successor waiting on `dir`, if one does).

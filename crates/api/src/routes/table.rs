@@ -131,8 +131,8 @@ pub const ROUTES: &[Route] = &[
     operation(
         "/vm/snapshot",
         "Snapshot",
-        &[required("dir", Path), optional("exit", Boolean)],
-        "full snapshot (state + sparse memory image) into dir; exit: end the VMM once saved",
+        &[required("dir", Path), optional("exit", Boolean), optional("force", Boolean)],
+        "full snapshot (state + sparse memory image with per-extent checksums) into dir; exit: end the VMM once saved; force: replace a snapshot already in dir (refused otherwise)",
     ),
     operation(
         "/vm/warm-restart",

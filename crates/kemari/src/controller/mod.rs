@@ -35,7 +35,7 @@ use std::time::Duration;
 
 use serde_json::json;
 use vmm::machine::{Machine, MachineError};
-use vmm::persist::snapshot::SnapshotError;
+use vmm::persist::snapshot::{self, SnapshotError};
 use vmm::vstate::{VmEvent, VmEventSink};
 
 use ft::fence::Fence;
@@ -400,7 +400,13 @@ impl Controller {
             }
             ApiRequest::MigrateLocal { socket } => Op::MigrateLocal { socket },
             ApiRequest::WarmRestart { dir, .. } => Op::WarmRestart { dir },
-            ApiRequest::Snapshot { dir, exit } => Op::Snapshot { dir, exit },
+            ApiRequest::Snapshot { dir, exit, force } => {
+                // Refused before an operation starts: the VM is not paused.
+                if let Err(e) = snapshot::check_target(&dir, force) {
+                    return (Err(ActionError::Conflict(e.to_string())), false);
+                }
+                Op::Snapshot { dir, exit, force }
+            }
             ApiRequest::FtStart(req) => match ft_options(&req) {
                 Ok(o) => Op::FtStart(Box::new(o)),
                 Err(e) => return (Err(e), false),

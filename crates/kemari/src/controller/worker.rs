@@ -52,6 +52,8 @@ pub enum Op {
         dir: PathBuf,
         /// Suspend to disk.
         exit: bool,
+        /// Replace a snapshot already in `dir`.
+        force: bool,
     },
     /// Fault tolerance with a standby.
     FtStart(Box<FtStartOptions>),
@@ -201,11 +203,13 @@ fn run(op: Op, mut machine: Machine, started: &Started, shared: &Shared) -> Done
                 Err(e) => (Err(transfer_failed(what, &e)), After::Continue, None),
             }
         }
-        Op::Snapshot { dir, exit } => match snapshot_full(&mut machine, &dir, exit, started) {
-            Ok(v) if exit => (Ok(v), After::Exit, None),
-            Ok(v) => (Ok(v), After::Continue, None),
-            Err(e) => (Err(e), After::Continue, None),
-        },
+        Op::Snapshot { dir, exit, force } => {
+            match snapshot_full(&mut machine, &dir, exit, force, started) {
+                Ok(v) if exit => (Ok(v), After::Exit, None),
+                Ok(v) => (Ok(v), After::Continue, None),
+                Err(e) => (Err(e), After::Continue, None),
+            }
+        }
         Op::FtStart(opts) => {
             match ft::primary::start(&mut machine, &opts, &shared.ft, &started.cancel) {
                 Ok(gate) => (Ok(json!(shared.ft.report())), After::Continue, Some(gate)),
@@ -227,15 +231,21 @@ fn run(op: Op, mut machine: Machine, started: &Started, shared: &Shared) -> Done
 
 /// Pauses the machine (if it runs), saves its state and its memory image
 /// into `dir`, then resumes it — or, with `exit`, lets go of its backends
-/// for the VMM to end (suspend to disk). On failure the machine runs on.
+/// for the VMM to end (suspend to disk). On failure the machine runs on. A
+/// snapshot already in `dir` is refused before the pause unless `force`.
 fn snapshot_full(
     machine: &mut Machine,
     dir: &std::path::Path,
     exit: bool,
+    force: bool,
     started: &Started,
 ) -> Result<Value, (String, bool)> {
     let progress: &ProgressCell = &started.progress;
     progress.start(&dir.display().to_string());
+    if let Err(e) = snapshot::check_target(dir, force) {
+        progress.finish("failed", Some(e.to_string()));
+        return Err((format!("snapshot refused: {e}"), false));
+    }
     // Once paused, the snapshot completes (or fails): no cancel.
     started
         .cancel
@@ -248,7 +258,8 @@ fn snapshot_full(
         .pause_and_save()
         .map_err(|e| e.to_string())
         .and_then(|state| {
-            snapshot::save_full(dir, &state, machine.memory_file()).map_err(|e| e.to_string())
+            snapshot::save_full(dir, &state, machine.memory_file(), force)
+                .map_err(|e| e.to_string())
         });
     let stats = match saved {
         Ok(stats) => stats,
@@ -269,6 +280,7 @@ fn snapshot_full(
         "state_bytes": stats.state_bytes,
         "memory_bytes_written": stats.memory.bytes_written,
         "memory_bytes_scanned": stats.memory.bytes_scanned,
+        "memory_extents": stats.memory.extents,
         "paused_ms": paused_ms,
         "exit": exit,
     });

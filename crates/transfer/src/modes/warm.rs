@@ -25,8 +25,6 @@
 //! process hangs up before `StateSaved` (its save failed and the guest runs
 //! on), the successor waits for the next attempt.
 
-use std::fs::File;
-use std::io::Write;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -96,11 +94,8 @@ pub fn write_config(dir: &Path, config: &MachineConfig) -> Result<PathBuf, Trans
         config: config.clone(),
     })
     .map_err(|e| TransferError::Memory(format!("encoding {}: {e}", path.display())))?;
-    let tmp = dir.join(format!("{CONFIG_FILE}.tmp"));
-    let mut f = File::create(&tmp).map_err(TransferError::file(tmp.display()))?;
-    f.write_all(&bytes)
-        .map_err(TransferError::file(tmp.display()))?;
-    std::fs::rename(&tmp, &path).map_err(TransferError::file(path.display()))?;
+    vmm::persist::write_private(&path, &bytes, false)
+        .map_err(TransferError::file(path.display()))?;
     Ok(path)
 }
 
@@ -285,16 +280,12 @@ impl Drop for SocketFile {
 pub fn prepare(dir: &Path) -> Result<Successor, TransferError> {
     let started = Instant::now();
     let path = dir.join(CONFIG_FILE);
-    let text = std::fs::read(&path).map_err(|source| TransferError::File {
+    let text = std::fs::read(&path).map_err(|e| TransferError::File {
         path: path.display().to_string(),
-        source: if source.kind() == std::io::ErrorKind::NotFound {
-            std::io::Error::new(
-                source.kind(),
-                "not found: run `kemarictl warm-restart DIR --prepare` on the running kemari first",
-            )
-        } else {
-            source
-        },
+        source: vmm::persist::explain_missing(
+            e,
+            "run `kemarictl warm-restart DIR --prepare` on the running kemari first",
+        ),
     })?;
     let file: PreparedConfig = serde_json::from_slice(&text)
         .map_err(|e| TransferError::Mismatch(format!("{}: {e}", path.display())))?;
@@ -433,6 +424,13 @@ mod tests {
         let missing = dir.join("no-such-memory");
         write_config(&dir, &config(missing.to_str().unwrap())).unwrap();
         assert!(!dir.join(snapshot::STATE_FILE).exists());
+        // It names the VM's memory file and disks: its owner's only.
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(dir.join(CONFIG_FILE))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
         let err = prepare(&dir).err().unwrap().to_string();
         assert!(err.contains("no-such-memory"), "{err}");
         // The wrong size: refused, the file left as it is.

@@ -7,7 +7,7 @@
 //! ```text
 //! offset  size  field
 //!      0     8  magic "KEMARIVM"
-//!      8     4  format version (u32 LE): 2 is written, 1 and 2 are read
+//!      8     4  format version (u32 LE): 3 is written, 1 and 3 are read
 //!     12     4  flags (u32 LE, 0)
 //!     16     8  payload length (u64 LE)
 //!     24     4  CRC-32 (IEEE) of the payload (u32 LE)
@@ -15,13 +15,17 @@
 //!     32     …  payload
 //! ```
 //!
-//! Payload of version 2 (binary; bincode, varint integers, no trailing
+//! Payload of version 3 (binary; postcard: varint integers, no trailing
 //! bytes): a JSON string holding the small, descriptive part (kemari
 //! version, save time, configuration, memory), then the in-kernel devices,
 //! the vCPUs, the serial port and the virtio devices. KVM's structures are
 //! kept as their raw bytes, so encoding one VM's ~12 KB costs a few µs —
 //! fault tolerance does it at every sync. Version 1 (read only, the first
-//! snapshots) is the whole [`VmState`] as JSON.
+//! snapshots) is the whole [`VmState`] as JSON. Version 2 (the same payload
+//! in bincode 1, which is unmaintained) is refused with the kemari version
+//! that wrote it, read from the payload's first field without decoding the
+//! rest: resume such a state with that kemari, then save it again with
+//! this one (docs/state.md).
 
 use serde::{Deserialize, Serialize};
 
@@ -31,9 +35,11 @@ use crate::config::MachineConfig;
 /// File magic.
 pub const MAGIC: &[u8; 8] = b"KEMARIVM";
 /// Format version written.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 /// The JSON format of the first snapshots, still read.
 pub const FORMAT_VERSION_JSON: u32 = 1;
+/// The bincode format (kemari until 2026-11-25), no longer read.
+pub const FORMAT_VERSION_BINCODE: u32 = 2;
 /// Header size.
 pub const HEADER_LEN: usize = 32;
 /// Largest payload accepted.
@@ -53,6 +59,13 @@ pub enum FormatError {
     Version {
         /// Version in the file.
         found: u32,
+    },
+    /// Written in the retired bincode format (version 2).
+    #[error("state format version {FORMAT_VERSION_BINCODE} (bincode), written by kemari {written_by}, is no longer read (this kemari reads versions {FORMAT_VERSION_JSON} and {FORMAT_VERSION}): resume the VM with the kemari build that wrote it (version {written_by}, built before 2026-11-26), then save it again with this one")]
+    Retired {
+        /// The kemari version named in the payload ("an earlier version"
+        /// if the payload does not say).
+        written_by: String,
     },
     /// Payload length out of bounds or not matching the data.
     #[error("state payload length {declared} does not match the {actual} bytes present (limit {MAX_PAYLOAD})")]
@@ -75,7 +88,7 @@ pub enum FormatError {
     Payload(String),
 }
 
-/// The descriptive part of a version-2 payload (JSON: the configuration's
+/// The descriptive part of a version-3 payload (JSON: the configuration's
 /// enums are tagged, which a binary encoding cannot carry).
 #[derive(Serialize)]
 struct HeadOut<'a> {
@@ -93,7 +106,7 @@ struct HeadIn {
     memory: MemoryState,
 }
 
-/// A version-2 payload as written (fields in this order).
+/// A version-3 payload as written (fields in this order).
 #[derive(Serialize)]
 struct BinaryOut<'a> {
     head: String,
@@ -103,7 +116,7 @@ struct BinaryOut<'a> {
     virtio: &'a [VirtioState],
 }
 
-/// A version-2 payload as read.
+/// A version-3 payload as read.
 #[derive(Deserialize)]
 struct BinaryIn {
     head: String,
@@ -113,14 +126,8 @@ struct BinaryIn {
     virtio: Vec<VirtioState>,
 }
 
-fn bincode_options() -> impl bincode::Options {
-    use bincode::Options;
-    bincode::DefaultOptions::new().with_limit(MAX_PAYLOAD)
-}
-
-/// Encodes `state` with header and checksum (format version 2).
+/// Encodes `state` with header and checksum (format version 3).
 pub fn encode(state: &VmState) -> Result<Vec<u8>, FormatError> {
-    use bincode::Options;
     let head = serde_json::to_string(&HeadOut {
         kemari_version: &state.kemari_version,
         saved_at_ms: state.saved_at_ms,
@@ -135,22 +142,50 @@ pub fn encode(state: &VmState) -> Result<Vec<u8>, FormatError> {
         serial: &state.serial,
         virtio: &state.virtio,
     };
-    let len = bincode_options()
-        .serialized_size(&body)
-        .map_err(|e| FormatError::Payload(e.to_string()))?;
-    let mut out = Vec::with_capacity(HEADER_LEN + len as usize);
+    // ~12 KB per vCPU (XSAVE, LAPIC, MSRs), ~2 KB for the rest.
+    let mut out = Vec::with_capacity(HEADER_LEN + 2048 + 12_800 * state.vcpus.len());
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
     out.extend_from_slice(&0u32.to_le_bytes());
-    out.extend_from_slice(&len.to_le_bytes());
+    out.extend_from_slice(&0u64.to_le_bytes()); // length, below
     out.extend_from_slice(&0u32.to_le_bytes()); // CRC, below
     out.extend_from_slice(&0u32.to_le_bytes());
-    bincode_options()
-        .serialize_into(&mut out, &body)
+    let mut out = postcard::serialize_with_flavor(&body, Append(out))
         .map_err(|e| FormatError::Payload(e.to_string()))?;
+    let len = (out.len() - HEADER_LEN) as u64;
+    if len > MAX_PAYLOAD {
+        return Err(FormatError::Length {
+            declared: len,
+            actual: out.len() - HEADER_LEN,
+        });
+    }
+    out[16..24].copy_from_slice(&len.to_le_bytes());
     let crc = crc32fast::hash(&out[HEADER_LEN..]);
     out[24..28].copy_from_slice(&crc.to_le_bytes());
     Ok(out)
+}
+
+/// postcard's output into a `Vec` with `extend_from_slice` (its
+/// `ExtendFlavor` goes through `Extend`, which may copy KVM's byte arrays
+/// a byte at a time).
+struct Append(Vec<u8>);
+
+impl postcard::ser_flavors::Flavor for Append {
+    type Output = Vec<u8>;
+
+    fn try_push(&mut self, byte: u8) -> postcard::Result<()> {
+        self.0.push(byte);
+        Ok(())
+    }
+
+    fn try_extend(&mut self, bytes: &[u8]) -> postcard::Result<()> {
+        self.0.extend_from_slice(bytes);
+        Ok(())
+    }
+
+    fn finalize(self) -> postcard::Result<Vec<u8>> {
+        Ok(self.0)
+    }
 }
 
 fn u32_at(b: &[u8], at: usize) -> u32 {
@@ -159,15 +194,19 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
 
 /// Checks and decodes a state file.
 pub fn decode(bytes: &[u8]) -> Result<VmState, FormatError> {
-    use bincode::Options;
     let payload = verify(bytes)?;
     let malformed = |e: &dyn std::fmt::Display| FormatError::Payload(e.to_string());
     if u32_at(bytes, 8) == FORMAT_VERSION_JSON {
         return serde_json::from_slice(payload).map_err(|e| malformed(&e));
     }
-    let body: BinaryIn = bincode_options()
-        .deserialize(payload)
-        .map_err(|e| malformed(&e))?;
+    let (body, rest): (BinaryIn, _) =
+        postcard::take_from_bytes(payload).map_err(|e| malformed(&e))?;
+    if !rest.is_empty() {
+        return Err(FormatError::Payload(format!(
+            "{} bytes after the state",
+            rest.len()
+        )));
+    }
     let head: HeadIn = serde_json::from_str(&body.head).map_err(|e| malformed(&e))?;
     Ok(VmState {
         kemari_version: head.kemari_version,
@@ -181,6 +220,31 @@ pub fn decode(bytes: &[u8]) -> Result<VmState, FormatError> {
     })
 }
 
+/// Who wrote a version-2 payload: its first field is the JSON head, as a
+/// string behind bincode's varint length (one byte below 251; 251 and 252:
+/// a u16 or u32 follows, little-endian).
+fn bincode_writer(payload: &[u8]) -> Option<String> {
+    #[derive(Deserialize)]
+    struct Writer {
+        kemari_version: String,
+    }
+    let (&first, rest) = payload.split_first()?;
+    let (len, rest) = match first {
+        0..=250 => (usize::from(first), rest),
+        251 => (
+            usize::from(u16::from_le_bytes(rest.get(..2)?.try_into().ok()?)),
+            rest.get(2..)?,
+        ),
+        252 => (
+            u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize,
+            rest.get(4..)?,
+        ),
+        _ => return None,
+    };
+    let head: Writer = serde_json::from_slice(rest.get(..len)?).ok()?;
+    Some(head.kemari_version).filter(|v| !v.is_empty())
+}
+
 /// Checks the header, length and checksum without parsing the payload (cheap:
 /// a fault-tolerance standby checks every epoch's state this way and parses
 /// only the one it fails over to). Returns the payload.
@@ -192,7 +256,10 @@ pub fn verify(bytes: &[u8]) -> Result<&[u8], FormatError> {
         return Err(FormatError::BadMagic);
     }
     let version = u32_at(bytes, 8);
-    if version != FORMAT_VERSION && version != FORMAT_VERSION_JSON {
+    if version != FORMAT_VERSION
+        && version != FORMAT_VERSION_JSON
+        && version != FORMAT_VERSION_BINCODE
+    {
         return Err(FormatError::Version { found: version });
     }
     let mut len = [0u8; 8];
@@ -209,6 +276,11 @@ pub fn verify(bytes: &[u8]) -> Result<&[u8], FormatError> {
     let found = crc32fast::hash(payload);
     if found != expected {
         return Err(FormatError::Checksum { found, expected });
+    }
+    if version == FORMAT_VERSION_BINCODE {
+        return Err(FormatError::Retired {
+            written_by: bincode_writer(payload).unwrap_or_else(|| "an earlier version".into()),
+        });
     }
     Ok(payload)
 }
@@ -323,8 +395,8 @@ pub(crate) mod tests {
         b[0] = b'X';
         assert!(matches!(decode(&b), Err(FormatError::BadMagic)));
         let mut b = good.clone();
-        b[8] = 3;
-        assert!(matches!(decode(&b), Err(FormatError::Version { found: 3 })));
+        b[8] = 4;
+        assert!(matches!(decode(&b), Err(FormatError::Version { found: 4 })));
         assert!(matches!(
             decode(&good[..good.len() - 1]),
             Err(FormatError::Length { .. })
@@ -344,7 +416,7 @@ pub(crate) mod tests {
         }
         // A binary payload with a huge sequence length: refused, not allocated.
         let mut payload = vec![0u8]; // empty head string
-        payload.extend_from_slice(&[0xfd, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f]);
+        payload.extend_from_slice(&[0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x7f]);
         let b = container(FORMAT_VERSION, &payload);
         assert!(matches!(decode(&b), Err(FormatError::Payload(_))));
         // Trailing bytes after a valid payload.
@@ -367,6 +439,66 @@ pub(crate) mod tests {
         b.extend_from_slice(&0u32.to_le_bytes());
         b.extend_from_slice(payload);
         b
+    }
+
+    #[test]
+    fn refuses_the_bincode_format_of_version_2_naming_its_writer() {
+        // A version-2 payload starts with the JSON head behind bincode's
+        // varint length; the rest is not looked at.
+        let head = br#"{"kemari_version":"0.1.0-old","saved_at_ms":1,"config":{}}"#;
+        for (name, long) in [("short", false), ("long", true)] {
+            let mut payload = Vec::new();
+            if long {
+                let padded = [&head[..head.len() - 1], &[b' '; 300][..], b"}"].concat();
+                payload.push(251);
+                payload.extend_from_slice(&(padded.len() as u16).to_le_bytes());
+                payload.extend_from_slice(&padded);
+            } else {
+                payload.push(head.len() as u8);
+                payload.extend_from_slice(head);
+            }
+            payload.extend_from_slice(&[0xfd; 64]);
+            let err = decode(&container(FORMAT_VERSION_BINCODE, &payload)).unwrap_err();
+            assert!(
+                matches!(&err, FormatError::Retired { written_by } if written_by == "0.1.0-old"),
+                "{name}: {err:?}"
+            );
+            let text = err.to_string();
+            assert!(text.contains("version 2"), "{text}");
+            assert!(text.contains("written by kemari 0.1.0-old"), "{text}");
+            assert!(
+                text.contains(
+                    "resume the VM with the kemari build that wrote it (version 0.1.0-old"
+                ),
+                "{text}"
+            );
+        }
+        // A payload that does not name its writer still gets the advice.
+        let err = decode(&container(FORMAT_VERSION_BINCODE, &[7, 1, 2])).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("written by kemari an earlier version"),
+            "{err}"
+        );
+        // The checksum still comes first: a damaged old file is "corrupt".
+        let mut b = container(FORMAT_VERSION_BINCODE, &[7, 1, 2]);
+        b[HEADER_LEN] ^= 1;
+        assert!(matches!(decode(&b), Err(FormatError::Checksum { .. })));
+    }
+
+    #[test]
+    fn refuses_a_real_version_2_file() {
+        // Written by kemari at commit fb18863 (`kemarictl snapshot`, the
+        // test guest, 128M): bincode's varint head as it really was.
+        let old = include_bytes!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/fixtures/state-v2.bin"
+        ));
+        let err = decode(old).unwrap_err();
+        assert!(
+            matches!(&err, FormatError::Retired { written_by } if written_by == "0.1.0"),
+            "{err:?}"
+        );
     }
 
     #[test]

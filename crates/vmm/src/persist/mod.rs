@@ -4,6 +4,7 @@
 //! migration) or a copy of it (snapshot/restore, live migration).
 
 pub mod format;
+pub mod image_index;
 pub mod memory_image;
 pub mod snapshot;
 pub mod vcpu;
@@ -224,6 +225,46 @@ impl VmState {
             ));
         }
         Ok(())
+    }
+}
+
+/// Creates (or truncates) `path` for writing, readable and writable by its
+/// owner only — 0600 whatever the umask, and whatever mode an earlier file
+/// had: the state and memory of a VM hold the guest's secrets.
+pub fn create_private(path: &std::path::Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?;
+    file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    Ok(file)
+}
+
+/// Writes `bytes` as `path` (0600) through a temporary file renamed into
+/// place, so that a crash never leaves a half-written file; synced first if
+/// `durable`.
+pub fn write_private(path: &std::path::Path, bytes: &[u8], durable: bool) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = std::path::PathBuf::from(tmp);
+    let mut file = create_private(&tmp)?;
+    file.write_all(bytes)?;
+    if durable {
+        file.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)
+}
+
+/// `e`, or, if it says a file is missing, "not found: " and what to do.
+pub fn explain_missing(e: std::io::Error, what_to_do: &str) -> std::io::Error {
+    if e.kind() == std::io::ErrorKind::NotFound {
+        std::io::Error::new(e.kind(), format!("not found: {what_to_do}"))
+    } else {
+        e
     }
 }
 

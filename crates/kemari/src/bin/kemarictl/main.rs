@@ -46,14 +46,18 @@ enum Command {
     Resume,
     /// Stop the VM and end the VMM process.
     Shutdown,
-    /// Full snapshot (state + sparse memory image) into DIR; restore it with
-    /// `kemari --restore DIR`.
+    /// Full snapshot (state + sparse memory image, every data extent
+    /// checksummed) into DIR; restore it with `kemari --restore DIR`.
     Snapshot {
         /// Snapshot directory (created if missing).
         dir: PathBuf,
         /// End the VMM once saved (suspend to disk).
         #[arg(long)]
         exit: bool,
+        /// Replace a snapshot already in DIR (refused otherwise, before the
+        /// VM is paused).
+        #[arg(long)]
+        force: bool,
     },
     /// Warm restart: save the small state file into DIR, keep guest memory in
     /// its file (kemari --memory-file), end this VMM; `kemari --restore DIR`
@@ -169,9 +173,10 @@ fn action(command: Command) -> ApiRequest {
         Command::Pause => ApiRequest::Pause,
         Command::Resume => ApiRequest::Resume,
         Command::Shutdown => ApiRequest::Shutdown,
-        Command::Snapshot { dir, exit } => ApiRequest::Snapshot {
+        Command::Snapshot { dir, exit, force } => ApiRequest::Snapshot {
             dir: abs(dir),
             exit,
+            force,
         },
         Command::WarmRestart { dir, prepare } => ApiRequest::WarmRestart {
             dir: abs(dir),
