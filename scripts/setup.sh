@@ -8,6 +8,7 @@ packages=(
   qemu-system-x86 qemu-utils           # peer VMM for benchmarks; lab virtual hosts
   busybox-static cpio e2fsprogs        # lab images, ext4 disk images
   nbdkit libnbd-bin fio                # NBD peers and clients
+  libssl-dev openssl                   # kemari-nbd's TLS (openssl crate); test certificates
   iproute2 iputils-ping socat          # TAP devices, namespaces
   hyperfine python3
 )

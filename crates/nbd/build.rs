@@ -10,6 +10,7 @@ fn main() {
         Need::Tool("qemu-io"),
         Need::Tool("qemu-nbd"),
         Need::Tool("mkfs.ext4"),
+        Need::Tool("openssl"),
         Need::FioNbd,
     ]);
 }

@@ -124,8 +124,10 @@ pub struct Args {
     /// Build the VM but do not start its vCPUs until resumed through the API.
     #[arg(long)]
     pub start_paused: bool,
-    /// Log filter (error, warn, info, debug, trace, or tracing directives).
-    #[arg(long, default_value = "warn")]
+    /// Log filter: a level (off, error, warn, info, debug, trace) or tracing
+    /// directives such as warn,vmm=debug.
+    #[arg(long, env = kemari_logging::ENV, default_value = kemari_logging::DEFAULT_LEVEL,
+          value_parser = kemari_logging::check_filter)]
     pub log_level: String,
     /// Logs as JSON lines.
     #[arg(long)]

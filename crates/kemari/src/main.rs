@@ -9,7 +9,10 @@ use kemari::cli::Args;
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    init_logging(&args.log_level, args.log_json);
+    if let Err(e) = kemari_logging::init(&args.log_level, args.log_json) {
+        eprintln!("kemari: error: {e}");
+        return ExitCode::from(2);
+    }
     match kemari::controller::run(&args) {
         Ok(code) => code,
         Err(e) => {
@@ -34,17 +37,4 @@ fn with_causes(e: &dyn Error) -> String {
         src = s.source();
     }
     msg
-}
-
-fn init_logging(level: &str, json: bool) {
-    let filter = tracing_subscriber::EnvFilter::try_new(level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if json {
-        builder.json().init();
-    } else {
-        builder.init();
-    }
 }

@@ -8,12 +8,18 @@
 //!    |  --  IHAVEOPT u32 opt u32 len data -->   |   option haggling, repeated:
 //!    |  <-- REPLY_MAGIC u32 opt u32 type u32 len data --  |  STRUCTURED_REPLY, LIST, INFO,
 //!    |                                          |   (kemari) ACCESS_COUNTS, ...
+//!    |  --  OPT_STARTTLS                  -->   |   (optional) TLS handshake, then the
+//!    |  <-- REP_ACK; ===== TLS handshake ===== |   haggling starts over inside TLS
+//!    |  --  OPT_SET_META_CONTEXT(name, "base:allocation") --> | after STRUCTURED_REPLY
+//!    |  <-- REP_META_CONTEXT(id, "base:allocation"), REP_ACK
 //!    |  --  OPT_GO(name, info requests)   -->   |
 //!    |  <-- REP_INFO(EXPORT size flags), REP_INFO(BLOCK_SIZE), REP_ACK
 //!    |  ===== transmission phase =====          |
 //!    |  --  REQUEST_MAGIC flags type cookie offset length [data] -->  (pipelined)
 //!    |  <-- SIMPLE_REPLY_MAGIC error cookie [data]                  (any order)
 //!    |  <-- STRUCTURED_REPLY_MAGIC flags type cookie len payload   (reads, if negotiated)
+//!    |  --  CMD_BLOCK_STATUS offset length -->  |
+//!    |  <-- structured BLOCK_STATUS: id, N × (u32 length, u32 HOLE|ZERO flags)
 //!    |  --  CMD_DISC                      -->   |   close
 //! ```
 //!
@@ -53,6 +59,7 @@ pub const OPT_KEMARI_ACCESS_COUNTS: u32 = 0x4b4d_4301;
 pub const REP_ACK: u32 = 1;
 pub const REP_SERVER: u32 = 2;
 pub const REP_INFO: u32 = 3;
+pub const REP_META_CONTEXT: u32 = 4;
 /// kemari extension reply: u64 group size, u32 count N, then N × (u64 reads, u64 writes).
 pub const REP_KEMARI_ACCESS_COUNTS: u32 = 0x4b4d_4301;
 pub const REP_FLAG_ERROR: u32 = 1 << 31;
@@ -91,6 +98,7 @@ pub const CMD_FLUSH: u16 = 3;
 pub const CMD_TRIM: u16 = 4;
 pub const CMD_CACHE: u16 = 5;
 pub const CMD_WRITE_ZEROES: u16 = 6;
+pub const CMD_BLOCK_STATUS: u16 = 7;
 
 // Command flags.
 pub const CMD_FLAG_FUA: u16 = 1;
@@ -104,8 +112,16 @@ pub const REPLY_FLAG_DONE: u16 = 1;
 pub const REPLY_TYPE_NONE: u16 = 0;
 pub const REPLY_TYPE_OFFSET_DATA: u16 = 1;
 pub const REPLY_TYPE_OFFSET_HOLE: u16 = 2;
+pub const REPLY_TYPE_BLOCK_STATUS: u16 = 5;
 pub const REPLY_TYPE_ERROR: u16 = (1 << 15) | 1;
 pub const REPLY_TYPE_ERROR_OFFSET: u16 = (1 << 15) | 2;
+
+// The `base:allocation` metadata context: its name and its status flags.
+pub const META_BASE_ALLOCATION: &str = "base:allocation";
+/// Not allocated (a hole).
+pub const STATE_HOLE: u32 = 1;
+/// Reads as zeroes.
+pub const STATE_ZERO: u32 = 2;
 
 // Errno values on the wire.
 pub const EPERM: u32 = 1;
@@ -123,6 +139,11 @@ pub const MAX_OPTION_LEN: u32 = 64 * 1024;
 pub const MAX_NAME_LEN: u32 = 4096;
 /// Largest read or write payload a server accepts (advertised as the maximum block size).
 pub const MAX_PAYLOAD: u32 = 32 * 1024 * 1024;
+
+/// Longest metadata context query or name (the spec's limit).
+pub const MAX_META_QUERY_LEN: u32 = 4096;
+/// Most block status descriptors one reply carries (8 bytes each).
+pub const MAX_BLOCK_STATUS_DESCRIPTORS: usize = 1 << 16;
 
 pub const HANDSHAKE_LEN: usize = 18;
 pub const OPTION_HEADER_LEN: usize = 16;
@@ -324,6 +345,137 @@ pub fn decode_export_name(b: &[u8]) -> Result<String> {
             what: "export name",
             why: "not UTF-8",
         })
+}
+
+/// The data of NBD_OPT_LIST_META_CONTEXT / NBD_OPT_SET_META_CONTEXT.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetaContextRequest {
+    pub export: String,
+    /// Context names (SET) or queries such as `base:` (LIST).
+    pub queries: Vec<String>,
+}
+
+pub fn encode_meta_context_request(export: &str, queries: &[&str]) -> Vec<u8> {
+    let mut b = Vec::new();
+    b.extend_from_slice(&(export.len() as u32).to_be_bytes());
+    b.extend_from_slice(export.as_bytes());
+    b.extend_from_slice(&(queries.len() as u32).to_be_bytes());
+    for q in queries {
+        b.extend_from_slice(&(q.len() as u32).to_be_bytes());
+        b.extend_from_slice(q.as_bytes());
+    }
+    b
+}
+
+pub fn decode_meta_context_request(b: &[u8]) -> Result<MetaContextRequest> {
+    let what = "meta context request";
+    let (export, rest) = decode_name_prefixed(b, what)?;
+    need(what, rest, 4)?;
+    let n = be32(rest, 0) as usize;
+    let mut rest = &rest[4..];
+    // Each query takes at least its 4-byte length: bounds the count by the
+    // option's length before anything is allocated for it.
+    if n > rest.len() / 4 {
+        return Err(ProtocolError::Malformed {
+            what,
+            why: "more queries than the option holds",
+        });
+    }
+    let mut queries = Vec::with_capacity(n);
+    for _ in 0..n {
+        need(what, rest, 4)?;
+        let len = be32(rest, 0);
+        if len > MAX_META_QUERY_LEN {
+            return Err(ProtocolError::TooLong {
+                what: "meta context query",
+                len: len.into(),
+                limit: MAX_META_QUERY_LEN.into(),
+            });
+        }
+        let len = len as usize;
+        need(what, rest, 4 + len)?;
+        let q = std::str::from_utf8(&rest[4..4 + len]).map_err(|_| ProtocolError::Malformed {
+            what,
+            why: "query is not UTF-8",
+        })?;
+        queries.push(q.to_string());
+        rest = &rest[4 + len..];
+    }
+    if !rest.is_empty() {
+        return Err(ProtocolError::Malformed {
+            what,
+            why: "bytes after the last query",
+        });
+    }
+    Ok(MetaContextRequest { export, queries })
+}
+
+/// Payload of NBD_REP_META_CONTEXT: the context's id and name.
+pub fn encode_meta_context_reply(id: u32, name: &str) -> Vec<u8> {
+    let mut b = id.to_be_bytes().to_vec();
+    b.extend_from_slice(name.as_bytes());
+    b
+}
+
+pub fn decode_meta_context_reply(b: &[u8]) -> Result<(u32, String)> {
+    need("meta context reply", b, 4)?;
+    if b.len() - 4 > MAX_META_QUERY_LEN as usize {
+        return Err(ProtocolError::TooLong {
+            what: "meta context name",
+            len: (b.len() - 4) as u64,
+            limit: MAX_META_QUERY_LEN.into(),
+        });
+    }
+    let name = std::str::from_utf8(&b[4..]).map_err(|_| ProtocolError::Malformed {
+        what: "meta context reply",
+        why: "name is not UTF-8",
+    })?;
+    Ok((be32(b, 0), name.to_string()))
+}
+
+/// One extent of a block status reply: its length and status flags
+/// (for `base:allocation`, [`STATE_HOLE`] and [`STATE_ZERO`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockDescriptor {
+    pub len: u32,
+    pub flags: u32,
+}
+
+/// Payload of a `REPLY_TYPE_BLOCK_STATUS` chunk.
+pub fn encode_block_status(context: u32, descriptors: &[BlockDescriptor]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(4 + 8 * descriptors.len());
+    b.extend_from_slice(&context.to_be_bytes());
+    for d in descriptors {
+        b.extend_from_slice(&d.len.to_be_bytes());
+        b.extend_from_slice(&d.flags.to_be_bytes());
+    }
+    b
+}
+
+pub fn decode_block_status(b: &[u8]) -> Result<(u32, Vec<BlockDescriptor>)> {
+    let what = "block status";
+    need(what, b, 12)?;
+    if !(b.len() - 4).is_multiple_of(8) {
+        return Err(ProtocolError::Malformed {
+            what,
+            why: "descriptors are 8 bytes each",
+        });
+    }
+    let n = (b.len() - 4) / 8;
+    if n > MAX_BLOCK_STATUS_DESCRIPTORS {
+        return Err(ProtocolError::TooLong {
+            what: "block status descriptors",
+            len: n as u64,
+            limit: MAX_BLOCK_STATUS_DESCRIPTORS as u64,
+        });
+    }
+    let descriptors = (0..n)
+        .map(|i| BlockDescriptor {
+            len: be32(b, 4 + 8 * i),
+            flags: be32(b, 8 + 8 * i),
+        })
+        .collect();
+    Ok((be32(b, 0), descriptors))
 }
 
 /// One option reply from the server.
@@ -718,6 +870,59 @@ mod tests {
             }
         );
         assert!(decode_info(&[0, 0, 1]).is_err());
+    }
+
+    #[test]
+    fn meta_context_requests_and_replies() {
+        let b = encode_meta_context_request("disk", &["base:allocation", "qemu:"]);
+        let r = decode_meta_context_request(&b).unwrap();
+        assert_eq!(r.export, "disk");
+        assert_eq!(r.queries, vec!["base:allocation", "qemu:"]);
+        let none = decode_meta_context_request(&encode_meta_context_request("", &[])).unwrap();
+        assert!(none.queries.is_empty());
+        // A count the option cannot hold is refused before allocating.
+        let mut huge = encode_meta_context_request("d", &[]);
+        let n = huge.len();
+        huge[n - 4..].copy_from_slice(&u32::MAX.to_be_bytes());
+        assert!(decode_meta_context_request(&huge).is_err());
+        let mut trailing = b.clone();
+        trailing.push(0);
+        assert!(decode_meta_context_request(&trailing).is_err());
+        let mut cut = b;
+        cut.pop();
+        assert!(decode_meta_context_request(&cut).is_err());
+        let mut long = encode_meta_context_request("d", &[]);
+        let n = long.len();
+        long[n - 4..].copy_from_slice(&1u32.to_be_bytes());
+        long.extend_from_slice(&(MAX_META_QUERY_LEN + 1).to_be_bytes());
+        assert!(matches!(
+            decode_meta_context_request(&long),
+            Err(ProtocolError::TooLong { .. })
+        ));
+        let reply = encode_meta_context_reply(7, META_BASE_ALLOCATION);
+        assert_eq!(
+            decode_meta_context_reply(&reply).unwrap(),
+            (7, META_BASE_ALLOCATION.to_string())
+        );
+        assert!(decode_meta_context_reply(&[0, 0]).is_err());
+    }
+
+    #[test]
+    fn block_status_roundtrip() {
+        let d = [
+            BlockDescriptor {
+                len: 65536,
+                flags: 0,
+            },
+            BlockDescriptor {
+                len: 4096,
+                flags: STATE_HOLE | STATE_ZERO,
+            },
+        ];
+        let b = encode_block_status(1, &d);
+        assert_eq!(decode_block_status(&b).unwrap(), (1, d.to_vec()));
+        assert!(decode_block_status(&b[..b.len() - 1]).is_err());
+        assert!(decode_block_status(&b[..4]).is_err());
     }
 
     #[test]

@@ -88,7 +88,7 @@ loopback() {
     dd if=/dev/urandom of="$img" bs=1M count=512 conv=notrunc status=none
     local P1=21809 P2=21810 P3=21811 P4=21812
     declare -A SPID
-    bg env RUST_LOG=warn "$BIN" serve --export "disk=$img" --listen 127.0.0.1:$P1 >/dev/null
+    bg env KEMARI_LOG=warn "$BIN" serve --export "disk=$img" --listen 127.0.0.1:$P1 >/dev/null
     SPID[$P1]=$LAST_PID
     bg nbdkit -f -i 127.0.0.1 -p $P2 file "file=$img" >/dev/null
     SPID[$P2]=$LAST_PID
@@ -139,7 +139,7 @@ loopback() {
     printf '%s\n' "${cpu_lines[@]}"
     log "== proxy fully cached (after cut-over) vs direct target"
     rm -rf "$WORK/loopcache"
-    bg env RUST_LOG=warn "$BIN" proxy --upstream nbd://127.0.0.1:$P1/disk --cache "$WORK/loopcache" \
+    bg env KEMARI_LOG=warn "$BIN" proxy --upstream nbd://127.0.0.1:$P1/disk --cache "$WORK/loopcache" \
         --export disk --listen 127.0.0.1:$P4 --control "$WORK/loop.ctl" >/dev/null
     wait_port "" $P4
     "$BIN" cutover --wait --control "$WORK/loop.ctl" >/dev/null
@@ -195,7 +195,7 @@ wan_setup() {
 # Starts the target (in the source namespace) and the 10 ms/10 ms relay.
 wan_target() {
     local img=$1
-    bg ip netns exec $NS_SRC env RUST_LOG=warn "$BIN" serve --export "disk=$img" --listen 127.0.0.1:10809 >/dev/null
+    bg ip netns exec $NS_SRC env KEMARI_LOG=warn "$BIN" serve --export "disk=$img" --listen 127.0.0.1:10809 >/dev/null
     wait_port $NS_SRC 10809
     bg ip netns exec $NS_SRC "$BIN" relay --listen $SRC_IP:$RELAY_PORT --to 127.0.0.1:10809 --delay-ms 10 >/dev/null
     sleep 0.2
@@ -204,7 +204,7 @@ wan_target() {
 # wan_proxy CACHE_DIR PORT [args...]
 wan_proxy() {
     local cache=$1 port=$2; shift 2
-    bg ip netns exec $NS_DST env RUST_LOG=info "$BIN" proxy --upstream nbd://$SRC_IP:$RELAY_PORT/disk \
+    bg ip netns exec $NS_DST env KEMARI_LOG=info "$BIN" proxy --upstream nbd://$SRC_IP:$RELAY_PORT/disk \
         --cache "$cache" --export disk --listen 127.0.0.1:$port --control "$cache.ctl" "$@" \
         >/dev/null 2>>"$WORK/proxy.log"
     wait_port $NS_DST "$port"

@@ -1,5 +1,7 @@
 //! What an export is served from: the [`Backend`] trait, and [`FileBackend`]
-//! (a plain image file, with per-group access counters) for the target.
+//! (a plain image file, with per-group access counters) for the target;
+//! [`file_extents`] tells the holes of a sparse file (SEEK_DATA/SEEK_HOLE)
+//! for block status.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -13,6 +15,14 @@ use nbd_client::protocol::AccessCounts;
 /// Size of the groups whose reads and writes the target counts for proxies.
 pub const ACCESS_GROUP_SIZE: u64 = 16 << 20;
 
+/// A run of an export's bytes with one allocation state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    pub len: u64,
+    /// Not allocated; reads as zeroes.
+    pub hole: bool,
+}
+
 /// An export's storage. Offsets and lengths are already checked against
 /// [`Backend::size`] by the server.
 pub trait Backend: Send + Sync + 'static {
@@ -23,6 +33,12 @@ pub trait Backend: Send + Sync + 'static {
     fn flush(&self) -> io::Result<()>;
     fn trim(&self, offset: u64, len: u64) -> io::Result<()>;
     fn write_zeroes(&self, offset: u64, len: u64, may_trim: bool, fua: bool) -> io::Result<()>;
+    /// The allocation of `[offset, offset + len)` from `offset` on, in at
+    /// most `max` extents (they may cover less than `len`, never more).
+    /// Default: all data, which is always a correct answer.
+    fn extents(&self, _offset: u64, len: u64, _max: usize) -> io::Result<Vec<Extent>> {
+        Ok(vec![Extent { len, hole: false }])
+    }
     /// Per-group access counters, if this backend keeps them.
     fn access_counts(&self) -> Option<AccessCounts> {
         None
@@ -132,6 +148,69 @@ pub fn fallocate_range(file: &File, mode: libc::c_int, offset: u64, len: u64) ->
     }
 }
 
+/// `lseek(fd, offset, whence)`; `None` for ENXIO (no data at or after
+/// `offset` for SEEK_DATA).
+fn seek(file: &File, offset: u64, whence: libc::c_int) -> io::Result<Option<u64>> {
+    // SAFETY: lseek only reads its integer arguments; the fd is owned by
+    // `file`. The file offset it moves is used by nothing: every read and
+    // write of an image is positional.
+    let r = unsafe { libc::lseek(file.as_raw_fd(), offset as libc::off_t, whence) };
+    if r >= 0 {
+        return Ok(Some(r as u64));
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::ENXIO) => Ok(None),
+        _ => Err(e),
+    }
+}
+
+/// The data and holes of `file` in `[offset, offset + len)`, at most `max`
+/// extents, found with SEEK_DATA / SEEK_HOLE. A file system without them
+/// reports everything as data.
+pub fn file_extents(file: &File, offset: u64, len: u64, max: usize) -> io::Result<Vec<Extent>> {
+    let end = offset.saturating_add(len);
+    let mut out: Vec<Extent> = Vec::new();
+    let mut pos = offset;
+    while pos < end && out.len() < max {
+        let data = match seek(file, pos, libc::SEEK_DATA) {
+            Ok(d) => d.unwrap_or(end).min(end),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EINVAL | libc::EOPNOTSUPP)) => {
+                out.push(Extent {
+                    len: end - pos,
+                    hole: false,
+                });
+                break;
+            }
+            Err(e) => return Err(e),
+        };
+        let (next, hole) = if data > pos {
+            (data, true)
+        } else {
+            // At data: it runs to the next hole (the end of file at worst).
+            let h = seek(file, pos, libc::SEEK_HOLE)?.unwrap_or(end);
+            (h.clamp(pos + 1, end), false)
+        };
+        push_extent(
+            &mut out,
+            Extent {
+                len: next - pos,
+                hole,
+            },
+        );
+        pos = next;
+    }
+    Ok(out)
+}
+
+/// Appends `e` to `out`, merged into the last extent if it is of its kind.
+pub fn push_extent(out: &mut Vec<Extent>, e: Extent) {
+    match out.last_mut() {
+        Some(last) if last.hole == e.hole => last.len += e.len,
+        _ => out.push(e),
+    }
+}
+
 /// Writes zeroes through the page cache in 1 MiB pieces (fallback).
 pub fn write_zeroes_slow(file: &File, mut offset: u64, mut len: u64) -> io::Result<()> {
     let zeros = vec![0u8; (1 << 20).min(len as usize)];
@@ -190,6 +269,9 @@ impl Backend for FileBackend {
             self.file.sync_data()?;
         }
         Ok(())
+    }
+    fn extents(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<Extent>> {
+        file_extents(&self.file, offset, len, max)
     }
     fn access_counts(&self) -> Option<AccessCounts> {
         Some(self.counters.snapshot())
@@ -270,6 +352,27 @@ impl Backend for MemBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn extents_of_a_sparse_file_and_their_limit() {
+        let path = std::env::temp_dir().join(format!("knbd-extents-{}", std::process::id()));
+        let f = File::create(&path).unwrap();
+        f.set_len(256 << 10).unwrap();
+        f.write_all_at(&[7u8; 4096], 64 << 10).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let e = file_extents(&f, 0, 256 << 10, 16).unwrap();
+        let hole = |len| Extent { len, hole: true };
+        let data = |len| Extent { len, hole: false };
+        assert_eq!(e, vec![hole(64 << 10), data(4096), hole(188 << 10)]);
+        assert_eq!(
+            file_extents(&f, 66 << 10, 100, 16).unwrap(),
+            vec![data(100)]
+        );
+        assert_eq!(
+            file_extents(&f, 0, 256 << 10, 1).unwrap(),
+            vec![hole(64 << 10)]
+        );
+    }
 
     #[test]
     fn counters_span_groups() {

@@ -12,9 +12,19 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use thiserror::Error;
 use tracing::warn;
 
 use crate::proxy::Proxy;
+use crate::shutdown::OwnedSocket;
+
+#[derive(Debug, Error)]
+pub enum ControlError {
+    #[error("cannot listen on the control socket")]
+    Bind(#[from] kemari_unix_socket::BindError),
+    #[error("cannot start the control socket's thread")]
+    Thread(#[source] io::Error),
+}
 
 #[derive(Debug, Serialize, Deserialize)]
 pub struct ControlRequest {
@@ -36,24 +46,40 @@ fn handle(proxy: &Proxy, line: &str) -> Value {
     json!({"ok": true, "status": proxy.shared.status()})
 }
 
-/// Serves the control socket at `path` on a background thread.
-pub fn spawn(path: &Path, proxy: Arc<Proxy>) -> io::Result<()> {
-    let _ = std::fs::remove_file(path);
-    let l = UnixListener::bind(path)?;
-    std::thread::Builder::new()
-        .name("nbd-control".into())
-        .spawn(move || {
-            for s in l.incoming() {
-                let Ok(s) = s else { continue };
-                let p = proxy.clone();
-                std::thread::spawn(move || {
-                    if let Err(e) = serve_one(s, &p) {
-                        warn!(error = %e, "control connection failed");
-                    }
-                });
-            }
-        })?;
-    Ok(())
+/// A bound control socket, not yet served.
+pub struct ControlSocket {
+    listener: UnixListener,
+    owned: OwnedSocket,
+}
+
+/// Binds the control socket at `path` (a stale socket there is replaced;
+/// anything else is refused and left intact).
+pub fn bind(path: &Path) -> Result<ControlSocket, ControlError> {
+    let (listener, owned) = OwnedSocket::bind(path)?;
+    Ok(ControlSocket { listener, owned })
+}
+
+impl ControlSocket {
+    /// Serves `proxy`'s commands on a background thread.
+    pub fn serve(self, proxy: Arc<Proxy>) -> Result<(), ControlError> {
+        let ControlSocket { listener, owned } = self;
+        std::thread::Builder::new()
+            .name("nbd-control".into())
+            .spawn(move || {
+                let _owned = owned;
+                for s in listener.incoming() {
+                    let Ok(s) = s else { continue };
+                    let p = proxy.clone();
+                    std::thread::spawn(move || {
+                        if let Err(e) = serve_one(s, &p) {
+                            warn!(error = %e, "control connection failed");
+                        }
+                    });
+                }
+            })
+            .map_err(ControlError::Thread)?;
+        Ok(())
+    }
 }
 
 fn serve_one(s: UnixStream, proxy: &Proxy) -> io::Result<()> {

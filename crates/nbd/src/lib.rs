@@ -4,6 +4,7 @@
 //! the VMM links alone; they are re-exported here under their old paths.
 //! See docs/nbd.md.
 
+pub mod allow;
 pub mod backend;
 pub mod control;
 pub mod ext;
@@ -11,6 +12,8 @@ pub mod loadgen;
 pub mod proxy;
 pub mod relay;
 pub mod server;
+pub mod shutdown;
 pub mod splice;
+pub mod tls;
 
 pub use nbd_client::{client, page_buf, protocol};

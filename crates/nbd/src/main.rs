@@ -5,19 +5,77 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 
+use kemari_nbd::allow::AllowList;
 use kemari_nbd::backend::FileBackend;
 use kemari_nbd::proxy::{Proxy, ProxyConfig};
-use kemari_nbd::server::{serve, Exports, Listener};
-use kemari_nbd::{control, relay};
+use kemari_nbd::server::{serve, Exports, Listener, ServerConfig, Tls, TlsMode};
+use kemari_nbd::tls::TlsServer;
+use kemari_nbd::{control, relay, shutdown};
 use nbd_client::client::{parse_url, query_access_counts};
 
 #[derive(Parser)]
-#[command(name = "kemari-nbd", about = "NBD target server and relocation proxy")]
+#[command(
+    name = "kemari-nbd",
+    version,
+    about = "NBD target server and relocation proxy"
+)]
 struct Cli {
+    /// Log filter: a level (off, error, warn, info, debug, trace) or tracing
+    /// directives such as warn,kemari_nbd=debug.
+    #[arg(long, global = true, env = kemari_logging::ENV,
+          default_value = kemari_logging::DEFAULT_LEVEL, value_parser = kemari_logging::check_filter)]
+    log_level: String,
+    /// Logs as JSON lines.
+    #[arg(long, global = true)]
+    log_json: bool,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+/// Who may connect, and how: TLS and the client allow-list.
+#[derive(Args)]
+struct Access {
+    /// TLS: off (STARTTLS refused), on (offered), require (nothing but
+    /// STARTTLS before TLS).
+    #[arg(long, default_value = "off", value_name = "off|on|require")]
+    tls: TlsMode,
+    /// X.509: DIR holds server-cert.pem, server-key.pem and, to require
+    /// client certificates, ca-cert.pem.
+    #[arg(long, value_name = "DIR", conflicts_with = "tls_psk")]
+    tls_certificates: Option<PathBuf>,
+    /// TLS-PSK: FILE holds IDENTITY:HEXKEY lines (psktool's format).
+    #[arg(long, value_name = "FILE")]
+    tls_psk: Option<PathBuf>,
+    /// Serve only clients from ADDR[/PREFIX] (repeatable; TCP listeners;
+    /// default: everyone).
+    #[arg(long = "allow", value_name = "ADDR[/PREFIX]")]
+    allow: Vec<String>,
+}
+
+impl Access {
+    fn config(&self, exports: Exports, listen: &str) -> Result<ServerConfig> {
+        let server = match (&self.tls_certificates, &self.tls_psk) {
+            (Some(dir), _) => Some(TlsServer::with_certificates(dir)?),
+            (_, Some(file)) => Some(TlsServer::with_psk_file(file)?),
+            (None, None) => None,
+        };
+        if self.tls == TlsMode::Off && server.is_some() {
+            bail!("TLS credentials given but --tls is off: add --tls on or --tls require");
+        }
+        let tls = Tls::new(self.tls, server.map(Arc::new))
+            .context("--tls on and --tls require need --tls-certificates DIR or --tls-psk FILE")?;
+        let allow = AllowList::parse(&self.allow)?;
+        if !allow.is_empty() && listen.starts_with("unix:") {
+            bail!("--allow applies to TCP listeners; {listen} is a Unix socket (use its file permissions)");
+        }
+        Ok(ServerConfig {
+            exports,
+            tls,
+            allow,
+        })
+    }
 }
 
 #[derive(Subcommand)]
@@ -30,6 +88,8 @@ enum Cmd {
         /// HOST:PORT or unix:PATH.
         #[arg(long, default_value = "127.0.0.1:10809")]
         listen: String,
+        #[command(flatten)]
+        access: Access,
     },
     /// Serve an export relocated from an upstream target or proxy.
     Proxy {
@@ -42,8 +102,11 @@ enum Cmd {
         /// Name of the export offered to clients.
         #[arg(long, default_value = "")]
         export: String,
+        /// HOST:PORT or unix:PATH.
         #[arg(long, default_value = "127.0.0.1:10810")]
         listen: String,
+        #[command(flatten)]
+        access: Access,
         /// Control socket for status/pause/resume/cutover.
         #[arg(long)]
         control: Option<PathBuf>,
@@ -126,17 +189,21 @@ fn parse_size(s: &str) -> Result<u64> {
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let cli = Cli::parse();
-    match cli.cmd {
-        Cmd::Serve { exports, listen } => {
+    kemari_logging::init(&cli.log_level, cli.log_json)?;
+    let result = run(cli.cmd);
+    // A control socket's owner lives on a thread that never ends.
+    shutdown::remove_sockets();
+    result
+}
+
+fn run(cmd: Cmd) -> Result<()> {
+    match cmd {
+        Cmd::Serve {
+            exports,
+            listen,
+            access,
+        } => {
             let mut ex = Exports::new();
             for spec in &exports {
                 let (name, rest) = spec
@@ -151,15 +218,18 @@ fn main() -> Result<()> {
                 tracing::info!(export = name, path, read_only = ro, "export");
                 ex.add(name, Arc::new(b));
             }
-            let l = Listener::bind(&listen).with_context(|| format!("listening on {listen}"))?;
-            tracing::info!(%listen, "target serving");
-            serve(l, Arc::new(ex))?;
+            let config = access.config(ex, &listen)?;
+            shutdown::exit_on_signals().context("installing the signal handler")?;
+            let l = Listener::bind(&listen).with_context(|| format!("--listen {listen}"))?;
+            tracing::info!(%listen, tls = ?config.tls.mode(), "target serving");
+            serve(l, Arc::new(config))?;
         }
         Cmd::Proxy {
             upstream,
             cache,
             export,
             listen,
+            access,
             control: ctl,
             rate_limit,
             bg_window,
@@ -177,16 +247,20 @@ fn main() -> Result<()> {
             };
             cfg.background = !no_background;
             cfg.auto_cutover = !no_auto_cutover;
+            // Checked before anything starts.
+            let mut config = access.config(Exports::new(), &listen)?;
+            shutdown::exit_on_signals().context("installing the signal handler")?;
+            let l = Listener::bind(&listen).with_context(|| format!("--listen {listen}"))?;
+            let ctl = ctl
+                .map(|c| control::bind(&c).with_context(|| format!("--control {}", c.display())))
+                .transpose()?;
             let proxy = Arc::new(Proxy::start(cfg)?);
             if let Some(c) = ctl {
-                control::spawn(&c, proxy.clone())
-                    .with_context(|| format!("control socket {}", c.display()))?;
+                c.serve(proxy.clone())?;
             }
-            let mut ex = Exports::new();
-            ex.add(&export, proxy);
-            let l = Listener::bind(&listen).with_context(|| format!("listening on {listen}"))?;
-            tracing::info!(%listen, %upstream, "proxy serving");
-            serve(l, Arc::new(ex))?;
+            config.exports.add(&export, proxy);
+            tracing::info!(%listen, %upstream, tls = ?config.tls.mode(), "proxy serving");
+            serve(l, Arc::new(config))?;
         }
         Cmd::Status { control: c } => print(control::request(&c, "status")?)?,
         Cmd::Pause { control: c } => print(control::request(&c, "pause")?)?,
@@ -204,10 +278,13 @@ fn main() -> Result<()> {
         }
         Cmd::AccessCounts { url } => {
             let c = query_access_counts(&parse_url(&url)?)?;
-            println!("group_size {}", c.group_size);
-            for (i, (r, w)) in c.groups.iter().enumerate() {
-                println!("{i} {r} {w}");
-            }
+            kemari_logging::stdout::write(|w| {
+                writeln!(w, "group_size {}", c.group_size)?;
+                for (i, (r, wr)) in c.groups.iter().enumerate() {
+                    writeln!(w, "{i} {r} {wr}")?;
+                }
+                Ok(())
+            })?;
         }
         Cmd::RandomReads {
             url,
@@ -222,7 +299,7 @@ fn main() -> Result<()> {
                 .filter_map(|w| w.parse().ok())
                 .collect();
             let r = kemari_nbd::loadgen::random_reads(&url, &list, secs, threads)?;
-            println!("{}", serde_json::to_string(&r)?);
+            kemari_logging::stdout::line(&serde_json::to_string(&r)?)?;
         }
         Cmd::Relay {
             listen,
@@ -234,7 +311,7 @@ fn main() -> Result<()> {
 }
 
 fn print(v: serde_json::Value) -> Result<()> {
-    println!("{}", serde_json::to_string_pretty(&v)?);
+    kemari_logging::stdout::line(&serde_json::to_string_pretty(&v)?)?;
     if v["ok"] != true {
         bail!("request failed");
     }

@@ -50,3 +50,20 @@ pub fn read_text(path: &Path) -> String {
     }
     s
 }
+
+/// Waits up to 10 s until the log file at `path` holds `needle`, then
+/// checks that it holds no terminal escape (colour) codes and returns it.
+pub fn log_without_escapes(path: &Path, needle: &str) -> String {
+    crate::procs::wait_for(
+        &format!("{needle:?} in {}", path.display()),
+        std::time::Duration::from_secs(10),
+        || read_text(path).contains(needle),
+    );
+    let text = read_text(path);
+    assert!(
+        !text.contains('\x1b'),
+        "escape codes in the log file {}: {text:?}",
+        path.display()
+    );
+    text
+}

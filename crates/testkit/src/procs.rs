@@ -97,3 +97,36 @@ pub fn wait_exit(child: &mut Child, what: &str) -> ExitStatus {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// Runs `cmd` with its stdout a pipe nobody reads (closed before the
+/// command writes: `cmd | true`) and checks that it ends quietly: exit 0 or
+/// killed by SIGPIPE, as coreutils end, never a panic, nothing on stderr.
+pub fn assert_quiet_on_closed_stdout(cmd: &mut Command, what: &str) {
+    use std::os::unix::process::ExitStatusExt;
+    /// SIGPIPE's number on Linux.
+    const SIGPIPE: i32 = 13;
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    drop(child.stdout.take());
+    let status = wait_exit(&mut child, what);
+    let out = child.wait_with_output().expect("output");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        status.success() || status.signal() == Some(SIGPIPE),
+        "{what} into a closed pipe: {status:?}: {err}"
+    );
+    assert_eq!(err, "", "{what} into a closed pipe wrote to stderr");
+}
+
+/// Runs `cmd`, which passes the log filter `verbose`, and checks that it is
+/// refused as a command-line error (status 2) naming the filter and an example.
+pub fn assert_verbose_log_filter_refused(cmd: &mut Command) {
+    let out = cmd.output().expect("spawn");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("\"verbose\" is not a level"), "{err}");
+    assert!(err.contains("e.g. --log-level info"), "{err}");
+}

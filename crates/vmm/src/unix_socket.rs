@@ -1,48 +1,44 @@
-//! Unix listening sockets that appear at their path only once they listen.
+//! Unix listening sockets that appear at their path only once they listen,
+//! and never over a file that is not a stale socket.
 //!
 //! `UnixListener::bind` is `socket` + `bind` + `listen`: between the last two
 //! the path exists but a `connect` is refused. A client that waits for the
 //! path to appear (scripts, `kemarictl`, a migration source, the benches) can
-//! hit that window on a loaded host. [`bind_listening`] binds and listens at a
-//! temporary name in the same directory and then renames it into place, so
-//! the path is either absent or accepting.
+//! hit that window on a loaded host. [`bind_listening`] binds and listens
+//! elsewhere and only then links the socket to its path, so the path is
+//! either absent or accepting — through `kemari_unix_socket::bind`, which
+//! also refuses a regular file (left intact) and a socket another process
+//! still serves, and replaces only a stale socket.
 
 use std::io;
 use std::os::unix::net::UnixListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-/// Listens on `path` (an existing file or stale socket there is replaced);
-/// the path appears only when connections are accepted.
+use kemari_unix_socket::{BindError, SocketOptions};
+
+/// Listens on `path` (mode 0600; a stale socket there is replaced, anything
+/// else refused); the path appears only when connections are accepted.
 pub fn bind_listening(path: &Path) -> io::Result<UnixListener> {
-    let temporary = temporary_name(path)?;
-    let _ = std::fs::remove_file(&temporary);
-    let listener = UnixListener::bind(&temporary)?;
-    if let Err(e) = std::fs::rename(&temporary, path) {
-        let _ = std::fs::remove_file(&temporary);
-        return Err(e);
+    match kemari_unix_socket::bind(path, &SocketOptions::default()) {
+        Ok((listener, _)) => Ok(listener),
+        Err(e) => {
+            let kind = match &e {
+                BindError::NotASocket { .. } | BindError::InUse { .. } => {
+                    io::ErrorKind::AlreadyExists
+                }
+                BindError::Io { source, .. } | BindError::Unknown { source, .. } => source.kind(),
+                BindError::Mode(_) | BindError::NoGroup(_) => io::ErrorKind::InvalidInput,
+            };
+            Err(io::Error::new(kind, e))
+        }
     }
-    Ok(listener)
-}
-
-/// `.<name>.<pid>.listening` beside `path` (the same directory, so the
-/// rename is atomic).
-fn temporary_name(path: &Path) -> io::Result<PathBuf> {
-    let name = path.file_name().ok_or_else(|| {
-        io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("socket path {} has no file name", path.display()),
-        )
-    })?;
-    let mut temporary = std::ffi::OsString::from(".");
-    temporary.push(name);
-    temporary.push(format!(".{}.listening", std::process::id()));
-    Ok(path.with_file_name(temporary))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::unix::net::UnixStream;
+    use std::path::PathBuf;
 
     fn scratch(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("unix-socket-{}-{name}", std::process::id()));
@@ -51,19 +47,44 @@ mod tests {
         dir
     }
 
+    fn names(dir: &Path) -> Vec<std::ffi::OsString> {
+        let mut v: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        v.sort();
+        v
+    }
+
     #[test]
     fn the_path_accepts_as_soon_as_it_exists_and_leaves_no_temporary() {
         let dir = scratch("accepts");
         let path = dir.join("api.sock");
-        std::fs::write(&path, b"stale").unwrap();
+        // A stale socket (its server is gone) is replaced.
+        drop(UnixListener::bind(&path).unwrap());
         let listener = bind_listening(&path).unwrap();
         UnixStream::connect(&path).unwrap();
         listener.accept().unwrap();
-        let names: Vec<_> = std::fs::read_dir(&dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert_eq!(names, vec![std::ffi::OsString::from("api.sock")]);
+        assert_eq!(names(&dir), vec![std::ffi::OsString::from("api.sock")]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_regular_file_or_a_live_socket_is_refused_and_kept() {
+        let dir = scratch("refused");
+        let file = dir.join("console.log");
+        std::fs::write(&file, b"precious").unwrap();
+        let e = bind_listening(&file).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::AlreadyExists);
+        assert!(e.to_string().contains("not a socket"), "{e}");
+        assert_eq!(std::fs::read(&file).unwrap(), b"precious");
+        let live = dir.join("live.sock");
+        let first = bind_listening(&live).unwrap();
+        let e = bind_listening(&live).unwrap_err();
+        assert!(e.to_string().contains("another process"), "{e}");
+        UnixStream::connect(&live).unwrap();
+        first.accept().unwrap();
+        assert_eq!(names(&dir), vec!["console.log", "live.sock"]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -23,7 +23,7 @@ use serde::Serialize;
 use thiserror::Error;
 use tracing::{info, warn};
 
-use crate::backend::{AccessCounters, Backend};
+use crate::backend::{file_extents, push_extent, AccessCounters, Backend, Extent};
 use cache::{Cache, CacheError, BLOCK};
 use fetch::{FetchStats, Link, OnDemand};
 use nbd_client::client::{Client, ClientError, NbdUrl};
@@ -377,6 +377,45 @@ impl Backend for Proxy {
             sh.cache.persist()?;
         }
         Ok(())
+    }
+    /// What the cache knows: the holes of cached blocks are those of the
+    /// cache file (trimmed or never written); an uncached block is data, as
+    /// it may hold anything upstream. Nothing is asked upstream, so a map
+    /// becomes exact as the copy completes.
+    fn extents(&self, offset: u64, len: u64, max: usize) -> io::Result<Vec<Extent>> {
+        let cache = &self.shared.cache;
+        let end = offset.saturating_add(len).min(cache.size());
+        let mut out = Vec::new();
+        let mut pos = offset;
+        while pos < end && out.len() < max {
+            let cached = cache.is_cached(pos / BLOCK);
+            let mut next = (pos / BLOCK + 1) * BLOCK;
+            while next < end && cache.is_cached(next / BLOCK) == cached {
+                next += BLOCK;
+            }
+            let next = next.min(end);
+            if cached {
+                let found = file_extents(cache.file(), pos, next - pos, max - out.len())?;
+                let covered: u64 = found.iter().map(|e| e.len).sum();
+                for e in found {
+                    push_extent(&mut out, e);
+                }
+                if covered < next - pos {
+                    // Out of extents: the reply covers less, as allowed.
+                    break;
+                }
+            } else {
+                push_extent(
+                    &mut out,
+                    Extent {
+                        len: next - pos,
+                        hole: false,
+                    },
+                );
+            }
+            pos = next;
+        }
+        Ok(out)
     }
     fn access_counts(&self) -> Option<AccessCounts> {
         Some(self.shared.counters.snapshot())

@@ -276,7 +276,12 @@ fn main() -> ExitCode {
     };
     match answer {
         Ok(v) => {
-            println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+            // A closed stdout (`kemarictl config | head -1`) ends us quietly.
+            let text = serde_json::to_string_pretty(&v).unwrap_or_default();
+            if let Err(e) = kemari_logging::stdout::line(&text) {
+                eprintln!("kemarictl: cannot write the answer: {e}");
+                return ExitCode::from(1);
+            }
             ExitCode::SUCCESS
         }
         Err(e) => {
