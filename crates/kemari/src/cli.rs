@@ -272,6 +272,9 @@ impl Args {
     }
 
     /// Applies the flags a restore may change to the saved configuration.
+    /// A TAP may be renamed (`--net tap=NAME`), but the guest's MAC stays
+    /// the one it had: a state without one (older kemari) keeps the MAC its
+    /// saved TAP name gave, and a `mac=` other than the guest's is refused.
     pub fn apply_restore_overrides(&self, config: &mut MachineConfig) -> Result<(), CliError> {
         if let Some(s) = &self.serial {
             config.serial = parse_serial(s)?;
@@ -280,7 +283,26 @@ impl Args {
         for (i, n) in self.nets.iter().enumerate() {
             let net = parse_net(n)?;
             match config.nets.get_mut(i) {
-                Some(existing) => existing.tap = net.tap,
+                Some(existing) => {
+                    let guest_mac = match (&existing.mac, &net.mac) {
+                        (None, Some(given)) => vmm::config::parse_mac(given)?,
+                        _ => existing.mac_address(),
+                    };
+                    if let Some(given) = &net.mac {
+                        if vmm::config::parse_mac(given)? != guest_mac {
+                            return Err(option_error(
+                                "net",
+                                n,
+                                &format!(
+                                    "the guest's MAC is {}: a restored VM keeps it",
+                                    vmm::config::format_mac(guest_mac)
+                                ),
+                            ));
+                        }
+                    }
+                    existing.mac = Some(vmm::config::format_mac(guest_mac));
+                    existing.tap = net.tap;
+                }
                 None => {
                     return Err(CliError::Invalid(ConfigError::DeviceOption {
                         kind: "net",
@@ -425,6 +447,44 @@ mod tests {
         assert!(parse_net("tap=t0,mac=zz").is_err());
         assert!(parse_net("tap=waytoolongtapname0").is_err());
         assert!(parse_net("mac=52:54:00:00:00:01").is_err());
+    }
+
+    #[test]
+    fn a_renamed_tap_keeps_the_guests_mac() {
+        let saved = |mac: Option<&str>| MachineConfig {
+            vcpus: 1,
+            memory_bytes: 64 << 20,
+            memory_backing: MemoryBacking::Memfd,
+            kernel: "/k".into(),
+            initramfs: None,
+            cmdline: String::new(),
+            serial: SerialConfig::Null,
+            disks: vec![],
+            nets: vec![NetConfig {
+                tap: "src-tap".into(),
+                mac: mac.map(str::to_owned),
+            }],
+        };
+        let renamed = Args::parse_from(["kemari", "--incoming", "h:1", "--net", "tap=dst-tap"]);
+        // Saved by an older kemari, without its MAC: the one its TAP gave.
+        let mut c = saved(None);
+        renamed.apply_restore_overrides(&mut c).unwrap();
+        assert_eq!(c.nets[0].tap, "dst-tap");
+        assert_eq!(c.nets[0].mac_address(), vmm::config::default_mac("src-tap"));
+        let mut c = saved(Some("52:54:00:00:00:07"));
+        renamed.apply_restore_overrides(&mut c).unwrap();
+        assert_eq!(c.nets[0].mac.as_deref(), Some("52:54:00:00:00:07"));
+        let other = Args::parse_from([
+            "kemari",
+            "--incoming",
+            "h:1",
+            "--net",
+            "tap=dst-tap,mac=52:54:00:00:00:08",
+        ]);
+        assert!(other.apply_restore_overrides(&mut c).is_err());
+        let mut c = saved(None);
+        other.apply_restore_overrides(&mut c).unwrap();
+        assert_eq!(c.nets[0].mac.as_deref(), Some("52:54:00:00:00:08"));
     }
 
     #[test]

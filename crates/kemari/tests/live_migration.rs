@@ -67,6 +67,20 @@ fn migrate(api: &Path, to: &str, key: &Path, extra: &[&str]) -> std::process::Ou
     run_with_timeout(kemarictl(api).args(&args), Duration::from_secs(120))
 }
 
+/// The guest's MAC, as its VMM's configuration reports it.
+fn guest_mac(api: &Path) -> String {
+    let out = run_with_timeout(kemarictl(api).arg("config"), Duration::from_secs(10));
+    let config: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    config["nets"][0]["mac"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no MAC in the configuration: {config}"))
+        .to_owned()
+}
+
+fn mac_text(mac: &[u8; 6]) -> String {
+    mac.map(|b| format!("{b:02x}")).join(":")
+}
+
 /// The source must still run its guest: counter, echo and API.
 fn assert_source_runs(src: &Vmm, echo: EchoChecker) {
     let n = counters(&src.console).len();
@@ -83,6 +97,50 @@ fn assert_source_runs(src: &Vmm, echo: EchoChecker) {
     echo.finish();
     let st = run_with_timeout(kemarictl(&src.api).arg("shutdown"), Duration::from_secs(10));
     assert!(st.status.success());
+}
+
+/// The MAC is guest-visible state: a destination whose TAP has another
+/// name, given no `mac=`, keeps the guest's MAC and announces it (not one
+/// derived from its own TAP's name, which stalled TCP until the guest
+/// spoke first).
+#[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
+fn a_destination_on_another_tap_keeps_and_announces_the_guests_mac() {
+    let _turn = one_at_a_time();
+    let dir = scratch("lm-mac");
+    let br = Bridge::create("m", 28);
+    let disk = disk_image(&dir);
+    let key = key_file(&dir, KEY);
+    let (mut src, echo) = start(&dir, &br, &disk, "");
+    let mac = guest_mac(&src.api);
+    let to = format!("127.0.0.1:{}", port(3) + 2000);
+    let dst = destination(&dir, &br, &to, &key, &[]);
+    std::thread::sleep(Duration::from_millis(300));
+    let capture = AnnounceCapture::start(&br.name);
+    let out = migrate(&src.api, &to, &key, &[]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(src.child.0.wait().unwrap().success());
+    // The announce follows the destination's resume at once.
+    std::thread::sleep(Duration::from_millis(500));
+    let announced: Vec<String> = capture.finish().iter().map(mac_text).collect();
+    assert!(!announced.is_empty(), "no RARP announce on {}", br.name);
+    assert!(
+        announced.iter().all(|m| *m == mac),
+        "announced {announced:?}, the guest's MAC is {mac}"
+    );
+    assert_eq!(guest_mac(&dst.api), mac);
+    eprintln!(
+        "longest TCP echo stall across the migration: {:?}",
+        echo.longest_stall()
+    );
+    check_continuity(&src.console, &dst, echo, &disk);
 }
 
 #[test]

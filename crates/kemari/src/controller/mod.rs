@@ -20,7 +20,8 @@
 //! shutdown or SIGTERM/SIGINT, a completed hand-over, or a fault-tolerance
 //! standby whose primary ended protection; 1 when the VMM fails (bad
 //! configuration, KVM error, a standby that may not fail over); 3 when the
-//! guest reports a failure through the exit port (code != 0).
+//! guest reports a failure through the exit port (code != 0); 4 when the
+//! guest crashed (a vCPU triple-faulted; its registers are in the log).
 
 mod ending;
 mod queries;
@@ -58,6 +59,9 @@ use self::worker::{After, Done, Op};
 
 /// Exit status when the guest reported a failure.
 pub const EXIT_GUEST_FAILURE: u8 = 3;
+
+/// Exit status when the guest crashed (triple fault).
+pub const EXIT_GUEST_CRASHED: u8 = 4;
 
 /// How long the ending VMM lets the API write what followers of the last
 /// operation are owed (its final line).
@@ -251,6 +255,10 @@ impl Controller {
             Control::Vm(VmEvent::Reset) => {
                 tracing::info!("guest reset: ending the VM");
                 self.end(Ending::Status(ExitCode::SUCCESS))
+            }
+            Control::Vm(VmEvent::Crashed { vcpu, reason }) => {
+                eprintln!("kemari: guest crashed: {reason} on vCPU {vcpu}");
+                self.end(Ending::Status(ExitCode::from(EXIT_GUEST_CRASHED)))
             }
             Control::Vm(VmEvent::Error(message)) => self.end(Ending::Failed(message)),
             Control::Signal(sig) => {
