@@ -116,12 +116,40 @@ pub struct Args {
     /// Build the VM but do not start its vCPUs until resumed through the API.
     #[arg(long)]
     pub start_paused: bool,
+    /// The system calls each thread may make (seccomp filters, see
+    /// docs/architecture.md): `on` kills the process (SIGSYS) at a call
+    /// outside its thread's filter; `log` allows it and has the kernel log
+    /// it (dmesg: `audit: type=1326 … syscall=N`), to find what a new
+    /// workload needs; `off` filters nothing. Also from `KEMARI_SECCOMP`.
+    #[arg(long, value_enum, env = "KEMARI_SECCOMP", default_value_t = SeccompFlag::On)]
+    pub seccomp: SeccompFlag,
     /// Log filter (error, warn, info, debug, trace, or tracing directives).
     #[arg(long, default_value = "warn")]
     pub log_level: String,
     /// Logs as JSON lines.
     #[arg(long)]
     pub log_json: bool,
+}
+
+/// `--seccomp`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SeccompFlag {
+    /// Kill the process at a forbidden call.
+    On,
+    /// Log forbidden calls, allow them.
+    Log,
+    /// No filters.
+    Off,
+}
+
+impl From<SeccompFlag> for vmm::seccomp::SeccompMode {
+    fn from(flag: SeccompFlag) -> Self {
+        match flag {
+            SeccompFlag::On => vmm::seccomp::SeccompMode::Kill,
+            SeccompFlag::Log => vmm::seccomp::SeccompMode::Log,
+            SeccompFlag::Off => vmm::seccomp::SeccompMode::Off,
+        }
+    }
 }
 
 /// Errors assembling the configuration.

@@ -25,8 +25,9 @@ pub mod stub;
 
 pub use bins::{guest_elf, kemari, kemarictl};
 pub use dirs::{read_text, scratch, TempDir};
-pub use net::{
-    free_port, wait_listening, wait_port, AnnounceCapture, Bridge, EchoChecker, TapNet,
+pub use net::{free_port, wait_listening, wait_port, AnnounceCapture, Bridge, EchoChecker, TapNet};
+pub use procs::{
+    assert_every_thread_filtered, run, run_with_timeout, sh, thread_seccomp, tool, wait_exit,
+    wait_for, KillOnDrop, ThreadSeccomp,
 };
-pub use procs::{run, run_with_timeout, sh, tool, wait_exit, wait_for, KillOnDrop};
 pub use stub::{build_stub, build_stub_mode};

@@ -24,6 +24,7 @@
 //! guest crashed (a vCPU triple-faulted; its registers are in the log).
 
 mod ending;
+mod hardening;
 mod queries;
 mod shared;
 mod startup;
@@ -39,7 +40,7 @@ use vmm::machine::{Machine, MachineError};
 use vmm::persist::snapshot::SnapshotError;
 use vmm::vstate::{VmEvent, VmEventSink};
 
-use ft::fence::Fence;
+use ft::fence::{Fence, FenceCommand};
 use ft::gate::FtGate;
 use ft::status::FtState;
 use transfer::modes::warm;
@@ -94,6 +95,12 @@ pub enum ProcessError {
     /// Fault tolerance (standby, fence).
     #[error(transparent)]
     Ft(#[from] ft::FtError),
+    /// The VMM could not confine itself (capabilities, seccomp).
+    #[error(transparent)]
+    Hardening(#[from] hardening::HardeningError),
+    /// The fence command's helper process could not be started.
+    #[error("cannot start the fence command's helper process")]
+    FenceHelper(#[source] std::io::Error),
 }
 
 type Answer = Result<Reply, ActionError>;
@@ -167,16 +174,29 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
     let shared = Shared::new(startup::describe(args));
     let (tx, rx) = channel();
     let sink = VmEventSink::new(forwarder(&tx, Control::Vm));
+    // Forked while this is the only thread, with the privileges the
+    // command may need (no thread of the VMM may execute a program).
+    let fence_cmd = match &args.ft_fence_cmd {
+        Some(cmd) => Some(FenceCommand::start(cmd).map_err(ProcessError::FenceHelper)?),
+        None => None,
+    };
     // The API socket first: a socket in use is refused before any VM exists.
-    let api = match &api_socket {
-        Some(path) => Some(ApiServer::start(
+    let listening = match &api_socket {
+        Some(path) => Some(ApiServer::listen(
             path,
             ServerOptions {
                 socket: args.api_socket_options()?,
                 ..ServerOptions::default()
             },
-            api_handler(shared.clone(), tx.clone()),
         )?),
+        None => None,
+    };
+    // Still the only thread: every thread made from here on inherits it.
+    hardening::harden(args)?;
+    let api = match listening {
+        Some(l) => Some(l.serve(api_handler(shared.clone(), tx.clone()), || {
+            vmm::seccomp::confine_this_thread(vmm::seccomp::ThreadFilter::Api)
+        })?),
         None => None,
     };
     let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT])
@@ -195,7 +215,7 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
     let mut _fence: Option<Fence> = None;
     let machine = if let Some(listen) = &args.ft_standby {
         shared.set_role(Role::Standby);
-        match startup::standby(args, listen, sink, &shared.ft)? {
+        match startup::standby(args, listen, sink, &shared.ft, fence_cmd)? {
             ft::standby::StandbyOutcome::FailedOver(m, fence) => {
                 _fence = fence;
                 m
@@ -212,6 +232,9 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         }
         startup::make_machine(args, sink)?
     };
+    // From this thread: a vCPU thread, under its seccomp filter, may not
+    // start it (it would write partial lines at once instead).
+    machine.start_console_flusher();
     shared.set_machine(machine.monitor());
     let mut controller = Controller {
         slot: Slot::Here(machine),

@@ -74,6 +74,10 @@ enum Flow {
 
 impl VcpuRunner {
     pub(super) fn run(&mut self, start_paused: bool) {
+        // Made (and, ahead, moved to its CPUs) already: from here on it
+        // only runs its vCPU.
+        crate::seccomp::confine_this_thread(crate::seccomp::ThreadFilter::Vcpu);
+        crate::seccomp::make_a_forbidden_call_if_asked("vcpu");
         let flag: *mut u8 = &mut self.fd.get_kvm_run().immediate_exit;
         KICK_EXIT_FLAG.with(|f| f.set(flag));
         self.run_loop(start_paused);
