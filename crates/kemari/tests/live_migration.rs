@@ -128,14 +128,19 @@ fn a_destination_on_another_tap_keeps_and_announces_the_guests_mac() {
     );
     assert!(src.child.0.wait().unwrap().success());
     // The announce follows the destination's resume at once.
-    std::thread::sleep(Duration::from_millis(500));
-    let announced: Vec<String> = capture.finish().iter().map(mac_text).collect();
+    let announced: Vec<String> = capture
+        .finish(Duration::from_secs(5))
+        .iter()
+        .map(mac_text)
+        .collect();
     assert!(!announced.is_empty(), "no RARP announce on {}", br.name);
     assert!(
         announced.iter().all(|m| *m == mac),
         "announced {announced:?}, the guest's MAC is {mac}"
     );
     assert_eq!(guest_mac(&dst.api), mac);
+    // The VM's threads here are confined too, made during the migration.
+    assert_every_thread_filtered(dst.child.0.id(), "a live-migration destination");
     eprintln!(
         "longest TCP echo stall across the migration: {:?}",
         echo.longest_stall()

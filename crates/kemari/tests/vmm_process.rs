@@ -51,7 +51,10 @@ fn a_triple_fault_is_a_crash_with_exit_status_4_and_the_registers_logged() {
     );
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(4), "stderr: {err}");
-    assert!(err.contains("guest crashed: triple fault on vCPU 0"), "{err}");
+    assert!(
+        err.contains("guest crashed: triple fault on vCPU 0"),
+        "{err}"
+    );
     let logged = err
         .lines()
         .find(|l| l.contains("ERROR") && l.contains("guest crashed: triple fault"))

@@ -249,6 +249,8 @@ impl EchoChecker {
 /// from the moment [`start`](Self::start) returns.
 pub struct AnnounceCapture {
     stop: Arc<AtomicBool>,
+    /// Announces seen so far.
+    seen: Arc<AtomicU64>,
     thread: Option<JoinHandle<Vec<[u8; 6]>>>,
 }
 
@@ -264,7 +266,11 @@ impl AnnounceCapture {
         let proto = ETH_P_RARP.to_be();
         // SAFETY: socket() takes no pointers; the result is checked.
         let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from(proto)) };
-        assert!(fd >= 0, "packet socket: {}", std::io::Error::last_os_error());
+        assert!(
+            fd >= 0,
+            "packet socket: {}",
+            std::io::Error::last_os_error()
+        );
         // SAFETY: `fd` was just returned by socket() and is owned by nobody else.
         let sock = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
         // SAFETY: a zeroed sockaddr_ll is valid; the fields set are plain data.
@@ -296,7 +302,8 @@ impl AnnounceCapture {
             )
         };
         let stop = Arc::new(AtomicBool::new(false));
-        let st = stop.clone();
+        let seen_count = Arc::new(AtomicU64::new(0));
+        let (st, count) = (stop.clone(), seen_count.clone());
         let thread = std::thread::spawn(move || {
             let mut file = std::fs::File::from(sock);
             let mut seen = Vec::new();
@@ -306,6 +313,7 @@ impl AnnounceCapture {
                 if let Ok(n) = file.read(&mut frame) {
                     if n >= 14 && frame[12..14] == ETH_P_RARP.to_be_bytes() {
                         seen.push(frame[6..12].try_into().unwrap());
+                        count.fetch_add(1, Ordering::SeqCst);
                     }
                 }
             }
@@ -313,12 +321,20 @@ impl AnnounceCapture {
         });
         AnnounceCapture {
             stop,
+            seen: seen_count,
             thread: Some(thread),
         }
     }
 
-    /// Stops and returns the source MAC of every announce seen.
-    pub fn finish(mut self) -> Vec<[u8; 6]> {
+    /// Stops and returns the source MAC of every announce seen, once one
+    /// was (or after `patience`).
+    pub fn finish(mut self, patience: Duration) -> Vec<[u8; 6]> {
+        let deadline = Instant::now() + patience;
+        while self.seen.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // What came with the first one (an announce is a burst).
+        std::thread::sleep(Duration::from_millis(100));
         self.stop.store(true, Ordering::SeqCst);
         self.thread.take().unwrap().join().unwrap()
     }
