@@ -18,9 +18,9 @@
 //! process (`SECCOMP_RET_KILL_PROCESS`, the exit is SIGSYS), or with
 //! [`SeccompMode::Log`] is allowed and logged by the kernel (`dmesg`:
 //! `audit: type=1326 … syscall=N`), to learn what a new workload needs.
-//! ioctl is allowed by request type only: KVM's (0xAE) everywhere it is
-//! allowed, plus the TUN/tty/FIO (`'T'`) and socket (0x89) ones on the
-//! process, device and API lists, never on a vCPU thread. Whoever owns the
+//! ioctl is allowed by request type only: KVM's (0xAE) on the process,
+//! device and vCPU lists, TUN/tty/FIO ones (`'T'`) on all but the vCPU's,
+//! socket-interface ones (0x89) on the process's alone. Whoever owns the
 //! process chooses the mode once ([`install_process_filter`]); the threads
 //! this crate starts then add their own ([`confine_this_thread`]). Without
 //! it (a library user, a unit test) nothing is filtered.
