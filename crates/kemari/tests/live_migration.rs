@@ -99,55 +99,10 @@ fn assert_source_runs(src: &Vmm, echo: EchoChecker) {
     assert!(st.status.success());
 }
 
-/// The MAC is guest-visible state: a destination whose TAP has another
-/// name, given no `mac=`, keeps the guest's MAC and announces it (not one
-/// derived from its own TAP's name, which stalled TCP until the guest
-/// spoke first).
-#[test]
-#[cfg_attr(
-    any(no_kvm, no_tap),
-    ignore = "needs a usable /dev/kvm and TAP devices (root)"
-)]
-fn a_destination_on_another_tap_keeps_and_announces_the_guests_mac() {
-    let _turn = one_at_a_time();
-    let dir = scratch("lm-mac");
-    let br = Bridge::create("m", 28);
-    let disk = disk_image(&dir);
-    let key = key_file(&dir, KEY);
-    let (mut src, echo) = start(&dir, &br, &disk, "");
-    let mac = guest_mac(&src.api);
-    let to = format!("127.0.0.1:{}", port(3) + 2000);
-    let dst = destination(&dir, &br, &to, &key, &[]);
-    std::thread::sleep(Duration::from_millis(300));
-    let capture = AnnounceCapture::start(&br.name);
-    let out = migrate(&src.api, &to, &key, &[]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(src.child.0.wait().unwrap().success());
-    // The announce follows the destination's resume at once.
-    let announced: Vec<String> = capture
-        .finish(Duration::from_secs(5))
-        .iter()
-        .map(mac_text)
-        .collect();
-    assert!(!announced.is_empty(), "no RARP announce on {}", br.name);
-    assert!(
-        announced.iter().all(|m| *m == mac),
-        "announced {announced:?}, the guest's MAC is {mac}"
-    );
-    assert_eq!(guest_mac(&dst.api), mac);
-    // The VM's threads here are confined too, made during the migration.
-    assert_every_thread_filtered(dst.child.0.id(), "a live-migration destination");
-    eprintln!(
-        "longest TCP echo stall across the migration: {:?}",
-        echo.longest_stall()
-    );
-    check_continuity(&src.console, &dst, echo, &disk);
-}
-
+/// The destination's TAP has another name and no `mac=` is given: the MAC
+/// is guest-visible state, so the destination keeps the guest's and
+/// announces it (not one derived from its own TAP's name, which stalled
+/// TCP until the guest spoke first); its threads are confined too.
 #[test]
 #[cfg_attr(
     any(no_kvm, no_tap),
@@ -160,9 +115,11 @@ fn live_migration_keeps_counter_disk_and_tcp() {
     let disk = disk_image(&dir);
     let key = key_file(&dir, KEY);
     let (mut src, echo) = start(&dir, &br, &disk, "dirty=1000,32");
+    let mac = guest_mac(&src.api);
     let to = format!("127.0.0.1:{}", port(0));
     let dst = destination(&dir, &br, &to, &key, &[]);
     std::thread::sleep(Duration::from_millis(300));
+    let capture = AnnounceCapture::start(&br.name);
     let out = migrate(&src.api, &to, &key, &[]);
     assert!(
         out.status.success(),
@@ -178,6 +135,23 @@ fn live_migration_keeps_counter_disk_and_tcp() {
     assert!(running >= downtime, "{report}");
     let status = src.child.0.wait().unwrap();
     assert!(status.success());
+    // The announce follows the destination's resume at once.
+    let announced: Vec<String> = capture
+        .finish(Duration::from_secs(5))
+        .iter()
+        .map(mac_text)
+        .collect();
+    assert!(!announced.is_empty(), "no RARP announce on {}", br.name);
+    assert!(
+        announced.iter().all(|m| *m == mac),
+        "announced {announced:?}, the guest's MAC is {mac}"
+    );
+    assert_eq!(guest_mac(&dst.api), mac);
+    assert_every_thread_filtered(dst.child.0.id(), "a live-migration destination");
+    eprintln!(
+        "longest TCP echo stall across the migration: {:?}",
+        echo.longest_stall()
+    );
     check_continuity(&src.console, &dst, echo, &disk);
 }
 

@@ -72,28 +72,7 @@ fn every_thread_of_a_vmm_and_of_its_prepared_successor_is_filtered() {
 
     // Its successor, prepared (KVM VM, vCPU threads ahead) and waiting.
     let state_dir = dir.join("warm");
-    let out = ctl(
-        &vmm.api,
-        &["warm-restart", state_dir.to_str().unwrap(), "--prepare"],
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let successor = spawn_vmm(
-        &[
-            "--restore".into(),
-            state_dir.display().to_string(),
-            "--await-state".into(),
-        ],
-        &dir.join("console-2.log"),
-        &dir.join("api-2.sock"),
-        &[],
-    );
-    wait_for("the successor's socket", Duration::from_secs(30), || {
-        state_dir.join("successor.sock").exists()
-    });
+    let successor = prepared_successor(&vmm, &state_dir, &dir);
     assert_every_thread_filtered(successor.child.0.id(), "a waiting successor");
     // The VM moves: every thread of the successor is still filtered.
     let out = ctl(&vmm.api, &["warm-restart", state_dir.to_str().unwrap()]);

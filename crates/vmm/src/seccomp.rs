@@ -454,26 +454,38 @@ mod tests {
         }
     }
 
-    #[test]
-    fn an_api_thread_may_only_read_a_file() {
+    /// Runs `job` on a thread under `kind`'s rules, where a call outside
+    /// them fails with EPERM rather than killing the test (the kill is the
+    /// process's mode; here the refusal is what is looked at).
+    fn confined<T: Send + 'static>(
+        kind: ThreadFilter,
+        job: impl FnOnce() -> T + Send + 'static,
+    ) -> T {
         let filter = SeccompFilter::new(
-            rules(ThreadFilter::Api),
+            rules(kind),
             SeccompAction::Errno(libc::EPERM as u32),
             SeccompAction::Allow,
             std::env::consts::ARCH.try_into().unwrap(),
         )
         .unwrap();
         let program: BpfProgram = filter.try_into().unwrap();
+        std::thread::spawn(move || {
+            seccompiler::apply_filter(&program).unwrap();
+            job()
+        })
+        .join()
+        .unwrap()
+    }
+
+    #[test]
+    fn an_api_thread_may_only_read_a_file() {
         let scratch = std::env::temp_dir().join(format!("kemari-seccomp-{}", std::process::id()));
         let path = scratch.clone();
-        let (read, created) = std::thread::spawn(move || {
-            seccompiler::apply_filter(&program).unwrap();
+        let (read, created) = confined(ThreadFilter::Api, move || {
             let read = std::fs::read_to_string("/proc/self/stat").is_ok();
             let created = std::fs::File::create(&path).map_err(|e| e.raw_os_error());
             (read, created.map(drop))
-        })
-        .join()
-        .unwrap();
+        });
         assert!(read);
         assert_eq!(created, Err(Some(libc::EPERM)));
         assert!(!scratch.exists());
@@ -481,26 +493,13 @@ mod tests {
 
     #[test]
     fn a_confined_thread_is_refused_what_its_filter_lacks() {
-        // Log mode would only log; the kill mode is what the process uses,
-        // so confine a thread with an errno filter to see the refusal.
-        let filter = SeccompFilter::new(
-            rules(ThreadFilter::Vcpu),
-            SeccompAction::Errno(libc::EPERM as u32),
-            SeccompAction::Allow,
-            std::env::consts::ARCH.try_into().unwrap(),
-        )
-        .unwrap();
-        let program: BpfProgram = filter.try_into().unwrap();
-        let socket = std::thread::spawn(move || {
-            seccompiler::apply_filter(&program).unwrap();
+        let socket = confined(ThreadFilter::Vcpu, || {
             let refused = crate::sys::socket(libc::AF_INET, libc::SOCK_STREAM, 0).unwrap_err();
             // Time, memory and futexes still work.
             let _ = std::time::Instant::now();
             let v = vec![0u8; 1 << 20];
             (refused.raw_os_error(), v.len())
-        })
-        .join()
-        .unwrap();
+        });
         assert_eq!(socket, (Some(libc::EPERM), 1 << 20));
     }
 }
