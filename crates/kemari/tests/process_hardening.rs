@@ -98,6 +98,7 @@ fn every_thread_of_a_vmm_and_of_its_prepared_successor_is_filtered() {
 }
 
 #[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn a_vmm_waiting_for_its_vm_is_filtered_and_keeps_only_net_admin() {
     let dir = scratch("harden-wait");
     let key = dir.join("key");
