@@ -22,5 +22,5 @@ mod status;
 
 pub use reply::{ActionError, LineStream, Reply};
 pub use routes::{ApiRequest, FtStartRequest, Routed};
-pub use server::{ApiServer, Handler, ServerOptions};
+pub use server::{ApiServer, Handler, Listening, ServerOptions};
 pub use status::Refusal;

@@ -220,6 +220,14 @@ fn start(
     if !wait_path(&api_sock, Duration::from_secs(30)) {
         return Err(format!("the primary did not start: {}", primary.tail()));
     }
+    // The API answers while the VM is still being built.
+    let built = Instant::now();
+    while api(&api_sock, "GET", "/vm", None).is_ok_and(|v| v["state"] == "starting") {
+        if built.elapsed() > Duration::from_secs(30) {
+            return Err(format!("the primary built no VM: {}", primary.tail()));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
     if mode != "unprotected" {
         let mut body = serde_json::json!({
             "peer": format!("127.0.0.1:{port}"),

@@ -54,7 +54,7 @@ pub struct StandbyOptions {
     /// The fence to take before running the VM.
     pub fence: Option<PathBuf>,
     /// The STONITH-style command to run before running the VM.
-    pub fence_cmd: Option<String>,
+    pub fence_cmd: Option<super::fence::FenceCommand>,
     /// An authenticated but unencrypted link (a trusted, dedicated one).
     pub plaintext: bool,
 }
@@ -425,9 +425,7 @@ fn failover(
         None => None,
     };
     if let Some(cmd) = &opts.fence_cmd {
-        if let Err(e) =
-            super::fence::run_fence_command(cmd, peer, timeout.max(Duration::from_secs(10)))
-        {
+        if let Err(e) = cmd.run(peer, timeout.max(Duration::from_secs(10))) {
             shared.set_state(FtState::Standby);
             shared.set_error(e.to_string());
             tracing::error!(error = %e, "not failing over: the primary could not be fenced");

@@ -124,6 +124,13 @@ pub struct Args {
     /// Build the VM but do not start its vCPUs until resumed through the API.
     #[arg(long)]
     pub start_paused: bool,
+    /// The system calls each thread may make (seccomp filters, see
+    /// docs/architecture.md): `on` kills the process (SIGSYS) at a call
+    /// outside its thread's filter; `log` allows it and has the kernel log
+    /// it (dmesg: `audit: type=1326 … syscall=N`), to find what a new
+    /// workload needs; `off` filters nothing. Also from `KEMARI_SECCOMP`.
+    #[arg(long, value_enum, env = "KEMARI_SECCOMP", default_value_t = SeccompFlag::On)]
+    pub seccomp: SeccompFlag,
     /// Log filter: a level (off, error, warn, info, debug, trace) or tracing
     /// directives such as warn,vmm=debug.
     #[arg(long, env = kemari_logging::ENV, default_value = kemari_logging::DEFAULT_LEVEL,
@@ -132,6 +139,27 @@ pub struct Args {
     /// Logs as JSON lines.
     #[arg(long)]
     pub log_json: bool,
+}
+
+/// `--seccomp`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SeccompFlag {
+    /// Kill the process at a forbidden call.
+    On,
+    /// Log forbidden calls, allow them.
+    Log,
+    /// No filters.
+    Off,
+}
+
+impl From<SeccompFlag> for vmm::seccomp::SeccompMode {
+    fn from(flag: SeccompFlag) -> Self {
+        match flag {
+            SeccompFlag::On => vmm::seccomp::SeccompMode::Kill,
+            SeccompFlag::Log => vmm::seccomp::SeccompMode::Log,
+            SeccompFlag::Off => vmm::seccomp::SeccompMode::Off,
+        }
+    }
 }
 
 /// Errors assembling the configuration. Each names the input as the user
@@ -353,6 +381,9 @@ impl Args {
     }
 
     /// Applies the flags a restore may change to the saved configuration.
+    /// A TAP may be renamed (`--net tap=NAME`), but the guest's MAC stays
+    /// the one it had: a state without one (older kemari) keeps the MAC its
+    /// saved TAP name gave, and a `mac=` other than the guest's is refused.
     pub fn apply_restore_overrides(&self, config: &mut MachineConfig) -> Result<(), CliError> {
         if let Some(s) = &self.serial {
             config.serial = parse_serial(s).map_err(|e| Given::Flag("--serial").error(s, e))?;
@@ -361,7 +392,26 @@ impl Args {
         for (i, n) in self.nets.iter().enumerate() {
             let net = parse_net(n)?;
             match config.nets.get_mut(i) {
-                Some(existing) => existing.tap = net.tap,
+                Some(existing) => {
+                    let guest_mac = match (&existing.mac, &net.mac) {
+                        (None, Some(given)) => vmm::config::parse_mac(given)?,
+                        _ => existing.mac_address(),
+                    };
+                    if let Some(given) = &net.mac {
+                        if vmm::config::parse_mac(given)? != guest_mac {
+                            return Err(option_error(
+                                "net",
+                                n,
+                                &format!(
+                                    "the guest's MAC is {}: a restored VM keeps it",
+                                    vmm::config::format_mac(guest_mac)
+                                ),
+                            ));
+                        }
+                    }
+                    existing.mac = Some(vmm::config::format_mac(guest_mac));
+                    existing.tap = net.tap;
+                }
                 None => {
                     return Err(CliError::Invalid(ConfigError::DeviceOption {
                         kind: "net",
@@ -507,6 +557,44 @@ mod tests {
         assert!(parse_net("tap=t0,mac=zz").is_err());
         assert!(parse_net("tap=waytoolongtapname0").is_err());
         assert!(parse_net("mac=52:54:00:00:00:01").is_err());
+    }
+
+    #[test]
+    fn a_renamed_tap_keeps_the_guests_mac() {
+        let saved = |mac: Option<&str>| MachineConfig {
+            vcpus: 1,
+            memory_bytes: 64 << 20,
+            memory_backing: MemoryBacking::Memfd,
+            kernel: "/k".into(),
+            initramfs: None,
+            cmdline: String::new(),
+            serial: SerialConfig::Null,
+            disks: vec![],
+            nets: vec![NetConfig {
+                tap: "src-tap".into(),
+                mac: mac.map(str::to_owned),
+            }],
+        };
+        let renamed = Args::parse_from(["kemari", "--incoming", "h:1", "--net", "tap=dst-tap"]);
+        // Saved by an older kemari, without its MAC: the one its TAP gave.
+        let mut c = saved(None);
+        renamed.apply_restore_overrides(&mut c).unwrap();
+        assert_eq!(c.nets[0].tap, "dst-tap");
+        assert_eq!(c.nets[0].mac_address(), vmm::config::default_mac("src-tap"));
+        let mut c = saved(Some("52:54:00:00:00:07"));
+        renamed.apply_restore_overrides(&mut c).unwrap();
+        assert_eq!(c.nets[0].mac.as_deref(), Some("52:54:00:00:00:07"));
+        let other = Args::parse_from([
+            "kemari",
+            "--incoming",
+            "h:1",
+            "--net",
+            "tap=dst-tap,mac=52:54:00:00:00:08",
+        ]);
+        assert!(other.apply_restore_overrides(&mut c).is_err());
+        let mut c = saved(None);
+        other.apply_restore_overrides(&mut c).unwrap();
+        assert_eq!(c.nets[0].mac.as_deref(), Some("52:54:00:00:00:08"));
     }
 
     #[test]

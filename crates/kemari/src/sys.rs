@@ -1,6 +1,7 @@
 //! The process-level system calls of the kemari binary, each behind a safe
-//! function: the reaper that destroys the KVM VM after the VMM exited, and
-//! the idle priority the VMM ends at.
+//! function: the reaper that destroys the KVM VM after the VMM exited, the
+//! idle priority the VMM ends at, and the capabilities and privileges it
+//! gives up at start-up.
 //!
 //! **The reaper.**
 //! When the last reference to a KVM VM goes, the kernel destroys it
@@ -66,4 +67,99 @@ pub fn all_threads_at_idle_priority() {
             );
         }
     }
+}
+
+/// `CAP_NET_ADMIN` (linux/capability.h): opening or creating a TAP.
+pub const CAP_NET_ADMIN: u32 = 12;
+
+/// capget/capset's header, version 3 (two 32-bit words per set).
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: libc::c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+const CAP_VERSION_3: u32 = 0x2008_0522;
+
+/// Keeps only the capabilities in `keep` (of those the process has): the
+/// others leave the permitted, effective and inheritable sets and the
+/// bounding set, and the ambient set is cleared, so that nothing this
+/// process does later, nor a program it could start, gets them back.
+/// Capabilities belong to a thread and a new thread copies its creator's:
+/// call it while the process has one thread. An unprivileged process (no
+/// `CAP_SETPCAP`) keeps its bounding set, which gives it nothing.
+pub fn keep_only_capabilities(keep: &[u32]) -> std::io::Result<()> {
+    let mut header = CapHeader {
+        version: CAP_VERSION_3,
+        pid: 0,
+    };
+    let mut data = [CapData::default(); 2];
+    // SAFETY: capget writes two CapData (version 3) and reads the header.
+    if unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: prctl with integer arguments only; a kernel without ambient
+    // capabilities refuses it (EINVAL), which leaves none to clear.
+    unsafe {
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL,
+            0,
+            0,
+            0,
+        )
+    };
+    for cap in 0..64u32 {
+        // SAFETY: as above; a capability beyond the kernel's last is EINVAL.
+        if unsafe { libc::prctl(libc::PR_CAPBSET_READ, cap, 0, 0, 0) } < 0 {
+            break;
+        }
+        if keep.contains(&cap) {
+            continue;
+        }
+        // SAFETY: as above.
+        if unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) } != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EPERM) {
+                return Err(e);
+            }
+            break;
+        }
+    }
+    let mask = |word: usize| {
+        keep.iter()
+            .filter(|&&c| c as usize / 32 == word)
+            .fold(0u32, |m, &c| m | 1 << (c % 32))
+    };
+    for (word, d) in data.iter_mut().enumerate() {
+        let kept = mask(word) & d.permitted;
+        *d = CapData {
+            effective: kept,
+            permitted: kept,
+            inheritable: 0,
+        };
+    }
+    // SAFETY: capset reads the header and two CapData (version 3).
+    if unsafe { libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `PR_SET_NO_NEW_PRIVS`: no program this process starts gains privileges
+/// (setuid bits, file capabilities).
+pub fn no_new_privileges() -> std::io::Result<()> {
+    // SAFETY: prctl with integer arguments only.
+    if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }

@@ -88,34 +88,6 @@ fn shm_file(tag: &str) -> PathBuf {
     p
 }
 
-/// `warm-restart DIR --prepare` on `old`, then a successor on DIR, ready.
-fn prepared_successor(old: &Vmm, state_dir: &std::path::Path, dir: &std::path::Path) -> Vmm {
-    let out = ctl(
-        &old.api,
-        &["warm-restart", state_dir.to_str().unwrap(), "--prepare"],
-    );
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(state_dir.join("config.json").exists());
-    let successor = spawn_vmm(
-        &[
-            "--restore".into(),
-            state_dir.display().to_string(),
-            "--await-state".into(),
-        ],
-        &dir.join("console-2.log"),
-        &dir.join("api-2.sock"),
-        &[],
-    );
-    wait_for("the successor's socket", Duration::from_secs(30), || {
-        state_dir.join("successor.sock").exists()
-    });
-    successor
-}
-
 #[test]
 #[cfg_attr(
     any(no_kvm, no_tap),

@@ -39,6 +39,33 @@ fn guest_failure_code_gives_exit_status_3() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("exit code 7"));
 }
 
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+fn a_triple_fault_is_a_crash_with_exit_status_4_and_the_registers_logged() {
+    let dir = scratch("crash");
+    // An empty IDT, then an exception: #UD, #GP, #DF, shutdown.
+    let elf = build_stub_mode(&dir, 3, 0, 1);
+    let out = run_with_timeout(
+        kemari().arg("--kernel").arg(&elf).args(["--memory", "64M"]),
+        Duration::from_secs(30),
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "stderr: {err}");
+    assert!(
+        err.contains("guest crashed: triple fault on vCPU 0"),
+        "{err}"
+    );
+    let logged = err
+        .lines()
+        .find(|l| l.contains("ERROR") && l.contains("guest crashed: triple fault"))
+        .unwrap_or_else(|| panic!("no ERROR line with the registers: {err}"));
+    for reg in [
+        "rip=", "rsp=", "rflags=", "cs=", "ss=", "cr0=", "cr3=", "cr4=", "efer=",
+    ] {
+        assert!(logged.contains(reg), "{reg} missing from {logged}");
+    }
+}
+
 fn expect_error(args: &[&str], needle: &str) {
     let out = run_with_timeout(kemari().args(args), Duration::from_secs(30));
     let err = String::from_utf8_lossy(&out.stderr);

@@ -26,10 +26,11 @@ pub mod stub;
 
 pub use bins::{guest_elf, kemari, kemarictl};
 pub use dirs::{log_without_escapes, read_text, scratch, TempDir};
-pub use net::{free_port, wait_listening, wait_port, Bridge, EchoChecker, TapNet};
+pub use net::{free_port, wait_listening, wait_port, AnnounceCapture, Bridge, EchoChecker, TapNet};
 pub use procs::{
-    assert_quiet_on_closed_stdout, assert_verbose_log_filter_refused, run, run_with_timeout, sh,
-    tool, wait_exit, wait_for, KillOnDrop,
+    assert_every_thread_filtered, assert_quiet_on_closed_stdout, assert_verbose_log_filter_refused,
+    run, run_with_timeout, sh, thread_seccomp, tool, wait_exit, wait_for, KillOnDrop,
+    ThreadSeccomp,
 };
 pub use relay::Relay;
 pub use stub::{build_stub, build_stub_mode};

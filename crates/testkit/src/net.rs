@@ -1,6 +1,7 @@
 //! The network side of tests: free ports, TAP devices and bridges made with
-//! `ip` (root: tests that make them carry the probe's `no_tap` cfg), and a
-//! checker of the test guest's TCP echo.
+//! `ip` (root: tests that make them carry the probe's `no_tap` cfg), a
+//! checker of the test guest's TCP echo, and a capture of the RARP
+//! announces a moved VM sends.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -159,6 +160,8 @@ impl Drop for Bridge {
 pub struct EchoChecker {
     stop: Arc<AtomicBool>,
     verified: Arc<AtomicU64>,
+    /// The longest time between two echoed chunks, in microseconds.
+    longest_gap_us: Arc<AtomicU64>,
     thread: Option<JoinHandle<Result<(), String>>>,
 }
 
@@ -185,9 +188,11 @@ impl EchoChecker {
         s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
         let verified = Arc::new(AtomicU64::new(0));
-        let (st, v) = (stop.clone(), verified.clone());
+        let longest_gap_us = Arc::new(AtomicU64::new(0));
+        let (st, v, gap) = (stop.clone(), verified.clone(), longest_gap_us.clone());
         let thread = std::thread::spawn(move || {
             let mut seed: u32 = 0x1234_5678;
+            let mut last = Instant::now();
             while !st.load(Ordering::SeqCst) {
                 let chunk: Vec<u8> = (0..2048)
                     .map(|_| {
@@ -205,19 +210,28 @@ impl EchoChecker {
                     return Err("echoed bytes differ".into());
                 }
                 v.fetch_add(chunk.len() as u64, Ordering::SeqCst);
+                gap.fetch_max(last.elapsed().as_micros() as u64, Ordering::SeqCst);
                 std::thread::sleep(Duration::from_millis(20));
+                last = Instant::now();
             }
             Ok(())
         });
         EchoChecker {
             stop,
             verified,
+            longest_gap_us,
             thread: Some(thread),
         }
     }
 
     pub fn verified(&self) -> u64 {
         self.verified.load(Ordering::SeqCst)
+    }
+
+    /// The longest stall of the stream so far: the longest round trip of
+    /// one chunk (the 20 ms pause between chunks not counted).
+    pub fn longest_stall(&self) -> Duration {
+        Duration::from_micros(self.longest_gap_us.load(Ordering::SeqCst))
     }
 
     pub fn finish(mut self) -> u64 {
@@ -227,5 +241,101 @@ impl EchoChecker {
             panic!("TCP echo through the operation failed: {e}");
         }
         self.verified()
+    }
+}
+
+/// The source MACs of the RARP frames (EtherType 0x8035, what a moved VM
+/// announces itself with) seen on interface `ifname`, collected on a thread
+/// from the moment [`start`](Self::start) returns.
+pub struct AnnounceCapture {
+    stop: Arc<AtomicBool>,
+    /// Announces seen so far.
+    seen: Arc<AtomicU64>,
+    thread: Option<JoinHandle<Vec<[u8; 6]>>>,
+}
+
+const ETH_P_RARP: u16 = 0x8035;
+
+impl AnnounceCapture {
+    /// Listens on `ifname` (a bridge sees what every port floods).
+    pub fn start(ifname: &str) -> AnnounceCapture {
+        let name = std::ffi::CString::new(ifname).unwrap();
+        // SAFETY: if_nametoindex reads a NUL-terminated string.
+        let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+        assert!(ifindex != 0, "no interface {ifname}");
+        let proto = ETH_P_RARP.to_be();
+        // SAFETY: socket() takes no pointers; the result is checked.
+        let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from(proto)) };
+        assert!(
+            fd >= 0,
+            "packet socket: {}",
+            std::io::Error::last_os_error()
+        );
+        // SAFETY: `fd` was just returned by socket() and is owned by nobody else.
+        let sock = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        // SAFETY: a zeroed sockaddr_ll is valid; the fields set are plain data.
+        let mut addr: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+        addr.sll_family = libc::AF_PACKET as u16;
+        addr.sll_protocol = proto;
+        addr.sll_ifindex = ifindex as i32;
+        // SAFETY: bind reads `addr`, a sockaddr_ll of the size given.
+        let rc = unsafe {
+            libc::bind(
+                fd,
+                (&addr as *const libc::sockaddr_ll).cast(),
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            )
+        };
+        assert_eq!(rc, 0, "bind: {}", std::io::Error::last_os_error());
+        let timeout = libc::timeval {
+            tv_sec: 0,
+            tv_usec: 100_000,
+        };
+        // SAFETY: setsockopt reads a timeval of the size given.
+        unsafe {
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                (&timeout as *const libc::timeval).cast(),
+                std::mem::size_of::<libc::timeval>() as u32,
+            )
+        };
+        let stop = Arc::new(AtomicBool::new(false));
+        let seen_count = Arc::new(AtomicU64::new(0));
+        let (st, count) = (stop.clone(), seen_count.clone());
+        let thread = std::thread::spawn(move || {
+            let mut file = std::fs::File::from(sock);
+            let mut seen = Vec::new();
+            let mut frame = [0u8; 2048];
+            while !st.load(Ordering::SeqCst) {
+                // A timeout (EAGAIN) only lets the loop look at `stop`.
+                if let Ok(n) = file.read(&mut frame) {
+                    if n >= 14 && frame[12..14] == ETH_P_RARP.to_be_bytes() {
+                        seen.push(frame[6..12].try_into().unwrap());
+                        count.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            }
+            seen
+        });
+        AnnounceCapture {
+            stop,
+            seen: seen_count,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops and returns the source MAC of every announce seen, once one
+    /// was (or after `patience`).
+    pub fn finish(mut self, patience: Duration) -> Vec<[u8; 6]> {
+        let deadline = Instant::now() + patience;
+        while self.seen.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // What came with the first one (an announce is a burst).
+        std::thread::sleep(Duration::from_millis(100));
+        self.stop.store(true, Ordering::SeqCst);
+        self.thread.take().unwrap().join().unwrap()
     }
 }

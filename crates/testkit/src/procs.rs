@@ -130,3 +130,60 @@ pub fn assert_verbose_log_filter_refused(cmd: &mut Command) {
     assert!(err.contains("\"verbose\" is not a level"), "{err}");
     assert!(err.contains("e.g. --log-level info"), "{err}");
 }
+
+/// A thread of a process as `/proc/PID/task/TID/status` shows it: its name,
+/// its seccomp mode (2: filtered) and how many filters it has.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThreadSeccomp {
+    pub name: String,
+    pub mode: u32,
+    pub filters: u32,
+}
+
+/// The seccomp state of every thread of process `pid` (threads that end
+/// while they are read are left out).
+pub fn thread_seccomp(pid: u32) -> Vec<ThreadSeccomp> {
+    let field = |status: &str, name: &str| -> Option<u32> {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse().ok())
+    };
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return Vec::new();
+    };
+    tasks
+        .filter_map(|t| {
+            let dir = t.ok()?.path();
+            let status = std::fs::read_to_string(dir.join("status")).ok()?;
+            let name = std::fs::read_to_string(dir.join("comm")).ok()?;
+            Some(ThreadSeccomp {
+                name: name.trim().to_owned(),
+                mode: field(&status, "Seccomp:")?,
+                filters: field(&status, "Seccomp_filters:").unwrap_or(0),
+            })
+        })
+        .collect()
+}
+
+/// Asserts that every thread of `pid` is filtered, and that vCPU, device
+/// and API threads have their own filter on top of the process's; returns
+/// the threads.
+pub fn assert_every_thread_filtered(pid: u32, what: &str) -> Vec<ThreadSeccomp> {
+    let threads = thread_seccomp(pid);
+    assert!(!threads.is_empty(), "{what}: no threads of {pid}");
+    for t in &threads {
+        assert_eq!(
+            t.mode, 2,
+            "{what}: thread {t:?} has no seccomp filter ({threads:?})"
+        );
+        let own = t.name.starts_with("vcpu") || t.name == "devices" || t.name == "api";
+        if own {
+            assert!(
+                t.filters >= 2,
+                "{what}: {t:?} lacks its own filter ({threads:?})"
+            );
+        }
+    }
+    threads
+}

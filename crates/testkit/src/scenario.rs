@@ -76,6 +76,34 @@ pub fn ctl(api: &Path, args: &[&str]) -> std::process::Output {
     run_with_timeout(kemarictl(api).args(args), Duration::from_secs(60))
 }
 
+/// `warm-restart DIR --prepare` on `old`, then a successor on DIR, ready.
+pub fn prepared_successor(old: &Vmm, state_dir: &Path, dir: &Path) -> Vmm {
+    let out = ctl(
+        &old.api,
+        &["warm-restart", state_dir.to_str().unwrap(), "--prepare"],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(state_dir.join("config.json").exists());
+    let successor = spawn_vmm(
+        &[
+            "--restore".into(),
+            state_dir.display().to_string(),
+            "--await-state".into(),
+        ],
+        &dir.join("console-2.log"),
+        &dir.join("api-2.sock"),
+        &[],
+    );
+    wait_for("the successor's socket", Duration::from_secs(30), || {
+        state_dir.join("successor.sock").exists()
+    });
+    successor
+}
+
 pub const BLOCKS: u64 = 3000;
 
 /// The self-checking dirty workload every scenario guest runs: 2,048 pages

@@ -9,7 +9,8 @@ pub fn build_stub(dir: &Path, ticks: bool, exit_code: u32, delay: u32) -> PathBu
     build_stub_mode(dir, u8::from(ticks), exit_code, delay)
 }
 
-/// [`build_stub`] with the stub's TICKS mode: 0 exit, 1 dots, 2 letters a..z.
+/// [`build_stub`] with the stub's TICKS mode: 0 exit, 1 dots, 2 letters a..z,
+/// 3 a triple fault (a crashed guest).
 pub fn build_stub_mode(dir: &Path, ticks: u8, exit_code: u32, delay: u32) -> PathBuf {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/pvh-stub.S");
     let obj = dir.join("stub.o");

@@ -148,6 +148,17 @@ pub struct NetConfig {
     pub mac: Option<String>,
 }
 
+impl NetConfig {
+    /// The MAC address the guest sees: the configured one, or one derived
+    /// from the TAP name.
+    pub fn mac_address(&self) -> [u8; 6] {
+        self.mac
+            .as_deref()
+            .and_then(|m| parse_mac(m).ok())
+            .unwrap_or_else(|| default_mac(&self.tap))
+    }
+}
+
 /// Everything needed to build a machine.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -212,6 +223,19 @@ impl MachineConfig {
     }
 }
 
+impl MachineConfig {
+    /// Writes each network device's MAC into the configuration (the one
+    /// derived from its TAP name where none was given). The MAC is part of
+    /// what the guest sees, so it travels with the saved configuration: a
+    /// restored, migrated, failed-over or successor VM keeps it whatever
+    /// its TAP is called there, and announces it.
+    pub fn pin_macs(&mut self) {
+        for n in &mut self.nets {
+            n.mac = Some(format_mac(n.mac_address()));
+        }
+    }
+}
+
 /// Parses a size like `256M`, `4G`, `512MiB` or a byte count.
 pub fn parse_size(s: &str) -> Result<u64, ConfigError> {
     let t = s.trim();
@@ -247,6 +271,14 @@ pub fn parse_mac(s: &str) -> Result<[u8; 6], ConfigError> {
         *b = u8::from_str_radix(p, 16).map_err(|_| ConfigError::Mac(s.to_owned()))?;
     }
     Ok(mac)
+}
+
+/// `aa:bb:cc:dd:ee:ff`.
+pub fn format_mac(mac: [u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
 }
 
 /// A stable, locally administered MAC derived from a TAP name.
@@ -327,6 +359,31 @@ mod tests {
         assert_eq!(default_mac("tap0"), default_mac("tap0"));
         assert_ne!(default_mac("tap0"), default_mac("tap1"));
         assert_eq!(default_mac("tap0")[0] & 1, 0, "unicast");
+        assert_eq!(
+            parse_mac(&format_mac(default_mac("tap0"))).unwrap(),
+            default_mac("tap0")
+        );
+    }
+
+    #[test]
+    fn pinned_macs_survive_a_tap_rename() {
+        let mut c = base();
+        c.nets = vec![
+            NetConfig {
+                tap: "tap-a".into(),
+                mac: None,
+            },
+            NetConfig {
+                tap: "tap-b".into(),
+                mac: Some("52:54:00:00:00:09".into()),
+            },
+        ];
+        c.pin_macs();
+        let derived = format_mac(default_mac("tap-a"));
+        assert_eq!(c.nets[0].mac.as_deref(), Some(derived.as_str()));
+        assert_eq!(c.nets[1].mac.as_deref(), Some("52:54:00:00:00:09"));
+        c.nets[0].tap = "tap-elsewhere".into();
+        assert_eq!(c.nets[0].mac_address(), default_mac("tap-a"));
     }
 
     #[test]

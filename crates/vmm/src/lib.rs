@@ -12,6 +12,7 @@ pub mod machine;
 pub mod memory;
 pub mod output;
 pub mod persist;
+pub mod seccomp;
 pub mod sys;
 pub mod unix_socket;
 pub mod virtio_devices;

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use vmm_sys_util::eventfd::EventFd;
 
-use crate::config::{default_mac, parse_mac, MachineConfig};
+use crate::config::{format_mac, MachineConfig};
 use crate::devices::block_backend::{
     is_nbd_url, BlockBackend, BlockBackendError, NbdBackend, RawFileBackend,
 };
@@ -196,22 +196,11 @@ pub fn attach_all(
             tap: net.tap.clone(),
             source,
         })?;
-        let mac = match &net.mac {
-            // Validated with the configuration.
-            Some(m) => parse_mac(m).unwrap_or_else(|_| default_mac(&net.tap)),
-            None => default_mac(&net.tap),
-        };
+        let mac = net.mac_address();
         let name = format!("net{i}");
         let device: Arc<Mutex<dyn VirtioDevice>> =
             Arc::new(Mutex::new(Net::new(name.clone(), tap, mac)));
-        let backend = format!(
-            "tap:{} mac:{}",
-            net.tap,
-            mac.iter()
-                .map(|b| format!("{b:02x}"))
-                .collect::<Vec<_>>()
-                .join(":")
-        );
+        let backend = format!("tap:{} mac:{}", net.tap, format_mac(mac));
         let index = attached.len();
         let state = saved_for(&name)?;
         attached.push(wire(

@@ -104,6 +104,27 @@ pub struct ApiServer {
     streams: Arc<stream::Streams>,
 }
 
+/// A bound API socket, not served yet: [`ApiServer::listen`] then
+/// [`serve`](Self::serve), for a process that drops its privileges between
+/// the two (binding may need them to give the socket its group; serving
+/// starts the server's threads, which inherit what the process kept).
+pub struct Listening {
+    path: PathBuf,
+    /// Taken by `serve`.
+    listener: Option<std::os::unix::net::UnixListener>,
+    identity: SocketIdentity,
+    options: ServerOptions,
+}
+
+impl Drop for Listening {
+    fn drop(&mut self) {
+        // Never served: the socket goes with it.
+        if self.listener.is_some() {
+            bind::remove_if_ours(&self.path, self.identity);
+        }
+    }
+}
+
 impl ApiServer {
     /// Listens on `path` (see [`bind::bind`] for what is refused there) and
     /// serves each routed request with `handler`.
@@ -112,6 +133,12 @@ impl ApiServer {
         options: ServerOptions,
         handler: Handler,
     ) -> Result<Self, ServerError> {
+        Self::listen(path, options)?.serve(handler, || {})
+    }
+
+    /// Binds `path` (see [`bind::bind`] for what is refused there), checking
+    /// `options`; nothing is served until [`Listening::serve`].
+    pub fn listen(path: &Path, options: ServerOptions) -> Result<Listening, ServerError> {
         if options.max_connections <= options.max_handlers || options.max_handlers == 0 {
             return Err(ServerError::Options(
                 "max_handlers must be at least 1 and below max_connections",
@@ -125,6 +152,28 @@ impl ApiServer {
                 path: path.into(),
                 source,
             })?;
+        Ok(Listening {
+            path: path.into(),
+            listener: Some(listener),
+            identity,
+            options,
+        })
+    }
+}
+
+impl Listening {
+    /// Serves each routed request with `handler`. The server's event loop
+    /// thread first calls `on_thread_start` (to confine itself: its handler
+    /// and stream threads inherit what it set).
+    pub fn serve(
+        mut self,
+        handler: Handler,
+        on_thread_start: impl FnOnce() + Send + 'static,
+    ) -> Result<ApiServer, ServerError> {
+        let (path, identity, options) = (self.path.clone(), self.identity, self.options.clone());
+        let Some(listener) = self.listener.take() else {
+            return Err(ServerError::Options("the socket was served already"));
+        };
         let stop = Arc::new(Stop::default());
         let streams = Arc::new(stream::Streams::default());
         let started = EventFd::new(EFD_NONBLOCK).and_then(|wake| {
@@ -139,16 +188,19 @@ impl ApiServer {
             )?;
             let thread = std::thread::Builder::new()
                 .name("api".into())
-                .spawn(move || event_loop.run())?;
+                .spawn(move || {
+                    on_thread_start();
+                    event_loop.run()
+                })?;
             Ok((wake, thread))
         });
         let (wake, thread) = started.map_err(|e| {
-            bind::remove_if_ours(path, identity);
+            bind::remove_if_ours(&path, identity);
             ServerError::Setup(e)
         })?;
         tracing::info!(path = %path.display(), "API server listening");
         Ok(ApiServer {
-            path: path.into(),
+            path,
             identity,
             stop,
             wake,
@@ -156,7 +208,9 @@ impl ApiServer {
             streams,
         })
     }
+}
 
+impl ApiServer {
     /// The socket's path.
     pub fn path(&self) -> &Path {
         &self.path

@@ -20,9 +20,11 @@
 //! shutdown or SIGTERM/SIGINT, a completed hand-over, or a fault-tolerance
 //! standby whose primary ended protection; 1 when the VMM fails (bad
 //! configuration, KVM error, a standby that may not fail over); 3 when the
-//! guest reports a failure through the exit port (code != 0).
+//! guest reports a failure through the exit port (code != 0); 4 when the
+//! guest crashed (a vCPU triple-faulted; its registers are in the log).
 
 mod ending;
+mod hardening;
 mod queries;
 mod shared;
 mod startup;
@@ -38,7 +40,7 @@ use vmm::machine::{Machine, MachineError};
 use vmm::persist::snapshot::{self, SnapshotError};
 use vmm::vstate::{VmEvent, VmEventSink};
 
-use ft::fence::Fence;
+use ft::fence::{Fence, FenceCommand};
 use ft::gate::FtGate;
 use ft::status::FtState;
 use transfer::modes::warm;
@@ -58,6 +60,9 @@ use self::worker::{After, Done, Op};
 
 /// Exit status when the guest reported a failure.
 pub const EXIT_GUEST_FAILURE: u8 = 3;
+
+/// Exit status when the guest crashed (triple fault).
+pub const EXIT_GUEST_CRASHED: u8 = 4;
 
 /// How long the ending VMM lets the API write what followers of the last
 /// operation are owed (its final line).
@@ -90,6 +95,12 @@ pub enum ProcessError {
     /// Fault tolerance (standby, fence).
     #[error(transparent)]
     Ft(#[from] ft::FtError),
+    /// The VMM could not confine itself (capabilities, seccomp).
+    #[error(transparent)]
+    Hardening(#[from] hardening::HardeningError),
+    /// The fence command's helper process could not be started.
+    #[error("cannot start the fence command's helper process")]
+    FenceHelper(#[source] std::io::Error),
 }
 
 type Answer = Result<Reply, ActionError>;
@@ -163,16 +174,29 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
     let shared = Shared::new(startup::describe(args));
     let (tx, rx) = channel();
     let sink = VmEventSink::new(forwarder(&tx, Control::Vm));
+    // Forked while this is the only thread, with the privileges the
+    // command may need (no thread of the VMM may execute a program).
+    let fence_cmd = match &args.ft_fence_cmd {
+        Some(cmd) => Some(FenceCommand::start(cmd).map_err(ProcessError::FenceHelper)?),
+        None => None,
+    };
     // The API socket first: a socket in use is refused before any VM exists.
-    let api = match &api_socket {
-        Some(path) => Some(ApiServer::start(
+    let listening = match &api_socket {
+        Some(path) => Some(ApiServer::listen(
             path,
             ServerOptions {
                 socket: args.api_socket_options()?,
                 ..ServerOptions::default()
             },
-            api_handler(shared.clone(), tx.clone()),
         )?),
+        None => None,
+    };
+    // Still the only thread: every thread made from here on inherits it.
+    hardening::harden(args)?;
+    let api = match listening {
+        Some(l) => Some(l.serve(api_handler(shared.clone(), tx.clone()), || {
+            vmm::seccomp::confine_this_thread(vmm::seccomp::ThreadFilter::Api)
+        })?),
         None => None,
     };
     let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT])
@@ -191,7 +215,7 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
     let mut _fence: Option<Fence> = None;
     let machine = if let Some(listen) = &args.ft_standby {
         shared.set_role(Role::Standby);
-        match startup::standby(args, listen, sink, &shared.ft)? {
+        match startup::standby(args, listen, sink, &shared.ft, fence_cmd)? {
             ft::standby::StandbyOutcome::FailedOver(m, fence) => {
                 _fence = fence;
                 m
@@ -208,6 +232,9 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         }
         startup::make_machine(args, sink)?
     };
+    // From this thread: a vCPU thread, under its seccomp filter, may not
+    // start it (it would write partial lines at once instead).
+    machine.start_console_flusher();
     shared.set_machine(machine.monitor());
     let mut controller = Controller {
         slot: Slot::Here(machine),
@@ -251,6 +278,10 @@ impl Controller {
             Control::Vm(VmEvent::Reset) => {
                 tracing::info!("guest reset: ending the VM");
                 self.end(Ending::Status(ExitCode::SUCCESS))
+            }
+            Control::Vm(VmEvent::Crashed { vcpu, reason }) => {
+                eprintln!("kemari: guest crashed: {reason} on vCPU {vcpu}");
+                self.end(Ending::Status(ExitCode::from(EXIT_GUEST_CRASHED)))
             }
             Control::Vm(VmEvent::Error(message)) => self.end(Ending::Failed(message)),
             Control::Signal(sig) => {

@@ -86,12 +86,14 @@ pub fn make_machine(args: &Args, sink: VmEventSink) -> Result<Machine, ProcessEr
     )?)
 }
 
-/// Follows a primary as its fault-tolerance standby.
+/// Follows a primary as its fault-tolerance standby (`fence_cmd`: the
+/// helper that runs `--ft-fence-cmd`).
 pub fn standby(
     args: &Args,
     listen: &str,
     sink: VmEventSink,
     shared: &Arc<FtShared>,
+    fence_cmd: Option<ft::fence::FenceCommand>,
 ) -> Result<StandbyOutcome, ProcessError> {
     let key_file = args.migration_key_file.as_ref().ok_or(CliError::Missing(
         "--migration-key-file (with --ft-standby)",
@@ -100,7 +102,7 @@ pub fn standby(
         listen: listen.to_owned(),
         key: transfer::key::read_key(key_file)?,
         fence: args.ft_fence.clone(),
-        fence_cmd: args.ft_fence_cmd.clone(),
+        fence_cmd,
         plaintext: args.plaintext_link,
     };
     let mut overrides = Ok(());

@@ -111,6 +111,12 @@ impl ConsoleBuffer {
     }
 
     fn start_flusher(&self, p: &mut Pending) {
+        if !crate::seccomp::this_thread_may_spawn() {
+            // A vCPU thread under its seccomp filter: the line goes out now,
+            // and the flusher waits for a thread that may start it.
+            write_out(p, usize::MAX);
+            return;
+        }
         let shared = self.shared.clone();
         let started = std::thread::Builder::new()
             .name("console".into())

@@ -103,6 +103,7 @@ impl EventLoopAhead {
             .name("devices".into())
             .spawn(move || {
                 if let Ok(run) = runs.recv() {
+                    crate::seccomp::confine_this_thread(crate::seccomp::ThreadFilter::Devices);
                     run();
                 }
             })

@@ -178,7 +178,7 @@ impl Machine {
 
     #[allow(clippy::too_many_arguments)]
     fn assemble_in(
-        config: MachineConfig,
+        mut config: MachineConfig,
         prepared: PreparedVm,
         slots_registered: bool,
         events: VmEventSink,
@@ -189,6 +189,8 @@ impl Machine {
         dirty: DirtyTrackerConfig,
     ) -> Result<Self, MachineError> {
         let built_at = Instant::now();
+        // What the guest sees of its network devices, kept from here on.
+        config.pin_macs();
         let PreparedVm {
             memory_file,
             guest_memory,

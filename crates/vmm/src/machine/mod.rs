@@ -211,17 +211,14 @@ impl Machine {
         Ok(self.core.dirty.stop()?)
     }
 
-    /// Announces each network device's MAC on its TAP (a RARP broadcast, as
-    /// switches expect after a VM moved), so that bridges learn its new port.
+    /// Announces each network device's MAC — the guest's, which the saved
+    /// configuration carries (`MachineConfig::pin_macs`) — on its TAP (a
+    /// RARP broadcast, as switches expect after a VM moved), so that bridges
+    /// learn its new port.
     pub fn announce_network(&self) {
         let taps = self.tap_fds();
         for (net, fd) in self.core.config.nets.iter().zip(taps) {
-            let mac = net
-                .mac
-                .as_deref()
-                .and_then(|m| crate::config::parse_mac(m).ok())
-                .unwrap_or_else(|| crate::config::default_mac(&net.tap));
-            let frame = rarp_announce(mac);
+            let frame = rarp_announce(net.mac_address());
             for _ in 0..3 {
                 if let Err(e) = sys::write(fd, &frame) {
                     tracing::warn!(tap = %net.tap, error = %e, "cannot announce MAC");

@@ -13,8 +13,18 @@ pub enum VmEvent {
         /// The guest's exit code.
         code: u32,
     },
-    /// The guest asked for a reset (i8042, triple fault, KVM reset event).
+    /// The guest asked for a reset (i8042, ACPI reset register, KVM reset
+    /// event).
     Reset,
+    /// The guest crashed: a vCPU triple-faulted (`KVM_EXIT_SHUTDOWN`), the
+    /// CPU's way of giving up on an exception it cannot deliver. Not a reset
+    /// the guest asked for: its registers were logged when it happened.
+    Crashed {
+        /// The vCPU that faulted.
+        vcpu: u8,
+        /// What happened, in a few words.
+        reason: String,
+    },
     /// The VM cannot continue.
     Error(String),
 }

@@ -74,6 +74,10 @@ enum Flow {
 
 impl VcpuRunner {
     pub(super) fn run(&mut self, start_paused: bool) {
+        // Made (and, ahead, moved to its CPUs) already: from here on it
+        // only runs its vCPU.
+        crate::seccomp::confine_this_thread(crate::seccomp::ThreadFilter::Vcpu);
+        crate::seccomp::make_a_forbidden_call_if_asked("vcpu");
         let flag: *mut u8 = &mut self.fd.get_kvm_run().immediate_exit;
         KICK_EXIT_FLAG.with(|f| f.set(flag));
         self.run_loop(start_paused);
@@ -211,13 +215,11 @@ impl VcpuRunner {
             }
             Ok(VcpuExit::Shutdown) => {
                 c.other.fetch_add(1, Ordering::Relaxed);
-                let rip = self.fd.get_regs().map(|r| r.rip).unwrap_or(0);
-                tracing::warn!(
-                    vcpu = self.index,
-                    rip = format_args!("{rip:#x}"),
-                    "guest triple fault: VM reset"
-                );
-                self.events.send(VmEvent::Reset);
+                self.log_crash();
+                self.events.send(VmEvent::Crashed {
+                    vcpu: self.index,
+                    reason: "triple fault".into(),
+                });
                 return Flow::Stop;
             }
             Ok(VcpuExit::SystemEvent(kind, _)) => {
@@ -276,6 +278,39 @@ impl VcpuRunner {
             }
         }
         Flow::Continue
+    }
+}
+
+impl VcpuRunner {
+    /// Logs, as an ERROR, the registers of this vCPU as it crashed (read
+    /// here, on its thread, before anything else can change them): where it
+    /// was (RIP, RSP, CS, SS, RFLAGS) and in which mode (CR0, CR3, CR4,
+    /// EFER), which is what telling a kernel bug from a VMM bug needs first.
+    fn log_crash(&self) {
+        let (regs, sregs) = match synced_registers(&self.fd) {
+            Some(sync) => (Ok(sync.regs), Ok(sync.sregs)),
+            None => (self.fd.get_regs(), self.fd.get_sregs()),
+        };
+        let (Ok(r), Ok(s)) = (regs, sregs) else {
+            tracing::error!(
+                vcpu = self.index,
+                "guest crashed: triple fault (its registers cannot be read)"
+            );
+            return;
+        };
+        tracing::error!(
+            vcpu = self.index,
+            rip = format_args!("{:#x}", r.rip),
+            rsp = format_args!("{:#x}", r.rsp),
+            rflags = format_args!("{:#x}", r.rflags),
+            cs = format_args!("{:#x}", s.cs.selector),
+            ss = format_args!("{:#x}", s.ss.selector),
+            cr0 = format_args!("{:#x}", s.cr0),
+            cr3 = format_args!("{:#x}", s.cr3),
+            cr4 = format_args!("{:#x}", s.cr4),
+            efer = format_args!("{:#x}", s.efer),
+            "guest crashed: triple fault"
+        );
     }
 }
 
