@@ -724,6 +724,10 @@ pub struct AvailabilityArgs {
     /// Only with --ops zero-copy,precopy.
     #[arg(long, default_value_t = 0)]
     pub in_use_mib: u64,
+    /// Pre-copy on an authenticated but unencrypted link (`--plaintext-link`
+    /// on both ends), to compare with the default encrypted one.
+    #[arg(long)]
+    pub plaintext_link: bool,
     /// Directory for scratch files (snapshots: use a disk, not tmpfs).
     #[arg(long, default_value = "/var/tmp")]
     pub work_dir: PathBuf,
@@ -772,6 +776,7 @@ impl AvailabilityArgs {
                 verbose: self.verbose,
                 overlap_exit: self.overlap_exit,
                 in_use_mib: self.in_use_mib,
+                plaintext_link: self.plaintext_link,
             },
             memory,
             rates: self.rates,

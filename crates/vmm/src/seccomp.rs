@@ -298,10 +298,16 @@ const PROCESS: &[libc::c_long] = &[
     libc::SYS_renameat2,
     libc::SYS_link,
     libc::SYS_linkat,
+    // Sockets bound by path are given their mode and group before they
+    // appear (kemari-unix-socket: chmod, chown, rmdir of its private dir).
+    libc::SYS_chmod,
     libc::SYS_fchmod,
     libc::SYS_fchmodat,
+    libc::SYS_chown,
+    libc::SYS_lchown,
     libc::SYS_fchown,
     libc::SYS_fchownat,
+    libc::SYS_rmdir,
     libc::SYS_ftruncate,
     libc::SYS_flock,
     libc::SYS_memfd_create,

@@ -140,6 +140,9 @@ pub fn run_kemari(
             .args(["--serial", "stdout", "--log-level", &env.kemari_log])
             .arg("--api-socket")
             .arg(&api2);
+        if env.plaintext_link {
+            c.arg("--plaintext-link");
+        }
         let d = spawn("destination kemari", c)?;
         // Not by connecting: that would be taken for the migration.
         if !wait_listening(port, STEP) {
@@ -213,7 +216,7 @@ pub fn run_kemari(
                 (
                     "migrate",
                     "/vm/migrate",
-                    json!({ "to": to, "key_file": key }),
+                    json!({ "to": to, "key_file": key, "plaintext": env.plaintext_link }),
                 )
             };
             let r = api(&api1, call, "PUT", path, Some(body))?;

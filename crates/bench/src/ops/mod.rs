@@ -130,6 +130,9 @@ pub struct Env {
     /// MiB of "application data" written into the top of the source's
     /// memory file before a zero-copy or pre-copy run (0: none).
     pub in_use_mib: u64,
+    /// Pre-copy on an authenticated but unencrypted link (both ends
+    /// `--plaintext-link`): what the encryption costs.
+    pub plaintext_link: bool,
 }
 
 /// One measurement.

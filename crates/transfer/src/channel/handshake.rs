@@ -11,7 +11,7 @@
 //!   ◀───────────── verdict u8 (0 = accepted) [u16 len] Noise ← e, ee
 //!   every later frame encrypted and authenticated (AES-256-GCM, counter nonces)
 //! plaintext (--plaintext-link, a trusted dedicated link):
-//!   key = BLAKE3-derive("kemari hand-over v5 session key", psk ‖ nonce_i ‖ nonce_a)
+//!   key = BLAKE3-derive("kemari hand-over v6 session key", psk ‖ nonce_i ‖ nonce_a)
 //!   proof_i = BLAKE3-keyed(key, "proof" ‖ 1) ─────▶ checked
 //!   ◀───────────── verdict u8 ‖ proof_a = BLAKE3-keyed(key, "proof" ‖ 2)
 //!   every later frame carries a BLAKE3 keyed tag
@@ -30,8 +30,8 @@ use crate::message::VERSION;
 /// Handshake magic.
 pub const MAGIC: &[u8; 10] = b"KEMARI-MIG";
 pub(super) const HELLO_LEN: usize = 10 + 4 + 32 + 1;
-const KEY_CONTEXT: &str = "kemari hand-over v5 session key";
-const NOISE_PSK_CONTEXT: &str = "kemari hand-over v5 noise psk";
+const KEY_CONTEXT: &str = "kemari hand-over v6 session key";
+const NOISE_PSK_CONTEXT: &str = "kemari hand-over v6 noise psk";
 const NOISE_PARAMS: &str = "Noise_NNpsk0_25519_AESGCM_SHA256";
 /// Longest handshake message accepted.
 const MAX_HANDSHAKE: usize = 1024;
