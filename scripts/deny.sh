@@ -7,6 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 db_root="${CARGO_HOME:-$HOME/.cargo}/advisory-dbs"
+# The checks below run offline (cargo metadata --offline), so every crate of
+# the lock file, for every platform, must be in the local registry first.
+cargo fetch --locked
 if timeout 120 cargo deny fetch db; then
   cargo deny --locked --offline check
 elif compgen -G "$db_root/*/.git" >/dev/null; then

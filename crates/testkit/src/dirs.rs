@@ -14,9 +14,37 @@ fn fresh(name: String) -> PathBuf {
 }
 
 /// A fresh scratch directory for one test, kept afterwards (its consoles and
-/// logs are what one reads after a failure).
+/// logs are what one reads after a failure) — until a later test run: the
+/// scratch directories of test processes that no longer live are removed
+/// first (some hold disk images of hundreds of MiB, and CI runs again and
+/// again on one machine).
 pub fn scratch(name: &str) -> PathBuf {
+    remove_scratch_of_ended_runs();
     fresh(format!("kemari-test-{}-{name}", std::process::id()))
+}
+
+/// Removes `kemari-test-<pid>-*` directories whose process has ended.
+fn remove_scratch_of_ended_runs() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let tmp = std::env::temp_dir();
+        let Ok(entries) = std::fs::read_dir(&tmp) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(pid) = name
+                .strip_prefix("kemari-test-")
+                .and_then(|rest| rest.split('-').next())
+                .and_then(|p| p.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if !Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    });
 }
 
 /// A fresh scratch directory removed on drop.
