@@ -65,6 +65,9 @@ pub fn offer<S: FdRead + FdWrite>(
         fds,
     )?;
     ch.flush()?;
+    // While the other end gets ready (not in the pause, and not before the
+    // offer: ~1 ms here, since each vCPU must leave the guest to read it).
+    machine.prepare_to_save();
     ch.set_phase("waiting for it to be ready");
     progress.phase(&format!("waiting for the {} to be ready", ch.peer()));
     ch.expect(&mut Vec::new(), "Ready", |m| matches!(m, Message::Ready))?;

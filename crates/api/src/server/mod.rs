@@ -104,6 +104,20 @@ pub struct ApiServer {
     streams: Arc<stream::Streams>,
 }
 
+/// Waits for the server's streamed answers to be written: for a VMM that
+/// hands its VM over and then ends at idle priority, the last line of an
+/// operation's stream goes out first, at normal priority.
+#[derive(Debug, Clone)]
+pub struct StreamsWritten(Arc<stream::Streams>);
+
+impl StreamsWritten {
+    /// Waits, for up to `grace`, until no stream is being written; false if
+    /// some still were.
+    pub fn wait(&self, grace: Duration) -> bool {
+        self.0.wait_written(grace)
+    }
+}
+
 /// A bound API socket, not served yet: [`ApiServer::listen`] then
 /// [`serve`](Self::serve), for a process that drops its privileges between
 /// the two (binding may need them to give the socket its group; serving
@@ -214,6 +228,12 @@ impl ApiServer {
     /// The socket's path.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// A handle that waits until the streams being written have ended
+    /// (see [`StreamsWritten::wait`]).
+    pub fn streams_written(&self) -> StreamsWritten {
+        StreamsWritten(self.streams.clone())
     }
 
     /// Stops accepting (the socket file is removed first) and, for up to

@@ -42,6 +42,25 @@ impl Streams {
         self.lock().open.len()
     }
 
+    /// Waits, for up to `grace`, until no stream is being written (each
+    /// has written its last line and ended).
+    pub(super) fn wait_written(&self, grace: Duration) -> bool {
+        let deadline = Instant::now() + grace;
+        let mut state = self.lock();
+        while !state.open.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            state = self
+                .ended
+                .wait_timeout(state, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        true
+    }
+
     fn closing(&self) -> bool {
         self.lock().closing
     }

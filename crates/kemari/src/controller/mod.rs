@@ -54,7 +54,7 @@ use crate::api::{
 use crate::cli::{Args, CliError};
 use crate::operation::OpKind;
 
-use self::ending::end_vm;
+use self::ending::{end_vm, finish_at_idle_priority};
 use self::shared::{Role, Shared};
 use self::worker::{After, Done, Op};
 
@@ -67,6 +67,9 @@ pub const EXIT_GUEST_CRASHED: u8 = 4;
 /// How long the ending VMM lets the API write what followers of the last
 /// operation are owed (its final line).
 const FLUSH_GRACE: Duration = Duration::from_millis(500);
+/// How long a VMM that handed its VM over waits, at normal priority, for
+/// its operation's report to be written to the followers.
+const HANDED_OVER_REPORT_GRACE: Duration = Duration::from_millis(50);
 
 /// Errors that end the VMM process.
 #[derive(Debug, thiserror::Error)]
@@ -166,6 +169,8 @@ struct Controller {
     shared: Arc<Shared>,
     tx: Sender<Control>,
     ending: Option<Ending>,
+    /// The API's streamed answers (an operation's followers).
+    streams: Option<kemari_api::server::StreamsWritten>,
 }
 
 /// Runs the VM described by `args` until it ends.
@@ -242,6 +247,7 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         shared: shared.clone(),
         tx,
         ending: None,
+        streams: api.as_ref().map(|a| a.streams_written()),
     };
     let status = loop {
         let Ok(event) = rx.recv() else {
@@ -338,15 +344,26 @@ impl Controller {
         if let Some(g) = gate {
             self.ft_gate = Some(g);
         }
-        if after == After::Exit {
+        let exit = after != After::Continue;
+        if exit {
             self.shared.set_role(Role::Ending);
         }
         self.shared.operations.finish(id, result);
-        if after == After::Exit {
+        if exit {
             if let Some(g) = &self.ft_gate {
                 g.stop("the primary VMM is shutting down");
             }
             self.shared.operations.wait_followers(FLUSH_GRACE);
+            if after == After::HandedOver {
+                // The report reaches its caller at normal priority (each hop
+                // at idle priority waited for a CPU the new VMM's vCPUs were
+                // using: 2–4 ms more to the answer); the rest of the end does
+                // not.
+                if let Some(s) = &self.streams {
+                    s.wait(HANDED_OVER_REPORT_GRACE);
+                }
+                finish_at_idle_priority();
+            }
             let ending = self
                 .ending
                 .take()

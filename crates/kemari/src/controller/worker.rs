@@ -20,7 +20,7 @@ use transfer::{ProgressCell, TransferError};
 
 use crate::operation::{OpKind, Started};
 
-use super::ending::{finish_at_idle_priority, release_backends};
+use super::ending::release_backends;
 use super::shared::Shared;
 
 /// A long operation and its parameters (checked before it starts).
@@ -87,8 +87,11 @@ impl Op {
 pub enum After {
     /// Keep running the VM.
     Continue,
-    /// The VM runs elsewhere, or was saved to end: end this VMM.
+    /// The VM was saved to end: end this VMM.
     Exit,
+    /// The VM runs in another process now: report, then end this VMM at
+    /// idle priority (see [`finish_at_idle_priority`](super::ending::finish_at_idle_priority)).
+    HandedOver,
 }
 
 /// An operation's end, handed back to the main loop.
@@ -162,10 +165,7 @@ fn run(op: Op, mut machine: Machine, started: &Started, shared: &Shared) -> Done
                 &started.cancel,
                 &started.progress,
             ) {
-                Ok(report) => {
-                    finish_at_idle_priority();
-                    (Ok(json!(report)), After::Exit, None)
-                }
+                Ok(report) => (Ok(json!(report)), After::HandedOver, None),
                 Err(e) => (Err(transfer_failed(what, &e)), After::Continue, None),
             }
         }
@@ -173,8 +173,7 @@ fn run(op: Op, mut machine: Machine, started: &Started, shared: &Shared) -> Done
             match local::migrate_out(&mut machine, &socket, &started.cancel, &started.progress) {
                 Ok(report) => {
                     tracing::info!(?report, "zero-copy migration done: exiting");
-                    finish_at_idle_priority();
-                    (Ok(json!(report)), After::Exit, None)
+                    (Ok(json!(report)), After::HandedOver, None)
                 }
                 Err(e) => (Err(transfer_failed(what, &e)), After::Continue, None),
             }
@@ -182,10 +181,12 @@ fn run(op: Op, mut machine: Machine, started: &Started, shared: &Shared) -> Done
         Op::WarmRestart { dir } => {
             match warm::restart_out(&mut machine, &dir, &started.cancel, &started.progress) {
                 Ok(report) => {
-                    if report.successor.is_some() {
-                        finish_at_idle_priority();
-                    }
-                    (Ok(json!(report)), After::Exit, None)
+                    let after = if report.successor.is_some() {
+                        After::HandedOver
+                    } else {
+                        After::Exit
+                    };
+                    (Ok(json!(report)), after, None)
                 }
                 // The state is saved all the same: nothing is lost.
                 Err(e) if started.cancel.is_committed() => (

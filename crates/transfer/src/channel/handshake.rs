@@ -15,7 +15,9 @@
 //!   proof_i = BLAKE3-keyed(key, "proof" ‖ 1) ─────▶ checked
 //!   ◀───────────── verdict u8 ‖ proof_a = BLAKE3-keyed(key, "proof" ‖ 2)
 //!   every later frame carries a BLAKE3 keyed tag
-//! local (a Unix socket between two processes of one user): nothing more
+//! local (a Unix socket between two processes of one user): nothing more;
+//!   the initiator sends its first frames right after its Hello and reads
+//!   the acceptor's Hello before the first frame it receives
 //! ```
 //!
 //! Each end names what went wrong in the operator's terms: another version,
@@ -136,6 +138,12 @@ pub(super) fn parse_hello(h: &[u8; HELLO_LEN], peer: Peer) -> Result<PeerHello, 
     })
 }
 
+/// The acceptor's hello of a local channel, read with the first frame:
+/// Err unless it is kemari's, of this version, local.
+pub(super) fn check_local_hello(h: &[u8; HELLO_LEN], peer: Peer) -> Result<(), TransferError> {
+    agree(&parse_hello(h, peer)?, Auth::Local.protection_byte(), peer)
+}
+
 /// Err unless the peer speaks this version and protects the link alike.
 fn agree(theirs: &PeerHello, ours: u8, peer: Peer) -> Result<(), TransferError> {
     if theirs.version != VERSION {
@@ -242,6 +250,14 @@ pub(super) fn initiate<S: Read + Write>(
     peer: Peer,
 ) -> Result<Protection, TransferError> {
     let closed = |e: std::io::Error| handshake_io(peer, e);
+    if let Auth::Local = auth {
+        // No key, no nonce; the acceptor's hello is read with its first
+        // frame (Channel::recv): no round trip before the offer.
+        stream
+            .write_all(&hello(&[0; 32], auth.protection_byte()))
+            .map_err(closed)?;
+        return Ok(Protection::None);
+    }
     let nonce = random_nonce()?;
     let ours = hello(&nonce, auth.protection_byte());
     stream.write_all(&ours).map_err(closed)?;
@@ -303,7 +319,10 @@ pub(super) fn accept<S: Read + Write>(
     let peer_hello = parse_hello(&theirs, peer)?;
     // Our hello even to another version or protection: the other end then
     // names the mismatch too, instead of seeing a closed connection.
-    let nonce = random_nonce()?;
+    let nonce = match auth {
+        Auth::Local => [0; 32],
+        _ => random_nonce()?,
+    };
     let ours = hello(&nonce, auth.protection_byte());
     stream.write_all(&ours).map_err(closed)?;
     agree(&peer_hello, auth.protection_byte(), peer)?;

@@ -56,6 +56,8 @@ pub struct Channel<S> {
     pub bytes_sent: u64,
     /// Payload bytes received.
     pub bytes_received: u64,
+    /// A local initiator reads the acceptor's hello before its first frame.
+    hello_pending: bool,
 }
 
 /// The payload comes first: BLAKE3 hashes the widest SIMD batches only from
@@ -92,7 +94,9 @@ impl<S: Read + Write> Channel<S> {
     /// The initiator's handshake, with the `peer` (for messages).
     pub fn connect(mut stream: S, auth: Auth<'_>, peer: Peer) -> Result<Self, TransferError> {
         let protection = handshake::initiate(&mut stream, auth, peer)?;
-        Ok(Self::new(stream, protection, Side::Initiator, peer))
+        let mut ch = Self::new(stream, protection, Side::Initiator, peer);
+        ch.hello_pending = matches!(auth, Auth::Local);
+        Ok(ch)
     }
 
     /// The acceptor's handshake, with the `peer` (for messages).
@@ -127,6 +131,7 @@ impl<S> Channel<S> {
             scratch: Vec::new(),
             bytes_sent: 0,
             bytes_received: 0,
+            hello_pending: false,
         }
     }
 
@@ -380,6 +385,21 @@ impl<S: FdRead> Channel<S> {
             self.bytes_received += buf.len() as u64;
             return Ok(kind);
         }
+        if self.hello_pending {
+            let mut hello = [0u8; handshake::HELLO_LEN];
+            fds::read_exact_with_fds(&mut self.stream, &mut hello, &mut self.fds_in).map_err(
+                |e| match e.kind() {
+                    std::io::ErrorKind::UnexpectedEof
+                    | std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::BrokenPipe => {
+                        TransferError::ClosedInHandshake { peer: self.peer }
+                    }
+                    _ => self.io_error(e),
+                },
+            )?;
+            handshake::check_local_hello(&hello, self.peer)?;
+            self.hello_pending = false;
+        }
         let mut head = [0u8; 5];
         fds::read_exact_with_fds(&mut self.stream, &mut head, &mut self.fds_in)
             .map_err(|e| self.io_error(e))?;
@@ -566,6 +586,33 @@ mod tests {
         );
         let e = acceptor.join().unwrap().err().unwrap();
         assert!(e.to_string().contains("version 4"), "{e}");
+    }
+
+    #[test]
+    fn a_local_initiator_sends_at_once_and_names_another_version_at_its_first_read() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        // No round trip: connect and the first frame go out before the
+        // acceptor said anything.
+        let mut ch = Channel::connect(a, Auth::Local, Peer::Destination).unwrap();
+        ch.send_msg(&Message::Ready).unwrap();
+        let mut hello = [0u8; handshake::HELLO_LEN];
+        b.read_exact(&mut hello).unwrap();
+        assert_eq!(
+            handshake::parse_hello(&hello, Peer::Source)
+                .unwrap()
+                .version,
+            crate::message::VERSION
+        );
+        b.write_all(&handshake::hello_for_test(4, 0)).unwrap();
+        let e = ch.recv(&mut Vec::new()).unwrap_err();
+        assert!(e.to_string().contains("version 4"), "{e}");
+
+        // An acceptor that hangs up instead: the handshake is named.
+        let (a, b) = UnixStream::pair().unwrap();
+        let mut ch = Channel::connect(a, Auth::Local, Peer::Destination).unwrap();
+        drop(b);
+        let e = ch.recv(&mut Vec::new()).unwrap_err();
+        assert!(matches!(e, TransferError::ClosedInHandshake { .. }), "{e}");
     }
 
     #[test]

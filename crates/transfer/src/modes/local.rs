@@ -104,14 +104,14 @@ fn migrate_out_inner(
         addr: socket.display().to_string(),
         source,
     })?;
+    // The memory goes with the offer: only to a process of this user.
+    check_same_user(&stream)?;
     cancel.watch_unix(&stream);
     stream
         .set_read_timeout(Some(STEP_TIMEOUT))
         .map_err(TransferError::file(socket.display()))?;
     let mut ch = Channel::connect(stream, Auth::Local, Peer::Destination)?;
     ch.note_timeout(Some(STEP_TIMEOUT));
-    // While the destination gets ready: not in the pause.
-    machine.prepare_to_save();
     let mut fds = vec![machine.memory_file().file().as_raw_fd()];
     fds.extend(machine.tap_fds());
     source::offer(&mut ch, Mode::Local, machine, &fds, progress)?;

@@ -137,11 +137,15 @@ pub fn restart_out(
     memory_path(machine.config())?;
     let was_running = machine.state() == RunState::Running;
     progress.start(&dir.display().to_string());
-    // While the successor gets ready: not in the pause.
-    machine.prepare_to_save();
     let result = match connect_successor(dir)? {
+        // The offer reads the vCPUs' constants while the successor gets
+        // ready.
         Some(ch) => with_successor(ch, machine, dir, cancel, progress),
-        None => without_successor(machine, dir, cancel, progress),
+        None => {
+            // Not in the pause.
+            machine.prepare_to_save();
+            without_successor(machine, dir, cancel, progress)
+        }
     };
     let result = cancel.explain(result, progress.snapshot().phase.as_str());
     match &result {
