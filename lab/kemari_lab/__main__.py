@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="run one scenario")
     r.add_argument("scenario", choices=sorted(SCENARIOS))
     r.add_argument("--vmm", choices=list(VMMS), default="qemu")
+    r.add_argument("--minutes", type=float, help="soak: how long (sets KEMARI_SOAK_MINUTES; default 60)")
     sh = sub.add_parser("shell", help="boot N virtual hosts and type commands to vh0 (or 'vhN: cmd')")
     sh.add_argument("--hosts", type=int, default=1)
     sub.add_parser("clean", help="delete namespaces left by dead lab runs")
@@ -37,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(netns.remove_stale()) or "nothing to clean")
         elif args.cmd == "run":
             sc = SCENARIOS[args.scenario]
+            if args.minutes is not None:
+                os.environ["KEMARI_SOAK_MINUTES"] = str(args.minutes)
             t0 = time.monotonic()
             with Lab(hosts=sc.hosts) as lab:
                 times = {f"{vh.name}_boot_s": vh.boot_seconds or 0.0 for vh in lab.hosts}

@@ -37,12 +37,19 @@ class LongConnection:
     """One byte-checked TCP connection to `ip:port`, kept open by a client process."""
 
     def __init__(
-        self, lab: Lab, ip: str, port: int = ECHO_PORT, interval: float = 0.1, stall_limit: float = 60
+        self,
+        lab: Lab,
+        ip: str,
+        port: int = ECHO_PORT,
+        interval: float = 0.1,
+        stall_limit: float = 60,
+        max_block: int | None = None,
     ) -> None:
         self.lab = lab
         self.ip = ip
         self.port = port
         self.interval = interval
+        self.max_block = max_block
         self.stall_limit = stall_limit
         self.local: str | None = None
         self._proc: subprocess.Popen[str] | None = None
@@ -62,6 +69,7 @@ class LongConnection:
                 "--stall-limit", str(self.stall_limit),
                 "--connect-timeout", str(connect_timeout),
             ]
+            + (["--max-block", str(self.max_block)] if self.max_block else [])
         )  # fmt: skip
         with self._stderr.open("ab") as err:
             self._proc = subprocess.Popen(

@@ -2,12 +2,13 @@
 
 Run by the harness in the client namespace (standard library only)::
 
-    python3 echo_client.py HOST PORT [--interval S] [--stall-limit S] [--connect-timeout S]
+    python3 echo_client.py HOST PORT [--interval S] [--stall-limit S] [--connect-timeout S] [--max-block N]
 
 Opens ONE connection and keeps it: every `interval` seconds it sends a block
-of 1–8192 random bytes and reads back exactly as many, which must be the same
-bytes. It never reconnects: if the connection breaks, stalls longer than
-`stall-limit`, or an echo differs, the exchanges stop and the error is kept.
+of 1–8192 (``--max-block``) random bytes and reads back exactly as many,
+which must be the same bytes. It never reconnects: if the connection breaks,
+stalls longer than `stall-limit`, or an echo differs, the exchanges stop and
+the error is kept.
 
 Protocol on stdin/stdout, one JSON line per line of input:
 
@@ -42,9 +43,10 @@ MAX_GAPS = 100
 
 
 class Exchanger:
-    def __init__(self, sock: socket.socket, interval: float) -> None:
+    def __init__(self, sock: socket.socket, interval: float, max_block: int = MAX_BLOCK) -> None:
         self.sock = sock
         self.interval = interval
+        self.max_block = max_block
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.t0 = time.monotonic()
@@ -60,7 +62,7 @@ class Exchanger:
         rng = random.Random()
         try:
             while not self.stop.is_set():
-                block = os.urandom(rng.randint(1, MAX_BLOCK))
+                block = os.urandom(rng.randint(1, self.max_block))
                 self.sock.sendall(block)
                 got = bytearray()
                 while len(got) < len(block):
@@ -126,6 +128,7 @@ def main() -> int:
     p.add_argument("host")
     p.add_argument("port", type=int)
     p.add_argument("--interval", type=float, default=0.1)
+    p.add_argument("--max-block", type=int, default=MAX_BLOCK, help="blocks are 1..N random bytes")
     p.add_argument("--stall-limit", type=float, default=60)
     p.add_argument("--connect-timeout", type=float, default=30)
     args = p.parse_args()
@@ -136,7 +139,7 @@ def main() -> int:
         return 1
     sock.settimeout(args.stall_limit)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    ex = Exchanger(sock, args.interval)
+    ex = Exchanger(sock, args.interval, args.max_block)
     worker = threading.Thread(target=ex.run, daemon=True)
     worker.start()
     host, port = sock.getsockname()[:2]

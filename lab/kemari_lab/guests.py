@@ -55,6 +55,9 @@ class GuestSpec:
     net: bool = True
     # kemari's --log-level; with it, --log-json (log lines in the console file, see vmm_log).
     log_level: str | None = None
+    # Verbose kernel console (soak runs): loglevel=7, oops=panic, and the
+    # init keeps the log level (klab.verbose=1) instead of `quiet`.
+    verbose: bool = False
     ip: str = field(init=False)
     mac: str = field(init=False)
     tap: str = field(init=False)
@@ -68,7 +71,8 @@ class GuestSpec:
 
     @property
     def cmdline(self) -> str:
-        return f"console=ttyS0 quiet panic=-1 klab.ip={self.ip}/{PREFIX_LEN} {self.extra_cmdline}".strip()
+        kernel = "loglevel=7 oops=panic panic=-1 klab.verbose=1" if self.verbose else "quiet panic=-1"
+        return f"console=ttyS0 {kernel} klab.ip={self.ip}/{PREFIX_LEN} {self.extra_cmdline}".strip()
 
     @property
     def disk_path(self) -> str:

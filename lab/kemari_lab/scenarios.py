@@ -26,6 +26,7 @@ from kemari_lab.guests import BOOTED_RE, Guest, GuestSpec, check_memory
 from kemari_lab.kernel_nbd import kernel_nbd
 from kemari_lab.lab import Lab
 from kemari_lab.roaming import roaming_guest
+from kemari_lab.soak import soak
 from kemari_lab.vhost import VirtualHost
 
 
@@ -334,5 +335,6 @@ SCENARIOS: dict[str, Scenario] = {
             (fault_tolerance_partition.__doc__ or "").split(";")[0],
         ),
         Scenario("kernel-nbd", 1, kernel_nbd, (kernel_nbd.__doc__ or "").split(":")[0]),
+        Scenario("soak", 2, soak, "kemari and qemu-microvm guests side by side under load; crashes per VMM"),
     )
 }

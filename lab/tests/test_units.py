@@ -310,3 +310,102 @@ def test_kernel_nbd_writes_land_where_the_image_check_looks(tmp_path: Path, monk
     problems = kn.image_problems(flipped(3 << 20), base, written, whole)
     assert len(problems) == 2 and f"at offset {3 << 20} " in problems[0]
     assert "bytes, the export had" in kn.image_problems(data[:-4096], base, written, whole)[0]
+
+
+def test_guest_spec_verbose_cmdline() -> None:
+    quiet = GuestSpec(name="q").cmdline
+    assert quiet.startswith("console=ttyS0 quiet panic=-1 klab.ip=")
+    verbose = GuestSpec(name="v", vmm="kemari", verbose=True).cmdline
+    assert "quiet" not in verbose
+    assert "loglevel=7 oops=panic panic=-1 klab.verbose=1" in verbose and "klab.ip=10.77.0.100/24" in verbose
+
+
+def test_soak_classifies_guest_ends() -> None:
+    from kemari_lab.soak import classify, crash_excerpt
+
+    booted = "KLAB-GUEST-BOOTED cpus=2\nKLAB-GUEST-READY ip=10.77.0.100/24\n"
+    kemari_tf = booted + (
+        "2026-11-26T01:00:00Z ERROR vmm::vstate::vcpu::runner: guest crashed: triple fault vcpu=0 rip=0xfff0"
+        " cs=0xf000 cr0=0x10\nKLAB-VMM-EXIT=4\n"
+    )
+    tf = classify("kemari", 4, kemari_tf)
+    assert tf["kind"] == "triple-fault" and tf["triple_fault"] and not tf["panic_text"]
+    assert classify("kemari", 4, booted)["kind"] == "triple-fault"  # exit 4 alone says so
+    panic = booted + "[  812.1] BUG: kernel NULL pointer dereference\n[  812.2] Kernel panic - not syncing: Fatal\n"
+    p = classify("qemu-microvm", 0, panic + "KLAB-VMM-EXIT=0\n")
+    assert p["kind"] == "panic" and p["panic_text"] and not p["triple_fault"]
+    assert classify("qemu-microvm", 0, booted + "KLAB-VMM-EXIT=0\n")["kind"] == "silent-reset"
+    assert classify("kemari", 0, booted + "KLAB-VMM-EXIT=0\n")["kind"] == "silent-reset"
+    assert classify("kemari", 0, booted + "KLAB-GUEST-POWEROFF\nKLAB-VMM-EXIT=0\n")["kind"] == "poweroff"
+    assert classify("qemu-microvm", 1, booted)["kind"] == "exit-1"
+    c = classify("kemari", None, booted, client_error="echo: ConnectionResetError")
+    assert c["kind"] == "client-error" and c["client_error"] == "echo: ConnectionResetError"
+    # A WARNING or a soft lockup at boot is quoted but is no panic.
+    lockup = "[ 66.2] watchdog: BUG: soft lockup - CPU#1 stuck for 28s! [swapper/0:1]\n"
+    w = classify("qemu-microvm", 0, "[ 0.5] WARNING: CPU: 0 PID: 0 at foo\n" + lockup + booted)
+    assert w["kind"] == "silent-reset"
+    ex = crash_excerpt(
+        "[ 0.5] WARNING: CPU: 0 at boot\n" + "\n".join(f"line {i}" for i in range(99)) + "\n" + panic, tail=5
+    )
+    assert ex["tail"][-1].endswith("Kernel panic - not syncing: Fatal") and len(ex["tail"]) == 5
+    assert ex["marked"] == [
+        "103: [  812.1] BUG: kernel NULL pointer dereference",
+        "104: [  812.2] Kernel panic - not syncing: Fatal",
+    ]
+
+
+def test_disk_client_counts_acknowledged_writes_and_stops_on_a_lost_write() -> None:
+    import http.server
+    from urllib.parse import urlparse
+
+    answers: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            token = urlparse(self.path).query
+            body = f"KLAB-DISK-{'FAIL' if len(answers) >= 3 else 'OK'} {token}\n"
+            answers.append(body)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        script = Path(__file__).resolve().parent.parent / "kemari_lab" / "disk_client.py"
+        # stdin stays open: its end would stop the writer.
+        proc = subprocess.Popen(
+            [sys.executable, str(script), f"127.0.0.1:{server.server_address[1]}", "--interval", "0.05"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        status = proc.wait(timeout=30)
+        assert proc.stdout is not None and proc.stdin is not None
+        out = proc.stdout.read()
+        proc.stdin.close()
+    finally:
+        server.shutdown()
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert status == 1, out
+    assert lines[-1]["acks"] == 3 and "failed to write and read back" in lines[-1]["error"]
+
+
+def test_platform_reset_is_told_from_other_failures(tmp_path: Path) -> None:
+    from kemari_lab.platform_reset import platform_reset_in
+
+    assert platform_reset_in(tmp_path) is None
+    (tmp_path / "vh0.console").write_text("[    1.0] booted\n")
+    (tmp_path / "vh0-kemari0.console").write_text("KLAB-GUEST-READY\nkemari: failed to open disk\nKLAB-VMM-EXIT=1\n")
+    (tmp_path / "vh1-qemu0.console").write_text("KLAB-GUEST-POWEROFF\nKLAB-VMM-EXIT=0\n")
+    assert platform_reset_in(tmp_path) is None
+    (tmp_path / "vh0-roam.console").write_text(
+        'KLAB-GUEST-READY\n{"level":"ERROR","fields":{"message":"guest crashed: triple fault"}}\nKLAB-VMM-EXIT=4\n'
+    )
+    found = platform_reset_in(tmp_path)
+    assert found is not None and "vh0-roam.console" in found and "triple fault" in found
+    (tmp_path / "vh0-roam.console").unlink()
+    (tmp_path / "vh1-qemu1.console").write_text("KLAB-GUEST-READY ip=10.77.0.101/24\nKLAB-VMM-EXIT=0\n")
+    found = platform_reset_in(tmp_path)
+    assert found is not None and "vh1-qemu1.console" in found

@@ -9,12 +9,14 @@
 # GET /cgi-bin/poweroff makes the guest unmount its disk and power off;
 # klab.poweroff=1 on the command line makes it power off right after READY,
 # klab.poweroff=reboot makes it reboot instead.
+# klab.verbose=1 keeps the kernel's console log level (no `dmesg -n 1`): soak
+# runs boot with loglevel=7 and want every oops and panic on the console.
 mount -t proc proc /proc
 mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
 mount -t tmpfs tmp /tmp
 echo "KLAB-GUEST-BOOTED cpus=$(grep -c ^processor /proc/cpuinfo) mem_kb=$(awk '/MemTotal/{print $2}' /proc/meminfo)"
-dmesg -n 1
+grep -q 'klab\.verbose=1' /proc/cmdline || dmesg -n 1
 # What the firmware tables described (ACPI device IDs), for debugging VMMs.
 echo "KLAB-GUEST-ACPI $(ls /sys/bus/acpi/devices 2>/dev/null | tr '\n' ' ')"
 for m in $(cat /etc/klab-modules); do
