@@ -110,10 +110,37 @@ pub fn follow(
         on_line(&value);
         return Ok(value);
     }
+    read_lines(&mut r, on_line)?
+        .ok_or_else(|| ClientError::Malformed("the stream ended without a line".into()))
+}
+
+/// Follows `GET /vm/events` until the VMM ends it (the VMM ends, or this
+/// client was too slow for it); `on_line` gets each event as it arrives.
+/// No time limit: a VM may have nothing to say for days.
+pub fn events(socket: &Path, on_line: impl FnMut(&Value)) -> Result<(), ClientError> {
+    let call = ApiRequest::Events.to_http()?;
+    let (status, head, mut r) = send(socket, call.method.as_str(), &call.path, None, READ_TIMEOUT)?;
+    if !head.ndjson || !(200..300).contains(&status) {
+        check_status(status, read_json_body(&mut r, head.content_length)?)?;
+        return Err(ClientError::Malformed(
+            "the answer to GET /vm/events is not a stream".into(),
+        ));
+    }
+    r.get_ref().set_read_timeout(None)?;
+    read_lines(&mut r, on_line)?;
+    Ok(())
+}
+
+/// Reads a streamed answer's JSON lines to its end, calling `on_line` with
+/// each; returns the last.
+fn read_lines(
+    r: &mut BufReader<UnixStream>,
+    mut on_line: impl FnMut(&Value),
+) -> Result<Option<Value>, ClientError> {
     let mut last = None;
     loop {
         let mut line = Vec::new();
-        let n = (&mut r)
+        let n = (&mut *r)
             .take(MAX_LINE as u64)
             .read_until(b'\n', &mut line)?;
         if n == 0 {
@@ -132,7 +159,7 @@ pub fn follow(
         on_line(&value);
         last = Some(value);
     }
-    last.ok_or_else(|| ClientError::Malformed("the stream ended without a line".into()))
+    Ok(last)
 }
 
 /// Runs the long operation `request` starts to its end, following it

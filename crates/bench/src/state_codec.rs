@@ -94,6 +94,8 @@ pub fn run(args: &StateCodecArgs) -> Result<(), StateCodecError> {
                 read_only: false,
             }],
             nets: Vec::new(),
+            id: None,
+            name: None,
         };
         let saved = Machine::build(config, VmEventSink::new(|_| {}), false).and_then(|mut m| {
             std::thread::sleep(Duration::from_millis(300));

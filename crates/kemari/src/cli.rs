@@ -139,6 +139,20 @@ pub struct Args {
     /// Logs as JSON lines.
     #[arg(long)]
     pub log_json: bool,
+    /// The VM's name, a label (1-64 characters of A-Z a-z 0-9 . _ -), shown
+    /// in GET /vm and in its events; kept wherever the VM goes. On a
+    /// restore or an arrival, replaces the saved one.
+    #[arg(long, value_parser = crate::identity::check)]
+    pub name: Option<String>,
+    /// The VM's id (same characters; default: 16 random hex digits given at
+    /// first boot), kept wherever the VM goes. On a restore or an arrival,
+    /// replaces the saved one.
+    #[arg(long, value_parser = crate::identity::check)]
+    pub id: Option<String>,
+    /// Append the VM's events (the lines of GET /vm/events) to this file or
+    /// FIFO, opened at start-up (a FIFO: once a reader has opened it).
+    #[arg(long, value_name = "PATH")]
+    pub events_file: Option<PathBuf>,
 }
 
 /// `--seccomp`.
@@ -263,6 +277,9 @@ struct FileConfig {
     api_socket: Option<PathBuf>,
     api_socket_mode: Option<String>,
     api_socket_group: Option<String>,
+    id: Option<String>,
+    name: Option<String>,
+    events_file: Option<PathBuf>,
 }
 
 impl Args {
@@ -273,6 +290,7 @@ impl Args {
             None => FileConfig::default(),
         };
         let path = self.config.as_deref();
+        let (id, name) = self.identity_from(&file)?;
         let kernel = self
             .kernel
             .clone()
@@ -330,6 +348,9 @@ impl Args {
             serial,
             disks,
             nets,
+            // First boot: the VM's id from now on.
+            id: Some(id.unwrap_or_else(crate::identity::random_id)),
+            name,
         };
         config.validate()?;
         Ok((config, self.api_socket.clone().or(file.api_socket)))
@@ -337,6 +358,50 @@ impl Args {
 }
 
 impl Args {
+    /// The id and name the flags or `file` give (checked), if any.
+    fn identity_from(
+        &self,
+        file: &FileConfig,
+    ) -> Result<(Option<String>, Option<String>), CliError> {
+        let path = self.config.as_deref();
+        let checked = |flag, key, given: Option<String>, from_file: Option<String>| match pick(
+            given,
+            from_file,
+            (flag, key),
+            path,
+        ) {
+            Some((v, given)) => crate::identity::check(&v)
+                .map(Some)
+                .map_err(|e| given.error(&format!("{v:?}"), e)),
+            None => Ok(None),
+        };
+        Ok((
+            checked("--id", "id", self.id.clone(), file.id.clone())?,
+            checked("--name", "name", self.name.clone(), file.name.clone())?,
+        ))
+    }
+
+    /// The VM's id and name as far as this VMM knows before its VM is here
+    /// (a standby, a destination): the flags' or the config file's.
+    pub fn identity(&self) -> Result<(Option<String>, Option<String>), CliError> {
+        let file = match &self.config {
+            Some(path) => read_config_file(path)?,
+            None => FileConfig::default(),
+        };
+        self.identity_from(&file)
+    }
+
+    /// Where to append the events, from the flag or the config file.
+    pub fn events_file(&self) -> Result<Option<PathBuf>, CliError> {
+        if self.events_file.is_some() {
+            return Ok(self.events_file.clone());
+        }
+        match &self.config {
+            Some(path) => Ok(read_config_file(path)?.events_file),
+            None => Ok(None),
+        }
+    }
+
     /// The API socket, from the flag or the config file.
     pub fn api_socket_path(&self) -> Result<Option<PathBuf>, CliError> {
         if self.api_socket.is_some() {
@@ -385,6 +450,14 @@ impl Args {
     /// the one it had: a state without one (older kemari) keeps the MAC its
     /// saved TAP name gave, and a `mac=` other than the guest's is refused.
     pub fn apply_restore_overrides(&self, config: &mut MachineConfig) -> Result<(), CliError> {
+        if self.id.is_some() {
+            config.id = self.id.clone();
+        }
+        if self.name.is_some() {
+            config.name = self.name.clone();
+        }
+        // A state saved before VMs had ids: the VM gets its id now.
+        config.id.get_or_insert_with(crate::identity::random_id);
         if let Some(s) = &self.serial {
             config.serial = parse_serial(s).map_err(|e| Given::Flag("--serial").error(s, e))?;
         }
@@ -574,6 +647,8 @@ mod tests {
                 tap: "src-tap".into(),
                 mac: mac.map(str::to_owned),
             }],
+            id: None,
+            name: None,
         };
         let renamed = Args::parse_from(["kemari", "--incoming", "h:1", "--net", "tap=dst-tap"]);
         // Saved by an older kemari, without its MAC: the one its TAP gave.
@@ -595,6 +670,52 @@ mod tests {
         let mut c = saved(None);
         other.apply_restore_overrides(&mut c).unwrap();
         assert_eq!(c.nets[0].mac.as_deref(), Some("52:54:00:00:00:08"));
+        // An older state gets an id; a saved one is kept unless --id says.
+        assert_eq!(c.id.as_ref().map(String::len), Some(16));
+        let mut c = saved(None);
+        c.id = Some("vm-7".into());
+        renamed.apply_restore_overrides(&mut c).unwrap();
+        assert_eq!((c.id.as_deref(), c.name.as_deref()), (Some("vm-7"), None));
+        let named = Args::parse_from(["kemari", "--restore", "/d", "--name", "db.2"]);
+        named.apply_restore_overrides(&mut c).unwrap();
+        assert_eq!(
+            (c.id.as_deref(), c.name.as_deref()),
+            (Some("vm-7"), Some("db.2"))
+        );
+    }
+
+    #[test]
+    fn ids_and_names_from_flags_or_file() {
+        let a = Args::parse_from(["kemari", "--kernel", "/k", "--memory", "64M"]);
+        let (c, _) = a.machine_config().unwrap();
+        assert_eq!(c.id.as_ref().map(String::len), Some(16));
+        assert_eq!(c.name, None);
+        let a = Args::parse_from([
+            "kemari", "--kernel", "/k", "--memory", "64M", "--id", "a1", "--name", "web.1",
+        ]);
+        let (c, _) = a.machine_config().unwrap();
+        assert_eq!(
+            (c.id.as_deref(), c.name.as_deref()),
+            (Some("a1"), Some("web.1"))
+        );
+        assert!(Args::try_parse_from(["kemari", "--name", "a b"]).is_err());
+        assert!(Args::try_parse_from(["kemari", "--id", ""]).is_err());
+        let dir = std::env::temp_dir().join(format!("kemari-cli-id-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = dir.join("vm.toml");
+        std::fs::write(
+            &cfg,
+            "kernel = \"/k\"\nmemory = \"64M\"\nname = \"db\"\nevents_file = \"/e\"\n",
+        )
+        .unwrap();
+        let a = Args::parse_from(["kemari", "--config", cfg.to_str().unwrap()]);
+        assert_eq!(a.machine_config().unwrap().0.name.as_deref(), Some("db"));
+        assert_eq!(a.events_file().unwrap(), Some(PathBuf::from("/e")));
+        std::fs::write(&cfg, "kernel = \"/k\"\nmemory = \"64M\"\nname = \"d/b\"\n").unwrap();
+        let a = Args::parse_from(["kemari", "--config", cfg.to_str().unwrap()]);
+        let e = a.machine_config().unwrap_err().to_string();
+        assert!(e.starts_with("name = \"d/b\" in "), "{e}");
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[test]

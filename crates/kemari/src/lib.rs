@@ -6,5 +6,7 @@
 pub use kemari_api as api;
 pub mod cli;
 pub mod controller;
+pub mod events;
+pub mod identity;
 pub mod operation;
 pub mod sys;

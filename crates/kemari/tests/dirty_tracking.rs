@@ -54,6 +54,8 @@ fn boot(name: &str, cmdline: &str, dirty: DirtyTrackerConfig) -> Run {
         serial: SerialConfig::File(serial.clone()),
         disks: Vec::new(),
         nets: Vec::new(),
+        id: None,
+        name: None,
     };
     let machine = Machine::build_with_dirty_tracking(
         config,

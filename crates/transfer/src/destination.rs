@@ -668,6 +668,8 @@ pub(crate) fn test_config(path: &str) -> MachineConfig {
         serial: Default::default(),
         disks: Vec::new(),
         nets: Vec::new(),
+        id: None,
+        name: None,
     }
 }
 

@@ -188,6 +188,13 @@ pub struct MachineConfig {
     /// Network devices, in order.
     #[serde(default)]
     pub nets: Vec<NetConfig>,
+    /// The VM's id (kemari gives one at first boot), kept wherever the VM
+    /// is restored, migrated or failed over; absent in older states.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// The VM's name, a label (kept like the id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 fn default_vcpus() -> u8 {
@@ -308,6 +315,8 @@ mod tests {
             serial: SerialConfig::Stdout,
             disks: vec![],
             nets: vec![],
+            id: None,
+            name: None,
         }
     }
 

@@ -66,6 +66,8 @@ fn config(kernel: PathBuf) -> MachineConfig {
         serial: SerialConfig::Null,
         disks: Vec::new(),
         nets: Vec::new(),
+        id: None,
+        name: None,
     }
 }
 

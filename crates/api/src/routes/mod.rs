@@ -226,6 +226,7 @@ mod tests {
             ("PUT", "/vm/pause", b"{}", ApiRequest::Pause),
             ("PUT", "/vm/shutdown", b" \n", ApiRequest::Shutdown),
             ("GET", "/vm/operation", b"", ApiRequest::OperationStatus),
+            ("GET", "/vm/events", b"", ApiRequest::Events),
             (
                 "PUT",
                 "/vm/operation/cancel",
@@ -389,6 +390,7 @@ mod tests {
             ApiRequest::FtStop,
             ApiRequest::OperationStatus,
             ApiRequest::OperationCancel,
+            ApiRequest::Events,
         ];
         all
     }

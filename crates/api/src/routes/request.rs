@@ -78,6 +78,8 @@ pub enum ApiRequest {
     OperationStatus,
     /// Cancel the current long operation.
     OperationCancel,
+    /// The VM's events, as they happen (a stream held open).
+    Events,
 }
 
 /// Parameters of `PUT /vm/ft/start`.

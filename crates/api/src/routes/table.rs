@@ -181,4 +181,9 @@ pub const ROUTES: &[Route] = &[
         ..query("/vm/operation", "OperationStatus", "the current or last long operation")
     },
     command("/vm/operation/cancel", "OperationCancel", "cancel the current long operation"),
+    query(
+        "/vm/events",
+        "Events",
+        "the VM's events as they happen: a stream (application/x-ndjson) held open until the VMM ends",
+    ),
 ];

@@ -24,6 +24,7 @@
 //! guest crashed (a vCPU triple-faulted; its registers are in the log).
 
 mod ending;
+mod ft_events;
 mod hardening;
 mod queries;
 mod shared;
@@ -35,7 +36,7 @@ use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde_json::json;
+use serde_json::{json, Value};
 use vmm::machine::{Machine, MachineError};
 use vmm::persist::snapshot::{self, SnapshotError};
 use vmm::vstate::{VmEvent, VmEventSink};
@@ -104,7 +105,19 @@ pub enum ProcessError {
     /// The fence command's helper process could not be started.
     #[error("cannot start the fence command's helper process")]
     FenceHelper(#[source] std::io::Error),
+    /// The events file (`--events-file`) could not be opened, or its
+    /// writer started.
+    #[error("events file {path}: {cause}")]
+    EventsFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The cause (in the message).
+        cause: std::io::Error,
+    },
 }
+
+/// An event to publish: its kind and details.
+type Event = (&'static str, Value);
 
 type Answer = Result<Reply, ActionError>;
 
@@ -169,6 +182,8 @@ struct Controller {
     shared: Arc<Shared>,
     tx: Sender<Control>,
     ending: Option<Ending>,
+    /// The event of that ending (`shutdown`…), published when the VM ends.
+    ending_event: Option<Event>,
     /// The API's streamed answers (an operation's followers).
     streams: Option<kemari_api::server::StreamsWritten>,
 }
@@ -177,6 +192,14 @@ struct Controller {
 pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
     let api_socket = args.api_socket_path()?;
     let shared = Shared::new(startup::describe(args));
+    // Until the VM is here (a standby, a destination): what the flags say.
+    let (id, name) = args.identity()?;
+    shared.events.set_identity(id, name);
+    // Opened with the privileges of the start (a FIFO: once read).
+    let events_file = match args.events_file()? {
+        Some(path) => Some((open_events_file(&path)?, path)),
+        None => None,
+    };
     let (tx, rx) = channel();
     let sink = VmEventSink::new(forwarder(&tx, Control::Vm));
     // Forked while this is the only thread, with the privileges the
@@ -198,6 +221,13 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
     };
     // Still the only thread: every thread made from here on inherits it.
     hardening::harden(args)?;
+    if let Some((file, path)) = events_file {
+        shared
+            .events
+            .write_to(file)
+            .map_err(|cause| ProcessError::EventsFile { path, cause })?;
+    }
+    ft_events::watch(&shared);
     let api = match listening {
         Some(l) => Some(l.serve(api_handler(shared.clone(), tx.clone()), || {
             vmm::seccomp::confine_this_thread(vmm::seccomp::ThreadFilter::Api)
@@ -227,6 +257,15 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
             }
             ft::standby::StandbyOutcome::PrimaryStopped(reason) => {
                 eprintln!("kemari: standby done: the primary ended protection ({reason})");
+                shared.events.publish(
+                    "shutdown",
+                    json!({ "reason": format!("standby: the primary ended protection ({reason})") }),
+                );
+                shared.events.close();
+                shared.events.wait_writers(FLUSH_GRACE);
+                if let Some(api) = api {
+                    api.shutdown(FLUSH_GRACE);
+                }
                 return Ok(ExitCode::SUCCESS);
             }
         }
@@ -241,12 +280,19 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
     // start it (it would write partial lines at once instead).
     machine.start_console_flusher();
     shared.set_machine(machine.monitor());
+    // A failover shows as such before the VM's start.
+    ft_events::observe(&shared);
+    shared.events.publish(
+        "started",
+        json!({ "how": startup::how(args), "state": machine.state(), "pid": std::process::id() }),
+    );
     let mut controller = Controller {
         slot: Slot::Here(machine),
         ft_gate: None,
         shared: shared.clone(),
         tx,
         ending: None,
+        ending_event: None,
         streams: api.as_ref().map(|a| a.streams_written()),
     };
     let status = loop {
@@ -258,11 +304,26 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         }
     };
     shared.set_role(Role::Ending);
+    // Event streams end after the last event (and the file gets it).
+    shared.events.close();
+    shared.events.wait_writers(FLUSH_GRACE);
     if let Some(api) = api {
         // The followers of the last operation get their final line.
         api.shutdown(FLUSH_GRACE);
     }
     status
+}
+
+/// Opens `--events-file` for appending (a FIFO: waits for its reader).
+fn open_events_file(path: &std::path::Path) -> Result<std::fs::File, ProcessError> {
+    std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .map_err(|cause| ProcessError::EventsFile {
+            path: path.to_path_buf(),
+            cause,
+        })
 }
 
 impl Controller {
@@ -275,24 +336,46 @@ impl Controller {
         match event {
             Control::Vm(VmEvent::Poweroff { code: 0 }) => {
                 tracing::info!("guest powered off");
-                self.end(Ending::Status(ExitCode::SUCCESS))
+                self.end(
+                    Ending::Status(ExitCode::SUCCESS),
+                    ("shutdown", json!({ "reason": "guest poweroff" })),
+                )
             }
             Control::Vm(VmEvent::Poweroff { code }) => {
                 eprintln!("kemari: guest reported failure (exit code {code})");
-                self.end(Ending::Status(ExitCode::from(EXIT_GUEST_FAILURE)))
+                self.end(
+                    Ending::Status(ExitCode::from(EXIT_GUEST_FAILURE)),
+                    (
+                        "shutdown",
+                        json!({ "reason": "guest poweroff reporting a failure", "exit_code": code }),
+                    ),
+                )
             }
             Control::Vm(VmEvent::Reset) => {
                 tracing::info!("guest reset: ending the VM");
-                self.end(Ending::Status(ExitCode::SUCCESS))
+                self.end(
+                    Ending::Status(ExitCode::SUCCESS),
+                    ("reset", json!({ "then": "the VMM ends" })),
+                )
             }
             Control::Vm(VmEvent::Crashed { vcpu, reason }) => {
                 eprintln!("kemari: guest crashed: {reason} on vCPU {vcpu}");
-                self.end(Ending::Status(ExitCode::from(EXIT_GUEST_CRASHED)))
+                let event = ("crashed", json!({ "reason": reason, "vcpu": vcpu }));
+                self.end(Ending::Status(ExitCode::from(EXIT_GUEST_CRASHED)), event)
             }
-            Control::Vm(VmEvent::Error(message)) => self.end(Ending::Failed(message)),
+            Control::Vm(VmEvent::Error(message)) => {
+                let event = (
+                    "crashed",
+                    json!({ "reason": "internal error", "message": message }),
+                );
+                self.end(Ending::Failed(message), event)
+            }
             Control::Signal(sig) => {
                 tracing::info!(signal = sig, "signal received: shutting down");
-                self.end(Ending::Status(ExitCode::SUCCESS))
+                self.end(
+                    Ending::Status(ExitCode::SUCCESS),
+                    ("shutdown", json!({ "reason": "signal", "signal": sig })),
+                )
             }
             Control::Api(routed, reply) => {
                 let (answer, exit) = self.act(routed);
@@ -301,7 +384,10 @@ impl Controller {
                     if let Some(g) = &self.ft_gate {
                         g.stop("the primary VMM is shutting down");
                     }
-                    return self.end(Ending::Status(ExitCode::SUCCESS));
+                    return self.end(
+                        Ending::Status(ExitCode::SUCCESS),
+                        ("shutdown", json!({ "reason": "api" })),
+                    );
                 }
                 None
             }
@@ -309,12 +395,23 @@ impl Controller {
         }
     }
 
-    /// Ends the VMM now, or once the running operation hands the machine
-    /// back (it is cancelled).
-    fn end(&mut self, why: Ending) -> Option<Result<ExitCode, ProcessError>> {
+    /// Ends the VMM now (publishing `event`), or once the running
+    /// operation hands the machine back (it is cancelled).
+    fn end(&mut self, why: Ending, event: Event) -> Option<Result<ExitCode, ProcessError>> {
+        self.end_with(why, Some(event))
+    }
+
+    fn end_with(
+        &mut self,
+        why: Ending,
+        event: Option<Event>,
+    ) -> Option<Result<ExitCode, ProcessError>> {
         match std::mem::replace(&mut self.slot, Slot::Away(0)) {
             Slot::Here(machine) => {
                 self.shared.set_role(Role::Ending);
+                if let Some((kind, details)) = event {
+                    self.shared.events.publish(kind, details);
+                }
                 end_vm(machine);
                 Some(match why {
                     Ending::Status(code) => Ok(code),
@@ -327,6 +424,9 @@ impl Controller {
                     tracing::info!(error = %e, "ending once the running operation returns the VM");
                 }
                 self.ending.get_or_insert(why);
+                if let Some(event) = event {
+                    self.ending_event.get_or_insert(event);
+                }
                 None
             }
         }
@@ -348,11 +448,21 @@ impl Controller {
         if exit {
             self.shared.set_role(Role::Ending);
         }
+        let kind = self.shared.operations.running().map(|(k, _)| k);
+        // Fault tolerance's new state (protected) before the operation's end.
+        ft_events::observe(&self.shared);
+        self.publish_operation_end(id, kind, &result);
         self.shared.operations.finish(id, result);
         if exit {
             if let Some(g) = &self.ft_gate {
                 g.stop("the primary VMM is shutting down");
             }
+            // The last events: the operation's end (and the shutdown asked
+            // for meanwhile); then every event stream ends.
+            if let Some((kind, details)) = self.ending_event.take() {
+                self.shared.events.publish(kind, details);
+            }
+            self.shared.events.close();
             self.shared.operations.wait_followers(FLUSH_GRACE);
             if after == After::HandedOver {
                 // The report reaches its caller at normal priority (each hop
@@ -368,12 +478,42 @@ impl Controller {
                 .ending
                 .take()
                 .unwrap_or(Ending::Status(ExitCode::SUCCESS));
-            return self.end(ending);
+            return self.end_with(ending, None);
         }
         if let Some(ending) = self.ending.take() {
-            return self.end(ending);
+            let event = self.ending_event.take();
+            return self.end_with(ending, event);
         }
         None
+    }
+
+    /// `operation_completed`, `_failed` or `_cancelled`.
+    fn publish_operation_end(
+        &self,
+        id: u64,
+        kind: Option<OpKind>,
+        result: &Result<Value, (String, bool)>,
+    ) {
+        let mut details = json!({
+            "operation": id,
+            "kind": kind,
+            "description": kind.map(OpKind::describe),
+        });
+        let event = match result {
+            Ok(report) => {
+                details["result"] = report.clone();
+                "operation_completed"
+            }
+            Err((error, cancelled)) => {
+                details["error"] = Value::from(error.as_str());
+                if *cancelled {
+                    "operation_cancelled"
+                } else {
+                    "operation_failed"
+                }
+            }
+        };
+        self.shared.events.publish(event, details);
     }
 
     /// Answers an action; `true` if the VMM ends now.
@@ -388,8 +528,15 @@ impl Controller {
             FtState::Protected | FtState::Syncing
         );
         let op = match request {
-            ApiRequest::Pause => return (pause_or_resume(machine, true), false),
-            ApiRequest::Resume => return (pause_or_resume(machine, false), false),
+            ApiRequest::Pause | ApiRequest::Resume => {
+                let pause = request == ApiRequest::Pause;
+                let answer = pause_or_resume(machine, pause);
+                if answer.is_ok() {
+                    let event = if pause { "paused" } else { "resumed" };
+                    self.shared.events.publish(event, json!({ "by": "api" }));
+                }
+                return (answer, false);
+            }
             ApiRequest::Shutdown => {
                 return (Ok(Reply::Json(json!({ "state": "shutting_down" }))), true)
             }
@@ -487,6 +634,8 @@ impl Controller {
             ApiRequest::Shutdown => {
                 let cancelling = self.shared.operations.cancel(None).ok();
                 self.ending.get_or_insert(Ending::Status(ExitCode::SUCCESS));
+                self.ending_event
+                    .get_or_insert(("shutdown", json!({ "reason": "api" })));
                 Ok(Reply::Json(json!({
                     "state": "shutting_down",
                     "after_operation": cancelling,
@@ -507,6 +656,7 @@ impl Controller {
 
     fn start_operation(&mut self, op: Op, follow: bool) -> Answer {
         let kind = op.kind();
+        let target = op.target();
         // `GET /vm/migration` shows the running or last live migration.
         let progress = if kind == OpKind::Migrate {
             self.shared.migration.clone()
@@ -516,7 +666,7 @@ impl Controller {
         let started = self
             .shared
             .operations
-            .begin(kind, &op.target(), progress)
+            .begin(kind, &target, progress)
             .map_err(|e| ActionError::Busy(e.to_string()))?;
         let Slot::Here(machine) = std::mem::replace(&mut self.slot, Slot::Away(started.id)) else {
             return Err(ActionError::Internal("the machine is not here".into()));
@@ -529,14 +679,17 @@ impl Controller {
                 .unwrap_or_else(|p| p.into_inner())
                 .send(Control::Done(Box::new(done)));
         });
+        self.shared.events.publish(
+            "operation_started",
+            json!({ "operation": id, "kind": kind, "description": kind.describe(), "target": target }),
+        );
         if let Err((e, machine)) = spawned {
             if let Some(m) = machine {
                 self.slot = Slot::Here(m);
             }
-            self.shared.operations.finish(
-                id,
-                Err((format!("cannot start a worker thread: {e}"), false)),
-            );
+            let result = Err((format!("cannot start a worker thread: {e}"), false));
+            self.publish_operation_end(id, Some(kind), &result);
+            self.shared.operations.finish(id, result);
             return Err(ActionError::Internal(format!(
                 "cannot start a worker thread: {e}"
             )));

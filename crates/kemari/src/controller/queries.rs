@@ -39,6 +39,10 @@ pub fn answer(
         }
         ApiRequest::OperationStatus => Some(operation(shared, follow)),
         ApiRequest::MigrationCancel => Some(cancel(shared, Some(OpKind::Migrate))),
+        // Whatever this VMM is: a standby's failover is an event too.
+        ApiRequest::Events => Some(Ok(Reply::Stream(LineStream::new(
+            shared.events.subscribe(),
+        )))),
         ApiRequest::OperationCancel => Some(cancel(shared, None)),
         // Actions: refused here while there is nothing to act on.
         _ => match shared.role() {
@@ -75,8 +79,10 @@ fn with_monitor(
 }
 
 /// `GET /vm`: the VM, or — on a standby or a VMM still waiting for its VM
-/// — what this VMM is, so that a monitor always sees its pid and version.
+/// — what this VMM is, so that a monitor always sees its pid, version,
+/// uptime and, if known, the VM's id and name.
 fn info(shared: &Shared) -> Value {
+    let (id, name) = shared.events.identity();
     let operation = shared
         .operations
         .running()
@@ -85,6 +91,8 @@ fn info(shared: &Shared) -> Value {
         "pid": std::process::id(),
         "version": env!("CARGO_PKG_VERSION"),
         "process_uptime_ms": shared.started.elapsed().as_millis() as u64,
+        "id": id,
+        "name": name,
     });
     let mut v = match (shared.monitor(), shared.role()) {
         (Some(m), role) => {
@@ -105,6 +113,7 @@ fn info(shared: &Shared) -> Value {
             "state": "standby",
             "role": "standby",
             "ft_state": shared.ft.report().state,
+            "uptime_ms": shared.started.elapsed().as_millis() as u64,
         }),
         (None, Role::Starting(what)) => json!({ "state": "starting", "role": what }),
         (None, _) => json!({ "state": "ending", "role": "none" }),

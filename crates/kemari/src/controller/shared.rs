@@ -7,10 +7,11 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use ft::status::FtShared;
+use ft::status::{FtShared, FtState};
 use transfer::ProgressCell;
 use vmm::machine::MachineMonitor;
 
+use crate::events::EventHub;
 use crate::operation::Operations;
 
 /// What this VMM is now.
@@ -39,6 +40,10 @@ pub struct Shared {
     pub migration: Arc<ProgressCell>,
     /// When this process started.
     pub started: Instant,
+    /// The VM's events (`GET /vm/events`).
+    pub events: EventHub,
+    /// Fault tolerance's state as last published (`ft_events`).
+    pub ft_seen: Mutex<FtState>,
 }
 
 impl Shared {
@@ -51,11 +56,15 @@ impl Shared {
             operations: Arc::new(Operations::default()),
             migration: Arc::new(ProgressCell::default()),
             started: Instant::now(),
+            events: EventHub::default(),
+            ft_seen: Mutex::new(FtState::Unprotected),
         })
     }
 
     /// The machine runs here now.
     pub fn set_machine(&self, monitor: MachineMonitor) {
+        let c = monitor.config();
+        self.events.set_identity(c.id.clone(), c.name.clone());
         *self.monitor.lock().unwrap_or_else(|p| p.into_inner()) = Some(monitor);
         self.set_role(Role::Running);
     }

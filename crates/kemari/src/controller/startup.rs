@@ -34,6 +34,23 @@ pub fn describe(args: &Args) -> &'static str {
     }
 }
 
+/// How the VM came to run here (the `started` event's `how`).
+pub fn how(args: &Args) -> &'static str {
+    if args.ft_standby.is_some() {
+        "failover"
+    } else if args.incoming.is_some() {
+        "live_migration"
+    } else if args.incoming_local.is_some() {
+        "zero_copy_migration"
+    } else if args.restore.is_some() && args.await_state {
+        "warm_restart"
+    } else if args.restore.is_some() {
+        "restore"
+    } else {
+        "boot"
+    }
+}
+
 /// Builds the machine `args` describe (everything but a standby's).
 pub fn make_machine(args: &Args, sink: VmEventSink) -> Result<Machine, ProcessError> {
     let gate = Arc::new(vmm::output::PassThroughGate);

@@ -302,6 +302,8 @@ fn placeholder() -> VmState {
             serial: SerialConfig::Null,
             disks: vec![],
             nets: vec![],
+            id: None,
+            name: None,
         },
         memory: MemoryState {
             size: 1 << 20,

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use kemari::api::client::{call, follow, run_operation};
+use kemari::api::client::{call, events, follow, run_operation};
 use kemari::api::{ApiRequest, FtStartRequest};
 use serde_json::Value;
 
@@ -114,6 +114,9 @@ enum Command {
         #[command(subcommand)]
         command: Option<OperationCommand>,
     },
+    /// Follow the VM's events (started, paused, resumed, shutdown, reset,
+    /// crashed, operation_*, ft_*): one JSON line each, until the VMM ends.
+    Events,
 }
 
 #[derive(Debug, Subcommand)]
@@ -232,6 +235,7 @@ fn action(command: Command) -> ApiRequest {
         Command::Operation {
             command: Some(OperationCommand::Cancel),
         } => ApiRequest::OperationCancel,
+        Command::Events => ApiRequest::Events,
     }
 }
 
@@ -260,6 +264,30 @@ fn run_following(socket: &std::path::Path, request: &ApiRequest) -> Result<Value
     answer.map_err(|e| e.to_string())
 }
 
+/// Prints each event as one JSON line until the VMM ends the stream; a
+/// closed stdout (`kemarictl events | head -3`) ends us quietly.
+fn follow_events(socket: &std::path::Path) -> ExitCode {
+    let mut failed = None;
+    let answer = events(socket, |event| {
+        if failed.is_none() {
+            if let Err(e) = kemari_logging::stdout::line(&event.to_string()) {
+                failed = Some(e);
+            }
+        }
+    });
+    if let Some(e) = failed {
+        eprintln!("kemarictl: cannot write the events: {e}");
+        return ExitCode::from(1);
+    }
+    match answer {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kemarictl: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let follow_op = matches!(
@@ -269,6 +297,9 @@ fn main() -> ExitCode {
         }
     );
     let request = action(cli.command);
+    if request == ApiRequest::Events {
+        return follow_events(&cli.api_socket);
+    }
     let answer = if (request.is_operation() && !cli.detach) || follow_op {
         run_following(&cli.api_socket, &request)
     } else {

@@ -1,0 +1,419 @@
+//! The VM's identity and events, with real kemari processes and the test
+//! guest:
+//!
+//! - `GET /vm/events` (and `kemarictl events`, and `--events-file`) gets
+//!   pause, resume, a snapshot's start and end and the shutdown, in order,
+//!   each with the VM's id, name and a timestamp; the stream ends after the
+//!   shutdown;
+//! - `--id`/`--name` show in `GET /vm` and survive a zero-copy migration:
+//!   the destination's `started` event and `GET /vm` carry them; the
+//!   source's stream ends after the migration's `operation_completed`;
+//! - a fault-tolerance standby answers `GET /vm` with its role, pid,
+//!   version, uptime and name, and still refuses actions;
+//! - a guest's triple fault is a `crashed` event, in the events file
+//!   before kemari exits.
+//!
+//! Bounds are generous (30 s): the machine is shared.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use kemari::api::client::request_with_timeout;
+use kemari_testkit::scenario::*;
+use kemari_testkit::*;
+use serde_json::Value;
+
+const PATIENCE: Duration = Duration::from_secs(30);
+
+/// A subscription to `GET /vm/events`, made once the answer's head came
+/// (the VMM subscribed before it wrote it): each event, then `None` at the
+/// stream's end.
+fn subscribe(api: &Path) -> Receiver<Option<Value>> {
+    let mut s = UnixStream::connect(api).expect("connect to the API");
+    s.write_all(
+        b"GET /vm/events HTTP/1.1\r\nHost: kemari\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+    )
+    .unwrap();
+    s.set_read_timeout(Some(PATIENCE * 4)).unwrap();
+    let mut r = BufReader::new(s);
+    let mut status = String::new();
+    r.read_line(&mut status).unwrap();
+    let mut ndjson = false;
+    loop {
+        let mut line = String::new();
+        r.read_line(&mut line).unwrap();
+        if line.trim().is_empty() {
+            break;
+        }
+        ndjson |= line.to_ascii_lowercase().contains("application/x-ndjson");
+    }
+    assert!(status.contains(" 200 ") && ndjson, "{status}");
+    let (tx, rx) = channel();
+    std::thread::spawn(move || {
+        for line in r.lines() {
+            let Ok(line) = line else { break };
+            let v: Value = serde_json::from_str(&line)
+                .unwrap_or_else(|e| panic!("event line is not JSON: {e}: {line}"));
+            if tx.send(Some(v)).is_err() {
+                return;
+            }
+        }
+        let _ = tx.send(None);
+    });
+    rx
+}
+
+/// Every event until the stream ends (panics if it does not within
+/// [`PATIENCE`]).
+fn to_the_end(rx: &Receiver<Option<Value>>) -> Vec<Value> {
+    let deadline = Instant::now() + PATIENCE;
+    let mut events = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(Some(v)) => events.push(v),
+            Ok(None) | Err(RecvTimeoutError::Disconnected) => return events,
+            Err(RecvTimeoutError::Timeout) => {
+                panic!("the event stream did not end; so far: {events:#?}")
+            }
+        }
+    }
+}
+
+/// The next event of kind `kind`, skipping others.
+fn next_of(rx: &Receiver<Option<Value>>, kind: &str) -> Value {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(Some(v)) if v["event"] == kind => return v,
+            Ok(Some(_)) => {}
+            other => panic!("no {kind} event: {other:?}"),
+        }
+    }
+}
+
+fn kinds(events: &[Value]) -> Vec<&str> {
+    events
+        .iter()
+        .map(|e| e["event"].as_str().unwrap_or("?"))
+        .collect()
+}
+
+fn info(api: &Path) -> Value {
+    request_with_timeout(api, "GET", "/vm", None, PATIENCE).expect("GET /vm")
+}
+
+fn succeeded(out: &std::process::Output) -> Value {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap_or(Value::Null)
+}
+
+/// Each event names the VM and carries an RFC 3339 UTC timestamp with
+/// microseconds, in order.
+fn check_stamped(events: &[Value], id: &str, name: Option<&str>) {
+    let mut last = String::new();
+    for e in events {
+        assert_eq!(e["vm"], id, "{e}");
+        assert_eq!(e["name"].as_str(), name, "{e}");
+        let t = e["timestamp"].as_str().unwrap_or_else(|| panic!("{e}"));
+        // 2026-11-25T10:00:00.123456Z
+        assert_eq!(t.len(), 27, "{t}");
+        assert!(
+            t.ends_with('Z') && &t[10..11] == "T" && &t[19..20] == ".",
+            "{t}"
+        );
+        assert!(t[20..26].chars().all(|c| c.is_ascii_digit()), "{t}");
+        assert!(*t >= *last, "{t} after {last}");
+        last = t.to_owned();
+    }
+}
+
+fn guest_args(extra: &[&str]) -> Vec<String> {
+    let mut args: Vec<String> = vec![
+        "--kernel".into(),
+        guest_elf().display().to_string(),
+        "--memory".into(),
+        "64M".into(),
+        "--cmdline".into(),
+        "counter=100".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+fn wait_api(api: &Path) {
+    wait_for("the API socket", PATIENCE, || {
+        api.exists() && request_with_timeout(api, "GET", "/vm", None, PATIENCE).is_ok()
+    });
+}
+
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+fn pause_resume_snapshot_and_shutdown_arrive_in_order_then_the_stream_ends() {
+    let dir = scratch("events-order");
+    let api = dir.join("api.sock");
+    let file = dir.join("events.jsonl");
+    let mut vmm = spawn_vmm(
+        &guest_args(&[
+            "--name",
+            "events-a",
+            "--id",
+            "vm-events-a",
+            "--events-file",
+            file.to_str().unwrap(),
+        ]),
+        &dir.join("console.log"),
+        &api,
+        &[],
+    );
+    wait_api(&api);
+    let stream = subscribe(&api);
+    let mut ctl_events = kemarictl(&api)
+        .arg("events")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut ctl_out = ctl_events.stdout.take().unwrap();
+    let printed = std::thread::spawn(move || {
+        let mut text = String::new();
+        ctl_out.read_to_string(&mut text).unwrap();
+        text
+    });
+    wait_for("the guest to count", PATIENCE, || {
+        !counters(&vmm.console).is_empty()
+    });
+    let v = info(&api);
+    assert_eq!(
+        (v["id"].as_str(), v["name"].as_str()),
+        (Some("vm-events-a"), Some("events-a")),
+        "{v}"
+    );
+    succeeded(&ctl(&api, &["pause"]));
+    succeeded(&ctl(&api, &["resume"]));
+    let snap = dir.join("snap");
+    succeeded(&ctl(&api, &["snapshot", snap.to_str().unwrap()]));
+    succeeded(&ctl(&api, &["shutdown"]));
+
+    let events = to_the_end(&stream);
+    let seen: Vec<&str> = kinds(&events)
+        .into_iter()
+        .filter(|k| *k != "started")
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            "paused",
+            "resumed",
+            "operation_started",
+            "operation_completed",
+            "shutdown"
+        ],
+        "{events:#?}"
+    );
+    check_stamped(&events, "vm-events-a", Some("events-a"));
+    let op = |k: &str| events.iter().find(|e| e["event"] == k).unwrap().clone();
+    assert_eq!(op("operation_started")["kind"], "snapshot");
+    assert_eq!(
+        op("operation_completed")["operation"],
+        op("operation_started")["operation"]
+    );
+    assert_eq!(op("operation_completed")["result"]["exit"], false);
+    assert_eq!(op("shutdown")["reason"], "api");
+    assert!(wait_exit(&mut vmm.child.0, "kemari").success());
+
+    // kemarictl printed the same lines (from whenever it subscribed) and
+    // ended with the stream.
+    let status = wait_exit(&mut ctl_events, "kemarictl events");
+    let text = printed.join().unwrap();
+    assert!(status.success(), "{text}");
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(kinds(&lines).last(), Some(&"shutdown"), "{text}");
+    assert!(kinds(&lines).contains(&"operation_completed"), "{text}");
+
+    // The events file has them all, `started` (a boot) first.
+    let written: Vec<Value> = read_text(&file)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(
+        kinds(&written),
+        [
+            "started",
+            "paused",
+            "resumed",
+            "operation_started",
+            "operation_completed",
+            "shutdown"
+        ]
+    );
+    assert_eq!(written[0]["how"], "boot");
+    check_stamped(&written, "vm-events-a", Some("events-a"));
+}
+
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+fn the_id_and_name_survive_a_zero_copy_migration() {
+    let dir = scratch("events-identity");
+    let src_api = dir.join("api-1.sock");
+    let mut src = spawn_vmm(
+        &guest_args(&["--name", "mover", "--id", "0123456789abcdef"]),
+        &dir.join("console-1.log"),
+        &src_api,
+        &[],
+    );
+    wait_api(&src_api);
+    // Without --id, a first boot gets 16 hex digits; this one has its own.
+    let v = info(&src_api);
+    assert_eq!(v["id"], "0123456789abcdef", "{v}");
+    assert_eq!(v["name"], "mover", "{v}");
+    let src_events = subscribe(&src_api);
+
+    let sock = dir.join("incoming.sock");
+    let dst_api = dir.join("api-2.sock");
+    let mut dst = spawn_vmm(
+        &["--incoming-local".into(), sock.display().to_string()],
+        &dir.join("console-2.log"),
+        &dst_api,
+        &[],
+    );
+    wait_api(&dst_api);
+    let waiting = info(&dst_api);
+    assert_eq!(waiting["state"], "starting", "{waiting}");
+    assert_eq!(waiting["id"], Value::Null, "not known yet: {waiting}");
+    let dst_events = subscribe(&dst_api);
+    wait_for("the destination's socket", PATIENCE, || sock.exists());
+    wait_for("the guest to count", PATIENCE, || {
+        !counters(&src.console).is_empty()
+    });
+    let report = succeeded(&ctl(&src_api, &["migrate-local", sock.to_str().unwrap()]));
+    assert!(report["downtime_ms"].is_number(), "{report}");
+
+    // The source: the operation, then the end of its stream.
+    let gone = to_the_end(&src_events);
+    assert_eq!(
+        kinds(&gone),
+        ["operation_started", "operation_completed"],
+        "{gone:#?}"
+    );
+    assert_eq!(gone[1]["kind"], "migrate_local");
+    check_stamped(&gone, "0123456789abcdef", Some("mover"));
+    assert!(wait_exit(&mut src.child.0, "the source").success());
+
+    // The destination: the same VM.
+    let started = next_of(&dst_events, "started");
+    assert_eq!(started["how"], "zero_copy_migration", "{started}");
+    check_stamped(
+        std::slice::from_ref(&started),
+        "0123456789abcdef",
+        Some("mover"),
+    );
+    let v = info(&dst_api);
+    assert_eq!(v["id"], "0123456789abcdef", "{v}");
+    assert_eq!(v["name"], "mover", "{v}");
+    assert_eq!(v["state"], "running", "{v}");
+    succeeded(&ctl(&dst_api, &["shutdown"]));
+    let last = to_the_end(&dst_events);
+    assert_eq!(kinds(&last), ["shutdown"], "{last:#?}");
+    assert!(wait_exit(&mut dst.child.0, "the destination").success());
+}
+
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+fn a_standby_answers_get_vm_with_its_role() {
+    let dir = scratch("events-standby");
+    let key = dir.join("key");
+    std::fs::write(&key, "standby-info-test-key-0123456789\n").unwrap();
+    let api = dir.join("api.sock");
+    let mut standby = spawn_vmm(
+        &[
+            "--ft-standby".into(),
+            format!("127.0.0.1:{}", free_port()),
+            "--migration-key-file".into(),
+            key.display().to_string(),
+            "--name".into(),
+            "spare".into(),
+        ],
+        &dir.join("console.log"),
+        &api,
+        &[],
+    );
+    wait_api(&api);
+    let v = info(&api);
+    assert_eq!(v["role"], "standby", "{v}");
+    assert_eq!(v["state"], "standby", "{v}");
+    assert_eq!(v["pid"], standby.child.0.id(), "{v}");
+    assert_eq!(v["version"], env!("CARGO_PKG_VERSION"), "{v}");
+    assert!(v["uptime_ms"].is_u64(), "{v}");
+    assert_eq!(v["name"], "spare", "{v}");
+    assert_eq!(
+        v["id"],
+        Value::Null,
+        "its primary's VM is not known yet: {v}"
+    );
+    // Actions are still refused.
+    let out = ctl(&api, &["pause"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("standby"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Its events can be followed (a failover would be one).
+    drop(subscribe(&api));
+    assert!(standby.child.0.try_wait().unwrap().is_none());
+}
+
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+fn a_triple_fault_is_a_crashed_event_written_before_the_exit() {
+    let dir = scratch("events-crash");
+    // An empty IDT, then an exception: #UD, #GP, #DF, shutdown.
+    let elf = build_stub_mode(&dir, 3, 0, 1);
+    let file = dir.join("events.jsonl");
+    let out = run_with_timeout(
+        kemari()
+            .arg("--kernel")
+            .arg(&elf)
+            .args(["--memory", "64M", "--name", "crasher", "--events-file"])
+            .arg(&file),
+        PATIENCE,
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(4),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let written: Vec<Value> = read_text(&file)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(kinds(&written), ["started", "crashed"], "{written:#?}");
+    assert!(
+        written[1]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("triple fault"),
+        "{}",
+        written[1]
+    );
+    let id = written[0]["vm"].as_str().unwrap().to_owned();
+    assert!(
+        id.len() == 16 && id.chars().all(|c| c.is_ascii_hexdigit()),
+        "{id}"
+    );
+    check_stamped(&written, &id, Some("crasher"));
+}
