@@ -11,6 +11,7 @@ packages=(
   libssl-dev openssl                   # kemari-nbd's TLS (openssl crate); test certificates
   iproute2 iputils-ping socat          # TAP devices, namespaces
   hyperfine python3
+  prometheus                           # promtool: `promtool check metrics` on GET /metrics
 )
 missing=()
 for p in "${packages[@]}"; do

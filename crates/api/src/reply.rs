@@ -14,6 +14,13 @@ pub enum Reply {
     /// One JSON object per line until the sending side is dropped (200,
     /// `application/x-ndjson`).
     Stream(LineStream),
+    /// A body that is not JSON (200): the Prometheus exposition.
+    Text {
+        /// Its `Content-Type`.
+        content_type: &'static str,
+        /// The body.
+        body: String,
+    },
 }
 
 /// The lines of a [`Reply::Stream`]: already serialized JSON objects, each

@@ -120,7 +120,7 @@ fn during_migration(
     let memfile = scratch.shm_file("api-src");
     crate::ops::fill_in_use(&memfile, size, args.in_use_mib).map_err(|e| e.to_string())?;
     let key = scratch.path("key");
-    std::fs::write(&key, "kemari-bench-api-key-0123456789").map_err(|e| e.to_string())?;
+    crate::procs::write_key(&key, "kemari-bench-api-key-0123456789").map_err(|e| e.to_string())?;
     let (src_sock, dst_sock) = (scratch.path("src.sock"), scratch.path("dst.sock"));
     let mut src_cmd = kemari_cmd(kemari);
     src_cmd

@@ -473,7 +473,8 @@ pub fn run(args: &FtBenchArgs, kemari: PathBuf) -> Result<(), String> {
     let tap = Tap::create(args.subnet)?;
     let root = std::env::temp_dir();
     let key = root.join(format!("kemari-bench-ft-key-{}", std::process::id()));
-    std::fs::write(&key, "kemari-bench-fault-tolerance-key\n").map_err(|e| e.to_string())?;
+    crate::procs::write_key(&key, "kemari-bench-fault-tolerance-key\n")
+        .map_err(|e| e.to_string())?;
     let env = Env {
         kemari,
         kernel: args.kernel.clone(),

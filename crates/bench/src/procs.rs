@@ -183,6 +183,20 @@ pub fn wait_path(path: &Path, timeout: Duration) -> bool {
     true
 }
 
+/// Writes a pre-shared key file as kemari wants it: readable by its owner
+/// only (0600).
+pub fn write_key(path: &std::path::Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)?
+        .write_all(text.as_bytes())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -5,6 +5,7 @@ use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use serde::Serialize;
 use transfer::ProgressCell;
 
@@ -130,6 +131,22 @@ pub struct FtShared {
     /// Progress of the initial synchronization (the transfer layer's
     /// pre-copy writes it).
     pub initial: ProgressCell,
+    /// Guest pause per sync, seconds, over the process's life (every
+    /// protection; `GET /metrics`).
+    pub pause_seconds: Histogram,
+    /// Output delay per sync (pause + transfer + acknowledgement), seconds,
+    /// over the process's life.
+    pub sync_seconds: Histogram,
+}
+
+/// Bounds of [`FtShared::pause_seconds`]: 10 µs to ~0.3 s.
+fn pause_buckets() -> impl Iterator<Item = f64> {
+    exponential_buckets(10e-6, 2.0, 16)
+}
+
+/// Bounds of [`FtShared::sync_seconds`]: 50 µs to ~1.6 s.
+fn sync_buckets() -> impl Iterator<Item = f64> {
+    exponential_buckets(50e-6, 2.0, 16)
 }
 
 impl Default for FtShared {
@@ -158,6 +175,8 @@ impl Default for FtShared {
                 last_error: None,
             }),
             initial: ProgressCell::default(),
+            pause_seconds: Histogram::new(pause_buckets()),
+            sync_seconds: Histogram::new(sync_buckets()),
         }
     }
 }
@@ -260,7 +279,9 @@ impl FtShared {
             i.link_bytes += bytes;
             push(&mut i.pauses, pause);
             push(&mut i.delays, delay);
-        })
+        });
+        self.pause_seconds.observe(pause.as_secs_f64());
+        self.sync_seconds.observe(delay.as_secs_f64());
     }
 
     /// Primary: `kept` pages left writable after a sync, `skipped` of them

@@ -153,6 +153,10 @@ pub struct Args {
     /// FIFO, opened at start-up (a FIFO: once a reader has opened it).
     #[arg(long, value_name = "PATH")]
     pub events_file: Option<PathBuf>,
+    /// Also serve GET /metrics (Prometheus text format) over TCP on this
+    /// address (`127.0.0.1:9400`); the API socket always serves it.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<String>,
 }
 
 /// `--seccomp`.
@@ -280,6 +284,7 @@ struct FileConfig {
     id: Option<String>,
     name: Option<String>,
     events_file: Option<PathBuf>,
+    metrics_listen: Option<String>,
 }
 
 impl Args {
@@ -398,6 +403,17 @@ impl Args {
         }
         match &self.config {
             Some(path) => Ok(read_config_file(path)?.events_file),
+            None => Ok(None),
+        }
+    }
+
+    /// Where to serve `/metrics` over TCP, from the flag or the config file.
+    pub fn metrics_listen(&self) -> Result<Option<String>, CliError> {
+        if self.metrics_listen.is_some() {
+            return Ok(self.metrics_listen.clone());
+        }
+        match &self.config {
+            Some(path) => Ok(read_config_file(path)?.metrics_listen),
             None => Ok(None),
         }
     }
@@ -705,12 +721,16 @@ mod tests {
         let cfg = dir.join("vm.toml");
         std::fs::write(
             &cfg,
-            "kernel = \"/k\"\nmemory = \"64M\"\nname = \"db\"\nevents_file = \"/e\"\n",
+            "kernel = \"/k\"\nmemory = \"64M\"\nname = \"db\"\nevents_file = \"/e\"\nmetrics_listen = \"127.0.0.1:9400\"\n",
         )
         .unwrap();
         let a = Args::parse_from(["kemari", "--config", cfg.to_str().unwrap()]);
         assert_eq!(a.machine_config().unwrap().0.name.as_deref(), Some("db"));
         assert_eq!(a.events_file().unwrap(), Some(PathBuf::from("/e")));
+        assert_eq!(
+            a.metrics_listen().unwrap().as_deref(),
+            Some("127.0.0.1:9400")
+        );
         std::fs::write(&cfg, "kernel = \"/k\"\nmemory = \"64M\"\nname = \"d/b\"\n").unwrap();
         let a = Args::parse_from(["kemari", "--config", cfg.to_str().unwrap()]);
         let e = a.machine_config().unwrap_err().to_string();

@@ -8,5 +8,6 @@ pub mod cli;
 pub mod controller;
 pub mod events;
 pub mod identity;
+pub mod metrics;
 pub mod operation;
 pub mod sys;

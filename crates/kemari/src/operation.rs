@@ -13,6 +13,8 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use transfer::{Cancel, CancelOutcome, ProgressCell};
 
+use crate::metrics::OperationMetrics;
+
 /// What a long operation does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -38,6 +40,17 @@ impl OpKind {
             OpKind::WarmRestart => "warm restart",
             OpKind::Snapshot => "snapshot",
             OpKind::FtStart => "fault-tolerance start",
+        }
+    }
+
+    /// As serialized (a metric's label).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OpKind::Migrate => "migrate",
+            OpKind::MigrateLocal => "migrate_local",
+            OpKind::WarmRestart => "warm_restart",
+            OpKind::Snapshot => "snapshot",
+            OpKind::FtStart => "ft_start",
         }
     }
 }
@@ -113,6 +126,8 @@ pub enum OpError {
 pub struct Operations {
     inner: Mutex<Inner>,
     changed: Condvar,
+    /// How many ended, how, and the hand-overs' downtime (`GET /metrics`).
+    pub metrics: OperationMetrics,
 }
 
 #[derive(Default)]
@@ -189,10 +204,11 @@ impl Operations {
             return;
         };
         r.ended = Some(Instant::now());
-        match outcome {
+        let outcome = match outcome {
             Ok(v) => {
                 r.status = OpStatus::Completed;
                 r.result = Some(v);
+                "completed"
             }
             Err((e, cancelled)) => {
                 r.status = if cancelled {
@@ -201,8 +217,15 @@ impl Operations {
                     OpStatus::Failed
                 };
                 r.error = Some(e);
+                if cancelled {
+                    "cancelled"
+                } else {
+                    "failed"
+                }
             }
-        }
+        };
+        self.metrics
+            .ended(r.kind.as_str(), outcome, r.result.as_ref());
         tracing::info!(id, kind = r.kind.describe(), status = ?r.status, "operation ended");
         inner.version += 1;
         self.changed.notify_all();

@@ -19,7 +19,7 @@ const MEMORY: u64 = 512 << 20;
 
 fn key_file(dir: &Path) -> PathBuf {
     let p = dir.join("key");
-    std::fs::write(&p, KEY).unwrap();
+    kemari_testkit::write_key(&p, KEY);
     p
 }
 

@@ -40,7 +40,7 @@ struct Pair {
 
 fn key_file(dir: &Path) -> PathBuf {
     let k = dir.join("key");
-    std::fs::write(&k, "fault-tolerance-test-key-0123456789\n").unwrap();
+    kemari_testkit::write_key(&k, "fault-tolerance-test-key-0123456789\n");
     k
 }
 
@@ -463,7 +463,7 @@ fn unreachable_or_unauthenticated_standby_is_refused_and_the_vm_runs_on() {
     // A standby with another key.
     let port = free_port();
     let other = dir.join("other-key");
-    std::fs::write(&other, "another-key-entirely-0000000000\n").unwrap();
+    kemari_testkit::write_key(&other, "another-key-entirely-0000000000\n");
     let mut standby = spawn_vmm(
         &[
             "--ft-standby".into(),

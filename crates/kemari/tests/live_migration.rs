@@ -20,7 +20,7 @@ fn port(n: u16) -> u16 {
 
 fn key_file(dir: &Path, text: &str) -> PathBuf {
     let p = dir.join(format!("key-{}", text.len()));
-    std::fs::write(&p, text).unwrap();
+    kemari_testkit::write_key(&p, text);
     p
 }
 

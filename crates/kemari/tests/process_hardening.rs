@@ -47,6 +47,9 @@ fn every_thread_of_a_vmm_and_of_its_prepared_successor_is_filtered() {
             disk.display().to_string(),
             "--memory-file".into(),
             memfile.display().to_string(),
+            // The metrics listener's thread is filtered too.
+            "--metrics-listen".into(),
+            "127.0.0.1:0".into(),
         ],
         &dir.join("console-1.log"),
         &dir.join("api-1.sock"),
@@ -58,7 +61,7 @@ fn every_thread_of_a_vmm_and_of_its_prepared_successor_is_filtered() {
     assert!(api_answers(&vmm.api));
     let pid = vmm.child.0.id();
     let threads = assert_every_thread_filtered(pid, "a running VMM");
-    for name in ["vcpu0", "vcpu1", "devices", "api", "signals"] {
+    for name in ["vcpu0", "vcpu1", "devices", "api", "signals", "metrics"] {
         assert!(
             threads.iter().any(|t| t.name == name),
             "no thread {name}: {threads:?}"
@@ -102,7 +105,7 @@ fn every_thread_of_a_vmm_and_of_its_prepared_successor_is_filtered() {
 fn a_vmm_waiting_for_its_vm_is_filtered_and_keeps_only_net_admin() {
     let dir = scratch("harden-wait");
     let key = dir.join("key");
-    std::fs::write(&key, "kemari-test-key-0123456789abcdef").unwrap();
+    kemari_testkit::write_key(&key, "kemari-test-key-0123456789abcdef");
     for (mode, what) in [
         ("--incoming", "a live-migration destination"),
         ("--ft-standby", "a standby"),

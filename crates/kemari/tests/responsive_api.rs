@@ -28,7 +28,7 @@ const BOUND: Duration = Duration::from_secs(1);
 
 fn key_file(dir: &Path) -> PathBuf {
     let p = dir.join("key");
-    std::fs::write(&p, KEY).unwrap();
+    kemari_testkit::write_key(&p, KEY);
     p
 }
 

@@ -95,3 +95,18 @@ pub fn log_without_escapes(path: &Path, needle: &str) -> String {
     );
     text
 }
+
+/// Writes a pre-shared key file as kemari wants it: readable by its owner
+/// only (0600).
+pub fn write_key(path: &Path, text: &str) {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    f.write_all(text.as_bytes()).unwrap();
+}

@@ -25,7 +25,7 @@ pub mod scenario;
 pub mod stub;
 
 pub use bins::{guest_elf, kemari, kemarictl};
-pub use dirs::{log_without_escapes, read_text, scratch, TempDir};
+pub use dirs::{log_without_escapes, read_text, scratch, write_key, TempDir};
 pub use net::{free_port, wait_listening, wait_port, AnnounceCapture, Bridge, EchoChecker, TapNet};
 pub use procs::{
     assert_every_thread_filtered, assert_quiet_on_closed_stdout, assert_verbose_log_filter_refused,

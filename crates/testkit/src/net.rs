@@ -168,7 +168,8 @@ pub struct EchoChecker {
 impl EchoChecker {
     pub fn start(ip: &str) -> EchoChecker {
         let mut s = None;
-        let deadline = Instant::now() + Duration::from_secs(20);
+        // Generous: a guest's network comes up late on a loaded host.
+        let deadline = Instant::now() + Duration::from_secs(60);
         while s.is_none() {
             match TcpStream::connect_timeout(
                 &format!("{ip}:7").parse().unwrap(),

@@ -227,6 +227,7 @@ mod tests {
             ("PUT", "/vm/shutdown", b" \n", ApiRequest::Shutdown),
             ("GET", "/vm/operation", b"", ApiRequest::OperationStatus),
             ("GET", "/vm/events", b"", ApiRequest::Events),
+            ("GET", "/metrics", b"", ApiRequest::PrometheusMetrics),
             (
                 "PUT",
                 "/vm/operation/cancel",
@@ -391,6 +392,7 @@ mod tests {
             ApiRequest::OperationStatus,
             ApiRequest::OperationCancel,
             ApiRequest::Events,
+            ApiRequest::PrometheusMetrics,
         ];
         all
     }

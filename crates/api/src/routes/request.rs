@@ -80,6 +80,8 @@ pub enum ApiRequest {
     OperationCancel,
     /// The VM's events, as they happen (a stream held open).
     Events,
+    /// The metrics in the Prometheus text exposition format.
+    PrometheusMetrics,
 }
 
 /// Parameters of `PUT /vm/ft/start`.

@@ -186,4 +186,9 @@ pub const ROUTES: &[Route] = &[
         "Events",
         "the VM's events as they happen: a stream (application/x-ndjson) held open until the VMM ends",
     ),
+    query(
+        "/metrics",
+        "PrometheusMetrics",
+        "counters, gauges and histograms in the Prometheus text format (text/plain; version=0.0.4)",
+    ),
 ];

@@ -385,6 +385,9 @@ impl EventLoop {
                 Ok(Reply::Json(v)) => self.answer(id, status::success(false), json_body(&v)),
                 Ok(Reply::Accepted(v)) => self.answer(id, status::success(true), json_body(&v)),
                 Ok(Reply::Stream(lines)) => self.stream(id, lines.into_receiver()),
+                Ok(Reply::Text { content_type, body }) => {
+                    self.answer_as(id, status::success(false), content_type, body.into_bytes())
+                }
                 Err(e) => self.answer(id, e.status(), error_body(&e)),
             }
         }
@@ -408,12 +411,18 @@ impl EventLoop {
         }
     }
 
-    /// Starts writing a complete response; the connection closes after it.
+    /// Starts writing a complete JSON response; the connection closes after it.
     fn answer(&mut self, id: u64, status: u16, body: Vec<u8>) {
+        self.answer_as(id, status, "application/json", body)
+    }
+
+    /// Starts writing a complete response of `content_type`; the connection
+    /// closes after it.
+    fn answer_as(&mut self, id: u64, status: u16, content_type: &str, body: Vec<u8>) {
         let Some(conn) = self.conns.get_mut(&id) else {
             return;
         };
-        let out = response_bytes(status, "application/json", &body);
+        let out = response_bytes(status, content_type, &body);
         conn.state = State::Writing { out, written: 0 };
         conn.deadline = Instant::now() + self.options.request_timeout;
         let event = EpollEvent::new(EventSet::OUT, id);

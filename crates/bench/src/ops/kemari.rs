@@ -133,7 +133,8 @@ pub fn run_kemari(
         wait_more_counters(&src, 3)?;
     }
     if op == Op::Precopy {
-        std::fs::write(&key, "kemari-bench-precopy-key-0123456789").map_err(OpError::Scratch)?;
+        crate::procs::write_key(&key, "kemari-bench-precopy-key-0123456789")
+            .map_err(OpError::Scratch)?;
         let mut c = Command::new(&env.kemari);
         c.args(["--incoming", &to, "--migration-key-file"])
             .arg(&key)

@@ -27,7 +27,7 @@ mod ending;
 mod ft_events;
 mod hardening;
 mod queries;
-mod shared;
+pub(crate) mod shared;
 mod startup;
 mod worker;
 
@@ -53,6 +53,7 @@ use crate::api::{
     ActionError, ApiRequest, ApiServer, FtStartRequest, Reply, Routed, ServerOptions,
 };
 use crate::cli::{Args, CliError};
+use crate::metrics::listener::MetricsListener;
 use crate::operation::OpKind;
 
 use self::ending::{end_vm, finish_at_idle_priority};
@@ -105,6 +106,9 @@ pub enum ProcessError {
     /// The fence command's helper process could not be started.
     #[error("cannot start the fence command's helper process")]
     FenceHelper(#[source] std::io::Error),
+    /// The metrics listener (`--metrics-listen`) could not start.
+    #[error(transparent)]
+    Metrics(#[from] crate::metrics::listener::ListenError),
     /// The events file (`--events-file`) could not be opened, or its
     /// writer started.
     #[error("events file {path}: {cause}")]
@@ -219,6 +223,10 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         )?),
         None => None,
     };
+    let metrics = match args.metrics_listen()? {
+        Some(addr) => Some(MetricsListener::bind(&addr)?),
+        None => None,
+    };
     // Still the only thread: every thread made from here on inherits it.
     hardening::harden(args)?;
     if let Some((file, path)) = events_file {
@@ -234,6 +242,9 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         })?),
         None => None,
     };
+    if let Some(listener) = metrics {
+        listener.serve(shared.clone())?;
+    }
     let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT])
         .map_err(ProcessError::Signals)?;
     let sig_tx = forwarder(&tx, Control::Signal);

@@ -44,6 +44,11 @@ pub fn answer(
             shared.events.subscribe(),
         )))),
         ApiRequest::OperationCancel => Some(cancel(shared, None)),
+        // In every role, like the events.
+        ApiRequest::PrometheusMetrics => Some(Ok(Reply::Text {
+            content_type: crate::metrics::CONTENT_TYPE,
+            body: crate::metrics::exposition(shared),
+        })),
         // Actions: refused here while there is nothing to act on.
         _ => match shared.role() {
             Role::Standby => Some(Err(ActionError::Conflict(
