@@ -124,6 +124,7 @@ impl Bridge {
         let id = std::process::id() % 10000;
         let name = format!("klb{tag}{id}");
         let taps = [format!("kla{tag}{id}"), format!("klz{tag}{id}")];
+        remove_stale_holder(tag, subnet);
         delete_link(&name);
         taps.iter().for_each(|t| delete_link(t));
         ip(&["link", "add", &name, "type", "bridge"]);
@@ -145,6 +146,53 @@ impl Bridge {
 
     pub fn guest_ip(&self) -> String {
         format!("10.202.{}.2", self.subnet)
+    }
+}
+
+/// Removes a bridge of an ended test run that still holds this bridge's
+/// subnet (a test process killed before its drop ran): with it, the route
+/// to the guest goes to a dead bridge ("no route to host"). A bridge whose
+/// process (`pid % 10000` in its name) may still run is left alone.
+fn remove_stale_holder(tag: &str, subnet: u8) {
+    let Ok(out) = Command::new("ip")
+        .args(["-o", "-4", "addr", "show"])
+        .output()
+    else {
+        return;
+    };
+    let address = format!(" 10.202.{subnet}.1/24 ");
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        if !line.contains(&address) {
+            continue;
+        }
+        let Some(dev) = line.split_whitespace().nth(1) else {
+            continue;
+        };
+        let Some(suffix) = dev
+            .strip_prefix(&format!("klb{tag}"))
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let may_run = std::fs::read_dir("/proc")
+            .map(|d| {
+                d.flatten().any(|e| {
+                    e.file_name()
+                        .to_str()
+                        .and_then(|n| n.parse::<u32>().ok())
+                        .is_some_and(|pid| pid % 10000 == suffix && pid != std::process::id())
+                })
+            })
+            .unwrap_or(true);
+        if !may_run {
+            for n in [
+                format!("kla{tag}{suffix}"),
+                format!("klz{tag}{suffix}"),
+                dev.to_owned(),
+            ] {
+                delete_link(&n);
+            }
+        }
     }
 }
 
