@@ -13,10 +13,21 @@ use std::time::{Duration, Instant};
 
 /// A TCP port free on 127.0.0.1 a moment ago.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("no free port")
+    // Never the same port twice in one test process: two tests running in
+    // parallel could otherwise both get a port the kernel just freed, and
+    // one would wait on the other's server.
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("no free port");
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// Waits up to 10 s until something listens on 127.0.0.1:`port`.
