@@ -76,7 +76,15 @@ fn every_thread_of_a_vmm_and_of_its_prepared_successor_is_filtered() {
     // Its successor, prepared (KVM VM, vCPU threads ahead) and waiting.
     let state_dir = dir.join("warm");
     let successor = prepared_successor(&vmm, &state_dir, &dir);
-    assert_every_thread_filtered(successor.child.0.id(), "a waiting successor");
+    let waiting = assert_every_thread_filtered(successor.child.0.id(), "a waiting successor");
+    // Its vCPU and device threads are made, and confined, ahead: neither a
+    // thread's start nor a filter's installation is in the pause.
+    for name in ["vcpu0", "vcpu1", "devices"] {
+        assert!(
+            waiting.iter().any(|t| t.name == name),
+            "the waiting successor has no thread {name} yet: {waiting:?}"
+        );
+    }
     // The VM moves: every thread of the successor is still filtered.
     let out = ctl(&vmm.api, &["warm-restart", state_dir.to_str().unwrap()]);
     assert!(

@@ -375,8 +375,10 @@ fn receive_inner<D: Duplex + ?Sized>(
                         .map_err(|e| TransferError::Memory(e.to_string()))?,
                 )?,
             };
-            // KVM_CREATE_VCPU is slow here too: before the pause.
+            // KVM_CREATE_VCPU is slow here too, and so are a thread's start
+            // and its seccomp filter's installation: all before the pause.
             vm.create_vcpus(config.vcpus)?;
+            vm.start_threads_ahead()?;
             (None, Preparing::ready(vm), None)
         }
         Target::Prepared {

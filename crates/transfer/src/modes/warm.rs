@@ -319,6 +319,9 @@ pub fn prepare(dir: &Path) -> Result<Successor, TransferError> {
         .map_err(|e| TransferError::Memory(e.to_string()))?;
     let mut vm = Machine::prepare(memory)?;
     vm.create_vcpus(config.vcpus)?;
+    // Their threads (and their seccomp filters) too: none is made inside
+    // the pause.
+    vm.start_threads_ahead()?;
     let socket = dir.join(SOCKET_FILE);
     if UnixStream::connect(&socket).is_ok() {
         return Err(TransferError::Mismatch(format!(

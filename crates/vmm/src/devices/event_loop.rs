@@ -102,8 +102,9 @@ impl EventLoopAhead {
         let thread = std::thread::Builder::new()
             .name("devices".into())
             .spawn(move || {
+                // Its filter now, ahead of the hand-over's pause.
+                crate::seccomp::confine_this_thread(crate::seccomp::ThreadFilter::Devices);
                 if let Ok(run) = runs.recv() {
-                    crate::seccomp::confine_this_thread(crate::seccomp::ThreadFilter::Devices);
                     run();
                 }
             })

@@ -170,6 +170,8 @@ fn thread_ahead(rx: &Receiver<AheadRequest>, tid: &std::sync::atomic::AtomicI32)
     // The CPUs it may use, before get_ready narrows them.
     let allowed = affinity::current();
     tid.store(sys::gettid(), Ordering::Release);
+    // Its filter now, not inside the pause (the runner's is then a no-op).
+    crate::seccomp::confine_this_thread(crate::seccomp::ThreadFilter::Vcpu);
     let mut ready = false;
     loop {
         let next = if ready {
