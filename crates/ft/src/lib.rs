@@ -23,7 +23,8 @@
 //! - [`epoch`]: an epoch's state, packed as a delta of the previous one;
 //! - [`standby`]: staging, applying, failure detection and failover;
 //! - [`fence`]: the split-brain rule (a lock only the running copy holds);
-//! - [`status`]: state and metrics served by the API.
+//! - [`status`]: state and metrics served by the API;
+//! - [`rate`]: rates over a sliding window (syncs per second).
 
 pub mod epoch;
 pub mod fence;
@@ -31,6 +32,7 @@ pub mod gate;
 pub mod kept;
 pub mod link;
 pub mod primary;
+pub mod rate;
 pub mod standby;
 pub mod status;
 

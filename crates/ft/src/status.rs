@@ -9,6 +9,8 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use serde::Serialize;
 use transfer::ProgressCell;
 
+use crate::rate::WindowedRate;
+
 /// Where a VMM stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -62,7 +64,8 @@ pub struct FtReport {
     pub epoch: u64,
     /// Syncs (epochs) since protection began.
     pub syncs: u64,
-    /// Syncs per second since protection began.
+    /// Syncs per second over the last 10 s (since the first sync if that
+    /// is shorter; never over less than a second).
     pub syncs_per_s: f64,
     /// Output requests released after a sync.
     pub outputs: u64,
@@ -117,7 +120,7 @@ struct Inner {
     skipped: u64,
     pauses: VecDeque<u32>,
     delays: VecDeque<u32>,
-    protected_at: Option<Instant>,
+    sync_rate: WindowedRate,
     initial_sync_ms: Option<u64>,
     failovers: u64,
     failover_ms: Option<u64>,
@@ -168,7 +171,7 @@ impl Default for FtShared {
                 skipped: 0,
                 pauses: VecDeque::new(),
                 delays: VecDeque::new(),
-                protected_at: None,
+                sync_rate: WindowedRate::default(),
                 initial_sync_ms: None,
                 failovers: 0,
                 failover_ms: None,
@@ -228,7 +231,7 @@ impl FtShared {
             i.link_bytes = 0;
             i.pauses.clear();
             i.delays.clear();
-            i.protected_at = None;
+            i.sync_rate.clear();
             i.initial_sync_ms = None;
             i.last_error = None;
         })
@@ -270,7 +273,7 @@ impl FtShared {
         delay: Duration,
     ) {
         self.with(|i| {
-            i.protected_at.get_or_insert_with(Instant::now);
+            i.sync_rate.record(Instant::now());
             i.epoch = epoch;
             i.syncs += 1;
             i.pages += pages;
@@ -312,10 +315,6 @@ impl FtShared {
     pub fn report(&self) -> FtReport {
         let initial = self.initial.snapshot();
         self.with(|i| {
-            let secs = i
-                .protected_at
-                .map(|t| t.elapsed().as_secs_f64())
-                .unwrap_or(0.0);
             let per = |x: u64| {
                 if i.syncs == 0 {
                     0.0
@@ -331,11 +330,7 @@ impl FtShared {
                 peer: i.peer.clone(),
                 epoch: i.epoch,
                 syncs: i.syncs,
-                syncs_per_s: if secs > 0.0 {
-                    i.syncs as f64 / secs
-                } else {
-                    0.0
-                },
+                syncs_per_s: i.sync_rate.per_second(Instant::now()),
                 outputs: i.outputs,
                 pages: i.pages,
                 pages_per_sync: per(i.pages),
