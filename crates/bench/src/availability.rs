@@ -163,10 +163,10 @@ pub fn run(opts: &Options) -> Result<(), AvailabilityError> {
         && opts
             .ops
             .iter()
-            .any(|op| !matches!(op, Op::ZeroCopy | Op::Precopy))
+            .any(|op| !matches!(op, Op::ZeroCopy | Op::Precopy | Op::QemuLocalCopy))
     {
         return Err(AvailabilityError::Usage(
-            "--in-use-mib fills kemari's memory file: use it with --ops zero-copy,precopy only",
+            "--in-use-mib fills the source's memory file: use it with --ops zero-copy,precopy,qemu-local-copy only",
         ));
     }
     if !opts.env.kernel.exists() {
@@ -716,12 +716,13 @@ pub struct AvailabilityArgs {
     /// Working set of the dirty workload, MiB.
     #[arg(long, default_value_t = 64)]
     pub working_set_mib: u64,
-    /// Memory in use by the guest's applications, MiB: before each zero-copy
-    /// or pre-copy run, the top of the source's memory (a /dev/shm file) is
-    /// filled with data, which a pre-copy must send and a zero-copy
-    /// migration hands over (the test guest itself touches only ~70 MiB, at
-    /// the bottom, and expects the rest zeroed: capped at memory − 192 MiB).
-    /// Only with --ops zero-copy,precopy.
+    /// Memory in use by the guest's applications, MiB: before each zero-copy,
+    /// pre-copy or QEMU copying local migration run, the top of the source's
+    /// memory (a /dev/shm file, for QEMU a shared memory backend migrated
+    /// by copy) is filled with the same data, which a pre-copy must send and
+    /// a zero-copy migration hands over (the test guest itself touches only
+    /// ~70 MiB, at the bottom, and expects the rest zeroed: capped at
+    /// memory − 192 MiB). Only with --ops zero-copy,precopy,qemu-local-copy.
     #[arg(long, default_value_t = 0)]
     pub in_use_mib: u64,
     /// Pre-copy on an authenticated but unencrypted link (`--plaintext-link`

@@ -26,6 +26,9 @@ struct QemuSpec<'a> {
     w: &'a Workload,
     qmp: &'a Path,
     shared: Option<&'a Path>,
+    /// Without `shared`: the memory is still a backend named `mem` (QEMU's
+    /// own memory), as a source's file backend requires of its destination.
+    named_ram: bool,
     incoming: Option<&'a str>,
 }
 
@@ -39,6 +42,10 @@ fn qemu_cmd(env: &Env, s: &QemuSpec) -> Command {
             s.mem,
             path.display()
         ));
+    } else if s.named_ram {
+        machine.push_str(",memory-backend=mem");
+        c.arg("-object")
+            .arg(format!("memory-backend-ram,id=mem,size={}", s.mem));
     }
     c.args(["-accel", "kvm", "-M", &machine, "-cpu", crate::QEMU_CPU])
         .args(["-m", s.mem])
@@ -118,6 +125,19 @@ pub fn run_qemu(
         }
         _ => None,
     };
+    // Memory in use (--in-use-mib): the source's memory is a file filled as
+    // kemari's is (ops::fill_in_use), mapped shared but migrated by copy
+    // (no x-ignore-shared); the destination's is QEMU's own.
+    let filled = match op {
+        Op::QemuLocalCopy if env.in_use_mib > 0 => {
+            let f = scratch.shm_file("qemu-mem");
+            let size = vmm::config::parse_size(mem)
+                .map_err(|e| OpError::Scratch(std::io::Error::other(e.to_string())))?;
+            super::fill_in_use(&f, size, env.in_use_mib).map_err(OpError::Scratch)?;
+            Some(f)
+        }
+        _ => None,
+    };
     let mut src = spawn(
         "source QEMU",
         qemu_cmd(
@@ -126,7 +146,8 @@ pub fn run_qemu(
                 mem,
                 w,
                 qmp: &qmp1,
-                shared: shared.as_deref(),
+                shared: shared.as_deref().or(filled.as_deref()),
+                named_ram: false,
                 incoming: None,
             },
         ),
@@ -153,6 +174,7 @@ pub fn run_qemu(
                     w,
                     qmp: &qmp2,
                     shared: shared.as_deref(),
+                    named_ram: false,
                     incoming: Some("defer"),
                 },
             ),
@@ -173,6 +195,7 @@ pub fn run_qemu(
                     w,
                     qmp: &qmp2,
                     shared: shared.as_deref(),
+                    named_ram: filled.is_some(),
                     incoming: Some("defer"),
                 },
             ),
@@ -221,6 +244,7 @@ pub fn run_qemu(
                         w,
                         qmp: &qmp2,
                         shared,
+                        named_ram: false,
                         incoming: Some(incoming),
                     },
                 ),
