@@ -9,5 +9,6 @@ fn main() {
         Need::Tool("etcd"),
         Need::Tool("etcdctl"),
         Need::Tool("ocf-tester"),
+        Need::Tool("openssl"),
     ]);
 }

@@ -104,7 +104,8 @@ pub struct Args {
     /// Give both ends the same fence. PATH: a lock file both can lock (one
     /// host, or a shared filesystem). etcd://HOST:PORT[,HOST:PORT…][/PREFIX][?ttl=SECONDS]:
     /// the key PREFIX/ID (default prefix /kemari/vms, TTL 5 s; needs --id)
-    /// in an etcd cluster, bound to a lease the running copy renews; a
+    /// in an etcd cluster (TLS: &cacert=PEM[&cert=PEM&key=PEM]), bound to
+    /// a lease the running copy renews; a
     /// copy that cannot renew it stops releasing outputs before it can
     /// expire, and ends (docs/fleet.md).
     #[arg(long, value_name = "PATH|etcd://…", value_parser = ft::fence::FenceSpec::parse)]

@@ -320,3 +320,68 @@ fn one_etcd_member_down_throughout_a_failover_still_one_copy() {
     assert!(ctl(&standby.api, &["shutdown"]).status.success());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A primary alone (no network), fenced by `fence`.
+fn lone_primary(dir: &Path, fence: &str, tag: &str) -> Vmm {
+    let args: Vec<String> = [
+        "--kernel",
+        guest_elf().to_str().unwrap(),
+        "--memory",
+        "64M",
+        "--cmdline",
+        "counter=50",
+        "--ft-fence",
+        fence,
+        "--id",
+        ID,
+    ]
+    .map(String::from)
+    .to_vec();
+    spawn_vmm(
+        &args,
+        &dir.join(format!("console-{tag}.log")),
+        &dir.join(format!("api-{tag}.sock")),
+        &[],
+    )
+}
+
+#[test]
+#[cfg_attr(
+    any(no_kvm, no_etcd, no_etcdctl, no_openssl),
+    ignore = "needs /dev/kvm, etcd + etcdctl (Debian etcd-server, etcd-client) and openssl"
+)]
+fn etcd_over_tls_with_a_client_certificate() {
+    let _turn = one_at_a_time();
+    let dir = scratch("etcd-tls");
+    let etcd = EtcdCluster::start_tls(&dir, 3);
+    let fence = etcd.fence(PREFIX, TTL_S);
+    assert!(fence.contains("cacert="), "{fence}");
+    let primary = lone_primary(&dir, &fence, "tls");
+    wait_for("the guest to count", Duration::from_secs(30), || {
+        counters(&primary.console).len() >= 3
+    });
+    assert_eq!(holder(&etcd).as_deref(), Some("start"));
+    // Without its client certificate a copy cannot reach the cluster: it
+    // gives up, having run nothing.
+    let t = etcd.tls().unwrap();
+    let no_cert = format!(
+        "etcd://{}{PREFIX}?ttl={TTL_S}&cacert={}",
+        etcd.endpoints(),
+        t.ca.display()
+    );
+    let mut refused = lone_primary(&dir, &no_cert, "no-cert");
+    let st = wait_exit(
+        &mut refused.child.0,
+        "a primary without a client certificate",
+    );
+    assert!(!st.success());
+    let err = stderr_of(&mut refused);
+    assert!(err.contains("cannot be reached"), "{err}");
+    assert!(counters(&refused.console).is_empty(), "it ran");
+    // A clean end gives the key back at once (well within its TTL).
+    assert!(ctl(&primary.api, &["shutdown"]).status.success());
+    let mut primary = primary;
+    assert!(wait_exit(&mut primary.child.0, "the primary").success());
+    assert_eq!(holder(&etcd), None, "the key was given back");
+    let _ = std::fs::remove_dir_all(&dir);
+}

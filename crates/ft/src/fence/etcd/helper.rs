@@ -14,13 +14,16 @@
 
 use std::time::Duration;
 
-use etcd_client::{Client, Compare, CompareOp, ConnectOptions, PutOptions, Txn, TxnOp};
+use etcd_client::{
+    Certificate, Client, Compare, CompareOp, ConnectOptions, Identity, PutOptions, TlsOptions, Txn,
+    TxnOp,
+};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::OwnedWriteHalf;
 use tokio::time::timeout;
 
 use super::deadline::{deadline_after, monotonic_ns};
-use super::spec::EtcdSpec;
+use super::spec::{EtcdSpec, EtcdTls};
 use super::wire::{Purpose, Report, Request};
 
 /// How long one etcd call may take before it counts as failed.
@@ -126,7 +129,7 @@ impl<'a> Etcd<'a> {
         if let Some(c) = &self.client {
             return Ok(c.clone());
         }
-        let options = ConnectOptions::new()
+        let mut options = ConnectOptions::new()
             .with_connect_timeout(self.rpc)
             .with_timeout(self.rpc)
             .with_keep_alive(self.rpc, self.rpc)
@@ -134,6 +137,9 @@ impl<'a> Etcd<'a> {
             // A member cut off from the cluster's leader answers at once
             // instead of hanging (another endpoint is tried next time).
             .with_require_leader(true);
+        if let Some(tls) = &self.spec.tls {
+            options = options.with_tls(tls_options(tls)?);
+        }
         let client = timeout(
             self.rpc,
             Client::connect(self.spec.endpoints.clone(), Some(options)),
@@ -333,6 +339,18 @@ impl<'a> Etcd<'a> {
             }
         }
     }
+}
+
+/// The TLS configuration of `tls`, its files read now.
+fn tls_options(tls: &EtcdTls) -> Result<TlsOptions, String> {
+    let read = |p: &std::path::Path| {
+        std::fs::read(p).map_err(|e| format!("TLS file {}: {e}", p.display()))
+    };
+    let mut options = TlsOptions::new().ca_certificate(Certificate::from_pem(read(&tls.ca)?));
+    if let Some((cert, key)) = &tls.identity {
+        options = options.identity(Identity::from_pem(read(cert)?, read(key)?));
+    }
+    Ok(options)
 }
 
 /// What the key holds: who took it, how, since when (for people and

@@ -2,12 +2,17 @@
 //! VMs' keys live, and how long a lease lasts.
 //!
 //! ```text
-//! etcd://HOST:PORT[,HOST:PORT…][/PREFIX][?ttl=SECONDS]
+//! etcd://HOST:PORT[,HOST:PORT…][/PREFIX][?ttl=SECONDS][&cacert=PEM[&cert=PEM&key=PEM]]
 //! etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379/kemari/vms?ttl=5
+//! etcd://10.0.0.1:2379/kemari/vms?cacert=/etc/etcd/ca.pem&cert=/etc/kemari/etcd.pem&key=/etc/kemari/etcd.key
 //! ```
 //!
 //! The key a VM's copies compete for is `PREFIX/ID` (the VM's `--id`).
+//! With `cacert` the cluster is reached over TLS, its certificates checked
+//! against that CA; `cert` and `key` add a client certificate (etcd's
+//! `--client-cert-auth`).
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// The default key prefix.
@@ -29,6 +34,17 @@ pub struct EtcdSpec {
     pub prefix: String,
     /// The lease's time to live.
     pub ttl: Duration,
+    /// TLS to the cluster, if asked for.
+    pub tls: Option<EtcdTls>,
+}
+
+/// The PEM files of a TLS connection to etcd.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdTls {
+    /// The CA the members' certificates must chain to.
+    pub ca: PathBuf,
+    /// A client certificate and its key.
+    pub identity: Option<(PathBuf, PathBuf)>,
 }
 
 impl EtcdSpec {
@@ -65,8 +81,19 @@ impl EtcdSpec {
             prefix.to_owned()
         };
         let mut ttl = DEFAULT_TTL_S;
+        let (mut ca, mut cert, mut key) = (None, None, None);
+        let file = |name: &str, v: &str| {
+            if v.starts_with('/') {
+                Ok(Some(PathBuf::from(v)))
+            } else {
+                Err(format!("{name}={v} in {text:?}: give an absolute path"))
+            }
+        };
         for pair in query.into_iter().flat_map(|q| q.split('&')) {
             match pair.split_once('=') {
+                Some(("cacert", v)) => ca = file("cacert", v)?,
+                Some(("cert", v)) => cert = file("cert", v)?,
+                Some(("key", v)) => key = file("key", v)?,
                 Some(("ttl", v)) => {
                     ttl = v
                         .parse()
@@ -76,13 +103,30 @@ impl EtcdSpec {
                             format!("ttl={v} in {text:?}: the lease TTL must be {MIN_TTL_S}..={MAX_TTL_S} seconds")
                         })?
                 }
-                _ => return Err(format!("unknown parameter {pair:?} in {text:?} (known: ttl)")),
+                _ => {
+                    return Err(format!(
+                        "unknown parameter {pair:?} in {text:?} (known: ttl, cacert, cert, key)"
+                    ))
+                }
             }
         }
+        let tls = match (ca, cert, key) {
+            (None, None, None) => None,
+            (Some(ca), None, None) => Some(EtcdTls { ca, identity: None }),
+            (Some(ca), Some(c), Some(k)) => Some(EtcdTls {
+                ca,
+                identity: Some((c, k)),
+            }),
+            (None, _, _) => return Err(format!(
+                "{text:?}: a client certificate needs cacert= too (the CA of etcd's certificates)"
+            )),
+            _ => return Err(format!("{text:?}: give cert= and key= together")),
+        };
         Ok(EtcdSpec {
             endpoints,
             prefix,
             ttl: Duration::from_secs(ttl),
+            tls,
         })
     }
 
@@ -106,6 +150,17 @@ mod tests {
         let d = EtcdSpec::parse("etcd://127.0.0.1:2379").unwrap();
         assert_eq!(d.prefix, DEFAULT_PREFIX);
         assert_eq!(d.ttl, Duration::from_secs(DEFAULT_TTL_S));
+        assert_eq!(d.tls, None);
+        let t =
+            EtcdSpec::parse("etcd://h:1/p?cacert=/ca.pem&cert=/c.pem&key=/k.pem&ttl=4").unwrap();
+        assert_eq!(
+            t.tls,
+            Some(EtcdTls {
+                ca: "/ca.pem".into(),
+                identity: Some(("/c.pem".into(), "/k.pem".into()))
+            })
+        );
+        assert_eq!(t.ttl, Duration::from_secs(4));
     }
 
     #[test]
@@ -118,6 +173,9 @@ mod tests {
             ("etcd://h:1?ttl=1", "2..=3600 seconds"),
             ("etcd://h:1?ttl=x", "ttl=x"),
             ("etcd://h:1?tls=1", "unknown parameter \"tls=1\""),
+            ("etcd://h:1?cacert=ca.pem", "absolute path"),
+            ("etcd://h:1?cert=/c&key=/k", "needs cacert"),
+            ("etcd://h:1?cacert=/a&cert=/c", "together"),
         ] {
             let e = EtcdSpec::parse(bad).unwrap_err();
             assert!(e.contains(says), "{bad}: {e}");
