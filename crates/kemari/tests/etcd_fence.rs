@@ -217,7 +217,7 @@ fn killed_primary_standby_takes_the_key_after_its_lease_expired() {
     let _turn = one_at_a_time();
     let dir = scratch("etcd-kill");
     let etcd = EtcdCluster::start(&dir, 3);
-    let net = TapNet::create("e", 41);
+    let net = TapNet::create("ea", 61);
     let pair = protected_pair(&dir, &etcd, &net);
     // A second primary of the same VM waits for the key and gives up: the
     // lease is renewed. Its guest never ran.
@@ -244,7 +244,7 @@ fn primary_cut_off_from_etcd_stands_down_and_the_standby_runs_once_etcd_is_back(
     let _turn = one_at_a_time();
     let dir = scratch("etcd-partition");
     let etcd = EtcdCluster::start(&dir, 3);
-    let net = TapNet::create("j", 42);
+    let net = TapNet::create("eb", 62);
     let Pair {
         mut primary,
         mut standby,
@@ -305,7 +305,7 @@ fn one_etcd_member_down_throughout_a_failover_still_one_copy() {
     let _turn = one_at_a_time();
     let dir = scratch("etcd-member-down");
     let mut etcd = EtcdCluster::start(&dir, 3);
-    let net = TapNet::create("l", 43);
+    let net = TapNet::create("ec", 63);
     let pair = protected_pair(&dir, &etcd, &net);
     etcd.kill(0);
     assert!(!etcd.member_up(0));
@@ -383,5 +383,81 @@ fn etcd_over_tls_with_a_client_certificate() {
     let mut primary = primary;
     assert!(wait_exit(&mut primary.child.0, "the primary").success());
     assert_eq!(holder(&etcd), None, "the key was given back");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+#[cfg_attr(
+    any(no_kvm, no_etcd, no_etcdctl),
+    ignore = "needs /dev/kvm and etcd + etcdctl (Debian etcd-server, etcd-client)"
+)]
+fn a_standby_waiting_for_the_key_ends_on_sigterm() {
+    let _turn = one_at_a_time();
+    let dir = scratch("etcd-sigterm");
+    let etcd = EtcdCluster::start(&dir, 1);
+    let fence = etcd.fence(PREFIX, TTL_S);
+    let port = free_port();
+    let key = key_file(&dir);
+    let args: Vec<String> = [
+        "--ft-standby",
+        &format!("127.0.0.1:{port}"),
+        "--migration-key-file",
+        key.to_str().unwrap(),
+        "--ft-fence",
+        &fence,
+        "--id",
+        ID,
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut standby = spawn_vmm(
+        &args,
+        &dir.join("console-standby.log"),
+        &dir.join("api-standby.sock"),
+        &[],
+    );
+    wait_for("the standby to listen", Duration::from_secs(20), || {
+        standby.api.exists() && ft_state(&standby).is_some_and(|s| s == "standby")
+    });
+    let mut primary = lone_primary(&dir, &fence, "primary");
+    wait_for("the guest to count", Duration::from_secs(30), || {
+        !counters(&primary.console).is_empty()
+    });
+    let out = ctl(
+        &primary.api,
+        &[
+            "ft",
+            "start",
+            "--peer",
+            &format!("127.0.0.1:{port}"),
+            "--key-file",
+            key.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // etcd out of reach, the primary gone: the standby waits for the key.
+    etcd.freeze();
+    primary.child.0.kill().unwrap();
+    let _ = primary.child.0.wait();
+    wait_for(
+        "the standby to wait for the key",
+        Duration::from_secs(20),
+        || ft_state(&standby).is_some_and(|s| s == "failing_over"),
+    );
+    // SAFETY: kill takes no memory; the pid is our child's.
+    unsafe { libc::kill(standby.child.0.id() as i32, libc::SIGTERM) };
+    let st = wait_exit(&mut standby.child.0, "the waiting standby after SIGTERM");
+    assert!(!st.success());
+    let err = stderr_of(&mut standby);
+    assert!(err.contains("a signal ended the wait for the key"), "{err}");
+    assert!(
+        counters(&standby.console).is_empty(),
+        "the standby ran the VM"
+    );
+    etcd.thaw();
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -18,6 +18,7 @@ pub mod etcd;
 pub mod file;
 
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -108,13 +109,18 @@ pub enum Arbiter {
 
 impl Arbiter {
     /// Makes `spec` ready for the VM `id` (an etcd fence forks its helper:
-    /// call it while the process has one thread).
-    pub fn start(spec: &FenceSpec, id: Option<&str>) -> Result<Arbiter, FenceError> {
+    /// call it while the process has one thread). Setting `stop` ends a
+    /// wait for an etcd key.
+    pub fn start(
+        spec: &FenceSpec,
+        id: Option<&str>,
+        stop: Arc<AtomicBool>,
+    ) -> Result<Arbiter, FenceError> {
         Ok(match spec {
             FenceSpec::File(path) => Arbiter::File(path.clone()),
             FenceSpec::Etcd(etcd) => {
                 let id = id.ok_or(FenceError::NeedsId)?;
-                Arbiter::Etcd(EtcdFence::start(etcd, id).map_err(FenceError::Helper)?)
+                Arbiter::Etcd(EtcdFence::start(etcd, id, stop).map_err(FenceError::Helper)?)
             }
         })
     }
@@ -194,7 +200,11 @@ mod tests {
         assert!(FenceSpec::parse("etcd://nohost").is_err());
         assert!(FenceSpec::parse("http://x:1").is_err());
         assert!(matches!(
-            Arbiter::start(&FenceSpec::parse("etcd://h:1").unwrap(), None),
+            Arbiter::start(
+                &FenceSpec::parse("etcd://h:1").unwrap(),
+                None,
+                Arc::default()
+            ),
             Err(FenceError::NeedsId)
         ));
     }

@@ -32,6 +32,7 @@ mod startup;
 mod worker;
 
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -215,11 +216,16 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         Some(cmd) => Some(FenceCommand::start(cmd).map_err(ProcessError::FenceHelper)?),
         None => None,
     };
-    // The etcd fence's helper process too (the etcd client runs there).
+    // The etcd fence's helper process too (the etcd client runs there). A
+    // signal ends a wait for its key.
+    let signalled = Arc::new(AtomicBool::new(false));
     let arbiter = match &args.ft_fence {
         Some(spec) => {
             refuse_etcd_fence_on_hand_over(args, spec)?;
-            Some(Arbiter::start(spec, fence_id.as_deref()).map_err(ft::FtError::from)?)
+            Some(
+                Arbiter::start(spec, fence_id.as_deref(), signalled.clone())
+                    .map_err(ft::FtError::from)?,
+            )
         }
         None => None,
     };
@@ -263,6 +269,7 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         .name("signals".into())
         .spawn(move || {
             for s in signals.forever() {
+                signalled.store(true, Ordering::SeqCst);
                 sig_tx(s);
             }
         })

@@ -26,6 +26,7 @@ pub mod wire;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -43,12 +44,15 @@ pub struct EtcdFence {
     spec: EtcdSpec,
     key: String,
     helper: Mutex<Option<UnixStream>>,
+    /// Set (by a signal) to end a wait for the key.
+    stop: Arc<AtomicBool>,
 }
 
 impl EtcdFence {
     /// Forks the helper for the key of VM `id`. Call it while the process
-    /// has one thread (the child runs Rust code after the fork).
-    pub fn start(spec: &EtcdSpec, id: &str) -> std::io::Result<EtcdFence> {
+    /// has one thread (the child runs Rust code after the fork). Setting
+    /// `stop` ends a wait for the key (a SIGTERM to a waiting standby).
+    pub fn start(spec: &EtcdSpec, id: &str, stop: Arc<AtomicBool>) -> std::io::Result<EtcdFence> {
         let key = spec.key(id);
         let (ours, theirs) = UnixStream::pair()?;
         let parent = std::process::id() as libc::pid_t;
@@ -76,6 +80,7 @@ impl EtcdFence {
             spec: spec.clone(),
             key,
             helper: Mutex::new(Some(ours)),
+            stop,
         })
     }
 
@@ -108,9 +113,27 @@ impl EtcdFence {
             .write_all(Request::Acquire(purpose).line().as_bytes())
             .map_err(gone)?;
         let mut reader = BufReader::new(stream.try_clone().map_err(gone)?);
+        stream
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .map_err(gone)?;
         let mut line = String::new();
-        if reader.read_line(&mut line).map_err(gone)? == 0 {
-            return Err(fail("the etcd helper process is gone".into()));
+        // A partial line stays in `line` across timeouts.
+        loop {
+            match reader.read_line(&mut line) {
+                Ok(0) => return Err(fail("the etcd helper process is gone".into())),
+                Ok(_) => break,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    if self.stop.load(Ordering::SeqCst) {
+                        return Err(fail("a signal ended the wait for the key".into()));
+                    }
+                }
+                Err(e) => return Err(gone(e)),
+            }
         }
         match Report::parse(&line) {
             Some(Report::Held(deadline)) => {
@@ -253,6 +276,7 @@ fn follow_renewals(
         let Some(left) = deadline.remaining() else {
             break "its lease was not renewed in time (etcd out of reach)".to_owned();
         };
+        let left = left.max(Duration::from_millis(1));
         if let Err(e) = reader.get_ref().set_read_timeout(Some(left)) {
             break format!("the etcd helper process: {e}");
         }

@@ -117,9 +117,11 @@ impl EtcdSpec {
                 ca,
                 identity: Some((c, k)),
             }),
-            (None, _, _) => return Err(format!(
+            (None, _, _) => {
+                return Err(format!(
                 "{text:?}: a client certificate needs cacert= too (the CA of etcd's certificates)"
-            )),
+            ))
+            }
             _ => return Err(format!("{text:?}: give cert= and key= together")),
         };
         Ok(EtcdSpec {
