@@ -316,3 +316,86 @@ fn follow_renewals(
         n(why);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::deadline::monotonic_ns;
+    use super::*;
+    use std::sync::mpsc::channel;
+
+    /// A lease whose "helper" is the other end of a socket pair.
+    fn fake_lease(valid_for: Duration) -> (EtcdLease, UnixStream) {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let reader = BufReader::new(ours.try_clone().unwrap());
+        let deadline = monotonic_ns() + valid_for.as_nanos() as u64;
+        (
+            EtcdLease::start("/k/vm".into(), deadline, reader, ours),
+            theirs,
+        )
+    }
+
+    #[test]
+    fn renewals_keep_it_and_their_absence_loses_it_for_good_once() {
+        // Generous bounds: a loaded machine may stall this thread a while.
+        let (lease, helper) = fake_lease(Duration::from_secs(1));
+        let fence = lease.output_fence();
+        let (tx, rx) = channel();
+        lease.on_lost(move |why| tx.send(why).unwrap());
+        for _ in 0..4 {
+            std::thread::sleep(Duration::from_millis(100));
+            let d = monotonic_ns() + 1_000_000_000;
+            (&helper)
+                .write_all(Report::Renewed(d).line().as_bytes())
+                .unwrap();
+            assert!(fence.holds());
+        }
+        // No more renewals: lost at the deadline, said once.
+        let why = rx.recv_timeout(Duration::from_secs(30)).unwrap();
+        assert!(why.contains("lost the etcd key /k/vm"), "{why}");
+        assert!(why.contains("not renewed in time"), "{why}");
+        assert!(!fence.holds());
+        // A late renewal brings nothing back; the helper was told to let go.
+        let late = monotonic_ns() + 60_000_000_000;
+        let _ = (&helper).write_all(Report::Renewed(late).line().as_bytes());
+        assert!(!fence.holds());
+        let mut line = String::new();
+        BufReader::new(&helper).read_line(&mut line).unwrap();
+        assert_eq!(Request::parse(&line), Some(Request::Release));
+        // Registered after the loss: told at once.
+        let (tx, rx) = channel();
+        lease.on_lost(move |why| tx.send(why).unwrap());
+        assert!(rx.try_recv().is_ok());
+    }
+
+    #[test]
+    fn etcd_saying_it_expired_loses_it_at_once_and_a_release_is_no_loss() {
+        let (lease, helper) = fake_lease(Duration::from_secs(60));
+        let (tx, rx) = channel();
+        lease.on_lost(move |why| tx.send(why).unwrap());
+        (&helper)
+            .write_all(
+                Report::Lost("etcd says lease 7 has expired".into())
+                    .line()
+                    .as_bytes(),
+            )
+            .unwrap();
+        let why = rx.recv_timeout(Duration::from_secs(5)).unwrap();
+        assert!(why.contains("has expired"), "{why}");
+        assert!(!lease.output_fence().holds());
+
+        let (lease, helper) = fake_lease(Duration::from_secs(60));
+        let (tx, rx) = channel::<String>();
+        lease.on_lost(move |why| tx.send(why).unwrap());
+        let fence = lease.output_fence();
+        // The helper revokes and exits when told: its end closes.
+        let helper_side = std::thread::spawn(move || {
+            let mut line = String::new();
+            BufReader::new(&helper).read_line(&mut line).unwrap();
+            assert_eq!(Request::parse(&line), Some(Request::Release));
+        });
+        drop(lease);
+        helper_side.join().unwrap();
+        assert!(rx.recv_timeout(Duration::from_millis(500)).is_err());
+        assert!(!fence.holds());
+    }
+}
