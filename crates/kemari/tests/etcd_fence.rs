@@ -171,6 +171,7 @@ fn kill_primary_then_standby_runs_alone(etcd: &EtcdCluster, pair: Pair) -> Vmm {
         echo,
     } = pair;
     primary.child.0.kill().unwrap();
+    let killed = std::time::Instant::now();
     let _ = primary.child.0.wait();
     let mut saw_dead_lease = false;
     wait_for(
@@ -199,6 +200,13 @@ fn kill_primary_then_standby_runs_alone(etcd: &EtcdCluster, pair: Pair) -> Vmm {
     assert!(
         saw_dead_lease,
         "the killed primary's key outlived it until its lease expired"
+    );
+    let out = ctl(&standby.api, &["ft", "status"]);
+    let st: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    eprintln!(
+        "standby output {} ms after the kill (lease TTL {TTL_S} s); failover_ms {}",
+        killed.elapsed().as_millis(),
+        st["failover_ms"]
     );
     let seen = echo.verified();
     wait_for("echo from the new primary", Duration::from_secs(30), || {
