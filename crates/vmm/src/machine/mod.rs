@@ -164,11 +164,6 @@ impl Machine {
         self.fence.set(fence)
     }
 
-    /// Whether the machine may let outputs out (no fence, or one that holds).
-    pub fn outputs_fenced_off(&self) -> bool {
-        !self.fence.holds()
-    }
-
     /// The configuration the machine was built from.
     pub fn config(&self) -> &MachineConfig {
         &self.core.config

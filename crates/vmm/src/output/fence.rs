@@ -47,11 +47,6 @@ impl FenceSlot {
     pub fn holds(&self) -> bool {
         self.0.get().is_none_or(|f| f.holds())
     }
-
-    /// Whether a fence is in.
-    pub fn is_set(&self) -> bool {
-        self.0.get().is_some()
-    }
 }
 
 /// A gate behind the machine's fence: `inner` decides as ever (a sync
