@@ -20,8 +20,10 @@ use std::time::Duration;
 use kemari_testkit::scenario::*;
 use kemari_testkit::*;
 
-/// The lease TTL (seconds): short, so the tests wait little for expiries.
-const TTL_S: u64 = 3;
+/// The lease TTL (seconds): the default, short enough that the tests
+/// wait little for expiries, long enough for renewals on a loaded 2-core
+/// machine (each call may take a third of it).
+const TTL_S: u64 = 5;
 /// The sync link's peer timeout; a killed primary's link closes at once.
 const TIMEOUT_MS: u64 = 3000;
 /// The VM's id, hence its key.

@@ -180,12 +180,13 @@ impl EtcdCluster {
                     "new",
                     "--initial-cluster-token",
                     &token,
-                    // Quick elections on a busy 2-core machine, not too
-                    // quick: a loaded member must not lose its leadership.
+                    // Elections quick enough for a test, slow enough that
+                    // a member starved by a loaded 2-core machine keeps
+                    // its leadership.
                     "--heartbeat-interval",
-                    "100",
+                    "200",
                     "--election-timeout",
-                    "1000",
+                    "2000",
                 ])
                 .stdin(Stdio::null())
                 .stdout(log.try_clone().unwrap())
