@@ -3,5 +3,12 @@
 use kemari_test_probe::{probe, Need};
 
 fn main() {
-    probe(&[Need::Kvm, Need::Tap]);
+    probe(&[
+        Need::Kvm,
+        Need::Tap,
+        Need::Tool("etcd"),
+        Need::Tool("etcdctl"),
+        Need::Tool("ocf-tester"),
+        Need::Tool("openssl"),
+    ]);
 }

@@ -316,7 +316,8 @@ impl OutputGate for FtGate {
         }
     }
 
-    fn checkpoint(&self, batch: &[OutputEvent]) {
+    fn checkpoint(&self, batch: &[OutputEvent]) -> Release {
         self.sync(batch);
+        Release::Now
     }
 }

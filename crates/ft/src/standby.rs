@@ -20,7 +20,6 @@
 use std::fs::File;
 use std::io::{BufReader, BufWriter};
 use std::net::TcpStream;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -28,7 +27,7 @@ use std::time::{Duration, Instant};
 use vmm::config::MachineConfig;
 use vmm::machine::Machine;
 use vmm::memory::{GuestMemoryFile, MemoryBacking};
-use vmm::output::PassThroughGate;
+use vmm::output::{FenceSlot, FencedGate, OutputGate, PassThroughGate};
 use vmm::persist::format;
 use vmm::vstate::VmEventSink;
 
@@ -40,19 +39,19 @@ use transfer::pages::{check_batch, write_batch};
 use transfer::{net, Peer, TransferError};
 
 use super::epoch::unpack_state;
-use super::fence::Fence;
+use super::fence::{Arbiter, HeldFence};
 use super::status::{FtShared, FtState};
 use super::FtError;
 
 /// How the standby is set up (`kemari --ft-standby`).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct StandbyOptions {
     /// Address to listen on.
     pub listen: String,
     /// Pre-shared key.
     pub key: Vec<u8>,
     /// The fence to take before running the VM.
-    pub fence: Option<PathBuf>,
+    pub fence: Option<Arbiter>,
     /// The STONITH-style command to run before running the VM.
     pub fence_cmd: Option<super::fence::FenceCommand>,
     /// An authenticated but unencrypted link (a trusted, dedicated one).
@@ -61,8 +60,9 @@ pub struct StandbyOptions {
 
 /// How standing by ended.
 pub enum StandbyOutcome {
-    /// The primary was lost: the VM runs here now (holding the fence, if any).
-    FailedOver(Machine, Option<Fence>),
+    /// The primary was lost: the VM runs here now (holding the fence, if
+    /// any; its outputs already wait for it).
+    FailedOver(Machine, Option<HeldFence>),
     /// The primary ended protection normally.
     PrimaryStopped(String),
 }
@@ -413,7 +413,7 @@ fn failover(
         "fault tolerance: primary lost, failing over"
     );
     let fence = match &opts.fence {
-        Some(path) => match Fence::acquire(path, timeout) {
+        Some(arbiter) => match arbiter.acquire_to_fail_over(timeout) {
             Ok(f) => Some(f),
             Err(e) => {
                 shared.set_state(FtState::Standby);
@@ -441,14 +441,19 @@ fn failover(
     state.config.memory_backing = MemoryBacking::Memfd;
     state.memory.backing = MemoryBacking::Memfd;
     let prepared = replica.preparing.take()?;
-    let machine = Machine::restore_prepared(
-        &state,
-        prepared,
-        events,
-        false,
-        Arc::new(PassThroughGate),
-        Vec::new(),
-    )?;
+    // A lease's outputs wait for it from the VM's first instruction here.
+    let output_fence = fence.as_ref().and_then(HeldFence::output_fence);
+    let gate: Arc<dyn OutputGate> = match &output_fence {
+        Some(f) => FencedGate::wrap(
+            Arc::new(FenceSlot::with(f.clone())),
+            Arc::new(PassThroughGate),
+        ),
+        None => Arc::new(PassThroughGate),
+    };
+    let machine = Machine::restore_prepared(&state, prepared, events, false, gate, Vec::new())?;
+    if let Some(f) = output_fence {
+        machine.fence_outputs(f);
+    }
     machine.announce_network();
     shared.failed_over(detected.elapsed());
     tracing::warn!(

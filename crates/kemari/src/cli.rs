@@ -98,12 +98,18 @@ pub struct Args {
     /// given.
     #[arg(long, conflicts_with_all = ["config", "kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "restore", "incoming_local", "incoming"])]
     pub ft_standby: Option<String>,
-    /// Fault-tolerance fence: a lock file only the running copy of the VM
-    /// holds. A primary takes it at start; a standby takes it before it runs
-    /// the VM and does not fail over while another process holds it (split
-    /// brain). Give both ends the same path (a file they can both lock).
-    #[arg(long)]
-    pub ft_fence: Option<PathBuf>,
+    /// Fault-tolerance fence: what only the running copy of the VM holds. A
+    /// primary takes it at start; a standby takes it before it runs the VM
+    /// and does not fail over while another copy holds it (split brain).
+    /// Give both ends the same fence. PATH: a lock file both can lock (one
+    /// host, or a shared filesystem). etcd://HOST:PORT[,HOST:PORT…][/PREFIX][?ttl=SECONDS]:
+    /// the key PREFIX/ID (default prefix /kemari/vms, TTL 5 s; needs --id)
+    /// in an etcd cluster (TLS: &cacert=PEM[&cert=PEM&key=PEM]), bound to
+    /// a lease the running copy renews; a
+    /// copy that cannot renew it stops releasing outputs before it can
+    /// expire, and ends (docs/fleet.md).
+    #[arg(long, value_name = "PATH|etcd://…", value_parser = ft::fence::FenceSpec::parse)]
+    pub ft_fence: Option<ft::fence::FenceSpec>,
     /// Fault-tolerance fence across hosts (STONITH-style): a command the
     /// standby runs before it runs the VM, which must make sure the primary
     /// is off (power it off, cut its disk and network) and exit 0; any other

@@ -6,6 +6,7 @@
 //! - [`bins`]: `kemari` and `kemarictl` (found beside the test executable,
 //!   see there), the test guest's ELF, binaries of other packages;
 //! - [`dirs`]: scratch folders, reading a file that may not exist yet;
+//! - [`etcd`]: a real etcd cluster of a few members on localhost ports;
 //! - [`procs`]: children killed on drop, timeouts, polling, tools on PATH;
 //! - [`stub`]: the PVH stub kernel (`fixtures/pvh-stub.S`);
 //! - [`net`]: free ports, TAP devices and bridges, the TCP echo checker;
@@ -18,6 +19,7 @@
 
 pub mod bins;
 pub mod dirs;
+pub mod etcd;
 pub mod net;
 pub mod procs;
 pub mod relay;
@@ -26,6 +28,7 @@ pub mod stub;
 
 pub use bins::{guest_elf, kemari, kemarictl};
 pub use dirs::{log_without_escapes, read_text, scratch, write_key, TempDir};
+pub use etcd::EtcdCluster;
 pub use net::{free_port, wait_listening, wait_port, AnnounceCapture, Bridge, EchoChecker, TapNet};
 pub use procs::{
     assert_every_thread_filtered, assert_quiet_on_closed_stdout, assert_verbose_log_filter_refused,

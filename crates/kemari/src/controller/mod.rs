@@ -32,6 +32,7 @@ mod startup;
 mod worker;
 
 use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -41,7 +42,7 @@ use vmm::machine::{Machine, MachineError};
 use vmm::persist::snapshot::{self, SnapshotError};
 use vmm::vstate::{VmEvent, VmEventSink};
 
-use ft::fence::{Fence, FenceCommand};
+use ft::fence::{Arbiter, FenceCommand, FenceSpec, HeldFence};
 use ft::gate::FtGate;
 use ft::status::FtState;
 use transfer::modes::warm;
@@ -127,6 +128,8 @@ type Answer = Result<Reply, ActionError>;
 
 enum Control {
     Vm(VmEvent),
+    /// The fence was lost (an etcd lease not renewed in time).
+    FenceLost(String),
     Api(Routed, Sender<Answer>),
     Signal(i32),
     Done(Box<Done>),
@@ -198,6 +201,7 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
     let shared = Shared::new(startup::describe(args));
     // Until the VM is here (a standby, a destination): what the flags say.
     let (id, name) = args.identity()?;
+    let fence_id = id.clone();
     shared.events.set_identity(id, name);
     // Opened with the privileges of the start (a FIFO: once read).
     let events_file = match args.events_file()? {
@@ -210,6 +214,19 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
     // command may need (no thread of the VMM may execute a program).
     let fence_cmd = match &args.ft_fence_cmd {
         Some(cmd) => Some(FenceCommand::start(cmd).map_err(ProcessError::FenceHelper)?),
+        None => None,
+    };
+    // The etcd fence's helper process too (the etcd client runs there). A
+    // signal ends a wait for its key.
+    let signalled = Arc::new(AtomicBool::new(false));
+    let arbiter = match &args.ft_fence {
+        Some(spec) => {
+            refuse_etcd_fence_on_hand_over(args, spec)?;
+            Some(
+                Arbiter::start(spec, fence_id.as_deref(), signalled.clone())
+                    .map_err(ft::FtError::from)?,
+            )
+        }
         None => None,
     };
     // The API socket first: a socket in use is refused before any VM exists.
@@ -252,18 +269,19 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         .name("signals".into())
         .spawn(move || {
             for s in signals.forever() {
+                signalled.store(true, Ordering::SeqCst);
                 sig_tx(s);
             }
         })
         .map_err(ProcessError::Signals)?;
     // The fence: a primary holds it for its whole life; a standby takes it
     // before it fails over.
-    let mut _fence: Option<Fence> = None;
+    let mut fence: Option<HeldFence> = None;
     let machine = if let Some(listen) = &args.ft_standby {
         shared.set_role(Role::Standby);
-        match startup::standby(args, listen, sink, &shared.ft, fence_cmd)? {
-            ft::standby::StandbyOutcome::FailedOver(m, fence) => {
-                _fence = fence;
+        match startup::standby(args, listen, sink, &shared.ft, arbiter, fence_cmd)? {
+            ft::standby::StandbyOutcome::FailedOver(m, held) => {
+                fence = held;
                 m
             }
             ft::standby::StandbyOutcome::PrimaryStopped(reason) => {
@@ -281,12 +299,18 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
             }
         }
     } else {
-        if let Some(path) = &args.ft_fence {
-            _fence =
-                Some(Fence::acquire(path, std::time::Duration::ZERO).map_err(ft::FtError::from)?);
+        if let Some(arbiter) = &arbiter {
+            fence = Some(arbiter.acquire_to_start().map_err(ft::FtError::from)?);
         }
-        startup::make_machine(args, sink)?
+        let output_fence = fence.as_ref().and_then(HeldFence::output_fence);
+        startup::make_machine(args, sink, output_fence)?
     };
+    if let Some(f) = &fence {
+        // A lease not renewed in time: the VM stops here, and nothing it
+        // did since reaches the outside.
+        let lost = forwarder(&tx, Control::FenceLost);
+        f.on_lost(lost);
+    }
     // From this thread: a vCPU thread, under its seccomp filter, may not
     // start it (it would write partial lines at once instead).
     machine.start_console_flusher();
@@ -325,6 +349,21 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
     status
 }
 
+/// An etcd fence holds the key of a VM that runs here; a hand-over's
+/// destination would wait for the key its source holds.
+fn refuse_etcd_fence_on_hand_over(args: &Args, spec: &FenceSpec) -> Result<(), CliError> {
+    let hand_over = args.incoming.is_some()
+        || args.incoming_local.is_some()
+        || (args.restore.is_some() && args.await_state);
+    if matches!(spec, FenceSpec::Etcd(_)) && hand_over {
+        return Err(CliError::Setting {
+            input: "--ft-fence etcd://…".into(),
+            reason: "not with --incoming, --incoming-local or --await-state: the VM's key stays with the source of a hand-over".into(),
+        });
+    }
+    Ok(())
+}
+
 /// Opens `--events-file` for appending (a FIFO: waits for its reader).
 fn open_events_file(path: &std::path::Path) -> Result<std::fs::File, ProcessError> {
     std::fs::OpenOptions::new()
@@ -340,6 +379,10 @@ fn open_events_file(path: &std::path::Path) -> Result<std::fs::File, ProcessErro
 impl Controller {
     /// Handles one event; `Some` once the VMM ends.
     fn handle(&mut self, event: Control) -> Option<Result<ExitCode, ProcessError>> {
+        if let Control::FenceLost(why) = event {
+            // Not a reason to tell the standby to stand down: handled first.
+            return self.fence_lost(why);
+        }
         if let (Control::Vm(_) | Control::Signal(_), Some(g)) = (&event, &self.ft_gate) {
             // The VM ends here on purpose: the standby must not take over.
             g.stop("the primary VM ended");
@@ -403,7 +446,21 @@ impl Controller {
                 None
             }
             Control::Done(done) => self.operation_done(*done),
+            Control::FenceLost(why) => self.fence_lost(why),
         }
+    }
+
+    /// The fence is lost: another copy may run the VM by now. Outputs are
+    /// held for good already; the standby, if any, is left to fail over
+    /// (the link closes without a `Stop`), and the VMM ends in failure.
+    fn fence_lost(&mut self, why: String) -> Option<Result<ExitCode, ProcessError>> {
+        if let Some(g) = self.ft_gate.take() {
+            g.degrade(&why);
+        }
+        self.end(
+            Ending::Failed(why.clone()),
+            ("fence_lost", json!({ "reason": why })),
+        )
     }
 
     /// Ends the VMM now (publishing `event`), or once the running

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use vmm::config::MachineConfig;
 use vmm::machine::Machine;
+use vmm::output::{FenceSlot, FencedGate, OutputFence, OutputGate, PassThroughGate};
 use vmm::persist::snapshot;
 use vmm::vstate::VmEventSink;
 
@@ -51,9 +52,29 @@ pub fn how(args: &Args) -> &'static str {
     }
 }
 
-/// Builds the machine `args` describe (everything but a standby's).
-pub fn make_machine(args: &Args, sink: VmEventSink) -> Result<Machine, ProcessError> {
-    let gate = Arc::new(vmm::output::PassThroughGate);
+/// Builds the machine `args` describe (everything but a standby's); its
+/// outputs wait for `fence` (an etcd lease) from the start.
+pub fn make_machine(
+    args: &Args,
+    sink: VmEventSink,
+    fence: Option<Arc<dyn OutputFence>>,
+) -> Result<Machine, ProcessError> {
+    let machine = build(args, sink, fence.clone())?;
+    if let Some(f) = fence {
+        machine.fence_outputs(f);
+    }
+    Ok(machine)
+}
+
+fn build(
+    args: &Args,
+    sink: VmEventSink,
+    fence: Option<Arc<dyn OutputFence>>,
+) -> Result<Machine, ProcessError> {
+    let gate: Arc<dyn OutputGate> = match fence {
+        Some(f) => FencedGate::wrap(Arc::new(FenceSlot::with(f)), Arc::new(PassThroughGate)),
+        None => Arc::new(PassThroughGate),
+    };
     let mut overrides = Ok(());
     let mut adjust = |config: &mut MachineConfig| {
         overrides = args.apply_restore_overrides(config);
@@ -103,13 +124,15 @@ pub fn make_machine(args: &Args, sink: VmEventSink) -> Result<Machine, ProcessEr
     )?)
 }
 
-/// Follows a primary as its fault-tolerance standby (`fence_cmd`: the
-/// helper that runs `--ft-fence-cmd`).
+/// Follows a primary as its fault-tolerance standby (`fence`: what it must
+/// take before it fails over; `fence_cmd`: the helper that runs
+/// `--ft-fence-cmd`).
 pub fn standby(
     args: &Args,
     listen: &str,
     sink: VmEventSink,
     shared: &Arc<FtShared>,
+    fence: Option<ft::fence::Arbiter>,
     fence_cmd: Option<ft::fence::FenceCommand>,
 ) -> Result<StandbyOutcome, ProcessError> {
     let key_file = args.migration_key_file.as_ref().ok_or(CliError::Missing(
@@ -118,7 +141,7 @@ pub fn standby(
     let opts = StandbyOptions {
         listen: listen.to_owned(),
         key: transfer::key::read_key(key_file)?,
-        fence: args.ft_fence.clone(),
+        fence,
         fence_cmd,
         plaintext: args.plaintext_link,
     };

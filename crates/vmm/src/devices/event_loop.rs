@@ -351,8 +351,9 @@ impl Loop {
     fn checkpoint(&self) {
         let batch = self.pending_outputs();
         let events: Vec<OutputEvent> = batch.iter().map(|b| b.2).collect();
-        self.gate.checkpoint(&events);
-        self.release(&batch);
+        if self.gate.checkpoint(&events) == Release::Now {
+            self.release(&batch);
+        }
     }
 
     /// Serves one control request; false on `Exit`.

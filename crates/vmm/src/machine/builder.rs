@@ -11,7 +11,7 @@ use super::{Machine, MachineCore, MachineError, PreparedVm, RunState};
 use crate::config::MachineConfig;
 use crate::dirty::{DirtyTracker, DirtyTrackerConfig};
 use crate::memory::GuestMemoryFile;
-use crate::output::{OutputGate, PassThroughGate};
+use crate::output::{FenceSlot, FencedGate, OutputGate, PassThroughGate};
 use crate::persist::VmState;
 use crate::vstate::vcpu::VcpuSet;
 use crate::vstate::vm::Vm;
@@ -189,6 +189,10 @@ impl Machine {
         dirty: DirtyTrackerConfig,
     ) -> Result<Self, MachineError> {
         let built_at = Instant::now();
+        // Every gate the machine is given sits behind its fence (empty
+        // until `fence_outputs`): the console's too.
+        let fence = Arc::new(FenceSlot::default());
+        let gate = FencedGate::wrap(fence.clone(), gate);
         // What the guest sees of its network devices, kept from here on.
         config.pin_macs();
         let PreparedVm {
@@ -329,6 +333,7 @@ impl Machine {
         });
         Ok(Machine {
             event_loop: Some(event_loop),
+            fence,
             status: Arc::new(MachineStatus::new(&core, serial_backend, state, built_at)),
             core,
         })

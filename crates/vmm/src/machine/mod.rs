@@ -35,7 +35,7 @@ use crate::config::MachineConfig;
 use crate::devices::event_loop::{DeviceEventLoop, EventLoopError};
 use crate::dirty::DirtyTracker;
 use crate::memory::{GuestMemoryFile, GuestMemoryMmap};
-use crate::output::OutputGate;
+use crate::output::{FenceSlot, FencedGate, OutputFence, OutputGate};
 use crate::persist::{self, VmState};
 use crate::sys;
 use crate::vstate::vm::Vm;
@@ -44,6 +44,8 @@ use crate::vstate::vm::Vm;
 pub struct Machine {
     // The event loop (and the gate it holds) ends before the core goes.
     event_loop: Option<DeviceEventLoop>,
+    /// The fence every output gate of the machine sits behind.
+    fence: Arc<FenceSlot>,
     core: Arc<MachineCore>,
     /// The run state, the pause count and what else a [`MachineMonitor`]
     /// reads; written only here.
@@ -150,9 +152,16 @@ impl Machine {
     /// device event loop uses it.
     pub fn set_output_gate(&self, gate: Arc<dyn OutputGate>) -> Result<(), MachineError> {
         match &self.event_loop {
-            Some(l) => Ok(l.set_gate(gate)?),
+            Some(l) => Ok(l.set_gate(FencedGate::wrap(self.fence.clone(), gate))?),
             None => Err(MachineError::EventLoop(EventLoopError::Gone)),
         }
+    }
+
+    /// From now on, outputs (disk requests, frames, console bytes) go only
+    /// while `fence` holds, whatever the gate (see [`crate::output::fence`]).
+    /// Once per machine: false if it already had a fence (kept).
+    pub fn fence_outputs(&self, fence: Arc<dyn OutputFence>) -> bool {
+        self.fence.set(fence)
     }
 
     /// The configuration the machine was built from.

@@ -18,9 +18,16 @@
 //!   the batch waits for the next checkpoint, which the event loop triggers
 //!   every [`OutputGate::checkpoint_interval`] and after which it releases
 //!   whatever was pending when the checkpoint began.
+//! - Whatever the gate, a machine whose copy of the VM may run only while it
+//!   holds a lease (the etcd fence of fault tolerance) lets outputs go only
+//!   while an [`OutputFence`] says it holds it ([`fence`]).
+
+pub mod fence;
 
 use std::fmt;
 use std::time::Duration;
+
+pub use fence::{FenceSlot, FencedGate, OutputFence};
 
 /// What kind of output waits on a device's output queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,8 +71,12 @@ pub trait OutputGate: Send + Sync + fmt::Debug {
     }
 
     /// A periodic checkpoint; the outputs in `batch` (everything pending when
-    /// it began) are performed once it returns.
-    fn checkpoint(&self, _batch: &[OutputEvent]) {}
+    /// it began) are performed once it returns [`Release::Now`] (the default),
+    /// and never if it returns [`Release::AtCheckpoint`] (a
+    /// [`fence`] that no longer holds).
+    fn checkpoint(&self, _batch: &[OutputEvent]) -> Release {
+        Release::Now
+    }
 
     /// Whether the serial console may write what the guest printed, now
     /// (the default: always). Asked from a vCPU thread at each console
