@@ -124,6 +124,16 @@ pub struct Args {
     /// Build the VM but do not start its vCPUs until resumed through the API.
     #[arg(long)]
     pub start_paused: bool,
+    /// What a guest reset (a reboot: i8042, ACPI reset register, port 0xcf9)
+    /// does: `restart` boots the guest again in this process (same disks,
+    /// TAPs, API socket, pid and identity; memory cleared, kernel loaded
+    /// again), `exit` ends the VM and exits 0.
+    #[arg(long, value_enum, default_value_t = OnReboot::Restart)]
+    pub on_reboot: OnReboot,
+    /// What a guest crash (a vCPU's triple fault) does: `stop` ends the VM
+    /// with exit status 4, `restart` boots the guest again as a reboot does.
+    #[arg(long, value_enum, default_value_t = OnCrash::Stop)]
+    pub on_crash: OnCrash,
     /// The system calls each thread may make (seccomp filters, see
     /// docs/architecture.md): `on` kills the process (SIGSYS) at a call
     /// outside its thread's filter; `log` allows it and has the kernel log
@@ -157,6 +167,24 @@ pub struct Args {
     /// address (`127.0.0.1:9400`); the API socket always serves it.
     #[arg(long, value_name = "ADDR")]
     pub metrics_listen: Option<String>,
+}
+
+/// `--on-reboot`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnReboot {
+    /// Boot the guest again in this process.
+    Restart,
+    /// End the VM; exit 0.
+    Exit,
+}
+
+/// `--on-crash`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnCrash {
+    /// End the VM; exit 4.
+    Stop,
+    /// Boot the guest again in this process.
+    Restart,
 }
 
 /// `--seccomp`.
