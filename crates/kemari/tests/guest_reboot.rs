@@ -7,6 +7,9 @@
 //!   the re-wired disk), the TAP carries echo traffic after each reboot, and
 //!   `reset`/`rebooted` events and the reboot count (`GET /vm`, `GET
 //!   /metrics`) follow;
+//! - a guest rebooted once warm-restarts into a new kemari process, which
+//!   reboots it again: a restored machine reboots too, from a named memory
+//!   file, with the devices handed over;
 //! - a guest that reboots every 200 ms of uptime keeps rebooting (memory
 //!   cleared and the kernel loaded again each time) until shut down;
 //! - `--on-reboot exit` ends the VM at the reset with status 0, as before;
@@ -16,7 +19,6 @@
 //! Bounds are generous (60 s): the machine is shared.
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
@@ -51,24 +53,6 @@ fn occurrences(console: &Path, needle: &str) -> usize {
     read_text(console).matches(needle).count()
 }
 
-/// `GET /reboot` on the guest's HTTP server: its answer's body.
-fn ask_reboot(ip: &str) -> String {
-    let mut s = TcpStream::connect_timeout(&format!("{ip}:80").parse().unwrap(), PATIENCE)
-        .expect("the guest's HTTP server");
-    s.set_read_timeout(Some(PATIENCE)).unwrap();
-    s.write_all(b"GET /reboot HTTP/1.1\r\nHost: guest\r\n\r\n")
-        .unwrap();
-    // The server closes after the client does: read up to the body's end.
-    let mut answer = Vec::new();
-    let mut buf = [0u8; 512];
-    while !answer.ends_with(b"\r\n\r\nrebooting\n") {
-        let n = s.read(&mut buf).expect("the answer to /reboot");
-        assert!(n > 0, "{}", String::from_utf8_lossy(&answer));
-        answer.extend_from_slice(&buf[..n]);
-    }
-    String::from_utf8_lossy(&answer).into_owned()
-}
-
 /// The events of an events file, by kind.
 fn events(file: &Path) -> Vec<Value> {
     read_text(file)
@@ -82,7 +66,10 @@ fn of_kind<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
 }
 
 #[test]
-#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
 fn a_guest_reboots_in_place_three_times_with_its_disk_network_and_api() {
     let _one = one_at_a_time();
     let dir = scratch("reboot-3");
@@ -128,10 +115,8 @@ fn a_guest_reboots_in_place_three_times_with_its_disk_network_and_api() {
     assert_eq!(first["name"], "rebooter");
     assert_eq!(first["reboots"], 0);
     for boot in 2..=4usize {
-        let echo = EchoChecker::start(&ip);
-        wait_for("echo traffic", PATIENCE, || echo.verified() > 16384);
-        echo.finish();
-        let answer = ask_reboot(&ip);
+        echo_works(&ip);
+        let answer = ask_guest_reboot(&ip);
         assert!(answer.ends_with("rebooting\n"), "{answer}");
         wait_for("the guest's next boot", PATIENCE, || {
             occurrences(&console, BANNER) == boot
@@ -155,11 +140,7 @@ fn a_guest_reboots_in_place_three_times_with_its_disk_network_and_api() {
         );
     }
     // The TAP carries traffic after the last reboot too.
-    let echo = EchoChecker::start(&ip);
-    wait_for("echo traffic after the last reboot", PATIENCE, || {
-        echo.verified() > 16384
-    });
-    echo.finish();
+    echo_works(&ip);
     let metrics = prometheus(&vmm.api);
     assert!(
         metrics
@@ -184,6 +165,100 @@ fn a_guest_reboots_in_place_three_times_with_its_disk_network_and_api() {
     assert_eq!(counts, [Some(1), Some(2), Some(3)], "{written:#?}");
     assert!(rebooted.iter().all(|e| e["cause"] == "reset"));
     assert_eq!(of_kind(&written, "started").len(), 1, "{written:#?}");
+}
+
+/// Some echo traffic through the TAP, on a new connection.
+fn echo_works(ip: &str) {
+    let echo = EchoChecker::start(ip);
+    wait_for("echo traffic", PATIENCE, || echo.verified() > 16384);
+    echo.finish();
+}
+
+#[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
+fn a_rebooted_guest_warm_restarts_and_its_successor_reboots_it_again() {
+    let _one = one_at_a_time();
+    let dir = scratch("reboot-warm");
+    let net = TapNet::create("rw", SUBNET + 1);
+    let disk = disk_image(&dir);
+    let memfile = std::path::PathBuf::from(format!(
+        "/dev/shm/kemari-reboot-warm-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&memfile);
+    let ip = net.guest_ip();
+    let mut old = spawn_vmm(
+        &[
+            "--kernel".into(),
+            guest_elf().display().to_string(),
+            "--memory".into(),
+            "128M".into(),
+            "--memory-file".into(),
+            memfile.display().to_string(),
+            "--cmdline".into(),
+            format!("counter=200 ip={ip}/24 disk=verify,{BLOCKS} disk=write,{BLOCKS},seq,flush"),
+            "--disk".into(),
+            disk.display().to_string(),
+            "--net".into(),
+            format!("tap={}", net.name),
+        ],
+        &dir.join("console-1.log"),
+        &dir.join("api-1.sock"),
+        &[],
+    );
+    let write_done = format!("disk: write done blocks={BLOCKS}");
+    let verified = format!("disk: verify ok blocks={BLOCKS}");
+    wait_for("the first boot's disk writes", PATIENCE, || {
+        occurrences(&old.console, &write_done) == 1
+    });
+    ask_guest_reboot(&ip);
+    wait_for("the second boot's disk check and writes", PATIENCE, || {
+        occurrences(&old.console, &write_done) == 2
+    });
+    assert_eq!(occurrences(&old.console, &verified), 1);
+    echo_works(&ip);
+    let state_dir = dir.join("warm");
+    let out = ctl(&old.api, &["warm-restart", state_dir.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(wait_exit(&mut old.child.0, "the old VMM").success());
+    let new = spawn_vmm(
+        &["--restore".into(), state_dir.display().to_string()],
+        &dir.join("console-2.log"),
+        &dir.join("api-2.sock"),
+        &[],
+    );
+    // The rebooted guest runs on in the new process, its network too.
+    wait_for("the guest's counter in the new VMM", PATIENCE, || {
+        counters(&new.console).len() >= 3
+    });
+    assert_eq!(occurrences(&new.console, BANNER), 0);
+    echo_works(&ip);
+    ask_guest_reboot(&ip);
+    wait_for("the boot in the new VMM", PATIENCE, || {
+        occurrences(&new.console, &write_done) == 1
+    });
+    assert_eq!(occurrences(&new.console, BANNER), 1);
+    assert_eq!(occurrences(&new.console, &verified), 1);
+    echo_works(&ip);
+    let now = info(&new.api);
+    assert_eq!(now["reboots"], 1, "{now}");
+    assert_eq!(now["pid"].as_u64(), Some(u64::from(new.child.0.id())));
+    let out = ctl(&new.api, &["shutdown"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut child = new.child;
+    assert!(wait_exit(&mut child.0, "the new VMM").success());
+    let _ = std::fs::remove_file(memfile);
 }
 
 #[test]

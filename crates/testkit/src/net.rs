@@ -399,3 +399,25 @@ impl AnnounceCapture {
         self.thread.take().unwrap().join().unwrap()
     }
 }
+
+/// `GET /reboot` on the test guest's HTTP server at `ip`: its whole answer
+/// (the guest resets once the client has it).
+pub fn ask_guest_reboot(ip: &str) -> String {
+    let mut s = TcpStream::connect_timeout(
+        &format!("{ip}:80").parse().unwrap(),
+        Duration::from_secs(60),
+    )
+    .expect("the guest's HTTP server");
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s.write_all(b"GET /reboot HTTP/1.1\r\nHost: guest\r\n\r\n")
+        .unwrap();
+    // The server closes after the client does: read up to the body's end.
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 512];
+    while !answer.ends_with(b"\r\n\r\nrebooting\n") {
+        let n = s.read(&mut buf).expect("the answer to /reboot");
+        assert!(n > 0, "{}", String::from_utf8_lossy(&answer));
+        answer.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&answer).into_owned()
+}
