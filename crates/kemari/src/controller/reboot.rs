@@ -86,11 +86,13 @@ impl Controller {
         cause: Cause,
     ) -> Option<Result<ExitCode, ProcessError>> {
         self.generation += 1;
+        // Counted first: whoever sees the new boot (its console, its
+        // network) sees the count.
+        let reboots = self.shared.count_reboot();
         match machine.reboot(vm_sink(&self.tx, self.generation)) {
             Ok(machine) => {
                 machine.start_console_flusher();
                 self.shared.set_machine(machine.monitor());
-                let reboots = self.shared.count_reboot();
                 tracing::info!(reboots, cause = cause.as_str(), "guest rebooted in place");
                 self.shared.events.publish(
                     "rebooted",
