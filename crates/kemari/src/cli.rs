@@ -644,6 +644,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_reset_restarts_and_a_crash_stops_unless_told_otherwise() {
+        use clap::Parser;
+        let args = Args::parse_from(["kemari", "--kernel", "/k", "--memory", "64M"]);
+        assert_eq!(
+            (args.on_reboot, args.on_crash),
+            (OnReboot::Restart, OnCrash::Stop)
+        );
+        let args = Args::parse_from(["kemari", "--on-reboot", "exit", "--on-crash", "restart"]);
+        assert_eq!(
+            (args.on_reboot, args.on_crash),
+            (OnReboot::Exit, OnCrash::Restart)
+        );
+        assert!(Args::try_parse_from(["kemari", "--on-reboot", "halt"]).is_err());
+        assert!(Args::try_parse_from(["kemari", "--on-crash", "exit"]).is_err());
+    }
+
+    #[test]
     fn disks_and_nets() {
         assert_eq!(
             parse_disk("/a.img").unwrap(),
