@@ -88,6 +88,9 @@ pub struct Config {
     pub poweroff_done: bool,
     /// `poweroff_after=<ms>`: power off at this uptime.
     pub poweroff_after_ms: Option<u64>,
+    /// `reboot_after=<ms>`: ask for a reset (i8042) at this uptime, on
+    /// every boot.
+    pub reboot_after_ms: Option<u64>,
     pub fault: Option<FaultKind>,
     /// `disk_errors=continue`: a failed disk request ends the disk jobs with a
     /// report instead of failing the guest (the other workloads go on).
@@ -168,6 +171,9 @@ pub fn parse(cmdline: &str) -> Result<Config, CmdlineError<'_>> {
             },
             "poweroff_after" => {
                 cfg.poweroff_after_ms = Some(parse_u64(value).ok_or(err("expected a time in ms"))?);
+            }
+            "reboot_after" => {
+                cfg.reboot_after_ms = Some(parse_u64(value).ok_or(err("expected a time in ms"))?);
             }
             "fault" => {
                 cfg.fault = Some(match value {
@@ -337,7 +343,7 @@ mod tests {
     fn workloads() {
         let cfg = parse(
             "counter=100 dirty=20000,1024 disk=write,10000,rand,flush disk=verify,10000 \
-             ip=10.0.2.15/24 gw=10.0.2.1 poweroff=done poweroff_after=5000",
+             ip=10.0.2.15/24 gw=10.0.2.1 poweroff=done poweroff_after=5000 reboot_after=300",
         )
         .unwrap();
         assert_eq!(cfg.counter_ms, Some(100));
@@ -380,6 +386,8 @@ mod tests {
         assert_eq!(cfg.gw, Some([10, 0, 2, 1]));
         assert!(cfg.poweroff_done);
         assert_eq!(cfg.poweroff_after_ms, Some(5000));
+        assert_eq!(cfg.reboot_after_ms, Some(300));
+        assert_eq!(parse("").unwrap().reboot_after_ms, None);
         assert_eq!(cfg.fault, None);
         assert_eq!(parse("fault=page").unwrap().fault, Some(FaultKind::Page));
         assert_eq!(
@@ -416,6 +424,7 @@ mod tests {
             "gw=1.2.3",
             "poweroff=now",
             "poweroff_after=soon",
+            "reboot_after=",
             "fault=",
             "fault=maybe",
             "virtio_mmio.device=4K@0xd0000000",

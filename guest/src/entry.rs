@@ -2,7 +2,7 @@
 
 use guest::cmdline::{self, Config, FaultKind};
 
-use crate::exit::{exit, poweroff, ExitCode};
+use crate::exit::{exit, poweroff, reboot, ExitCode};
 use crate::net::NetStack;
 use crate::say;
 use crate::start_info::BootInfo;
@@ -212,6 +212,11 @@ fn run(cfg: &Config) -> ! {
         }
         if cfg.poweroff_after_ms.is_some_and(|ms| now_ms >= ms) {
             poweroff();
+        }
+        if cfg.reboot_after_ms.is_some_and(|ms| now_ms >= ms)
+            || net.as_ref().is_some_and(|n| n.reboot_due(now_ms))
+        {
+            reboot();
         }
         core::hint::spin_loop();
     }

@@ -25,6 +25,21 @@ pub fn poweroff() -> ! {
     exit(ExitCode::Poweroff)
 }
 
+/// Prints `reboot` and asks for a reset: the i8042's pulse of the reset
+/// line (command 0xfe on port 0x64), Linux's `reboot=k`. The VMM reboots
+/// the guest or ends it; if nothing happens within ~4 s, the guest exits
+/// with [`ExitCode::DeviceError`].
+pub fn reboot() -> ! {
+    crate::say!("reboot");
+    outb(0x64, 0xfe);
+    let start = crate::cpu::rdtsc();
+    while crate::cpu::rdtsc() - start < 1 << 33 {
+        core::hint::spin_loop();
+    }
+    crate::say!("reboot: the i8042 reset did nothing");
+    exit(ExitCode::DeviceError)
+}
+
 pub fn exit(code: ExitCode) -> ! {
     outl(EXIT_PORT, code as u32);
     // The VMM may take a moment to stop the vCPU: wait ~0.5 s (by the TSC,

@@ -8,6 +8,8 @@ pub enum Route {
     Status,
     /// `GET /bytes/<n>`: n pattern bytes.
     Bytes(u64),
+    /// `GET /reboot`: answered, then the guest resets.
+    Reboot,
     /// A GET of any other path.
     NotFound,
     /// Any other method, or a request line that is not one.
@@ -35,6 +37,7 @@ pub fn route(head: &[u8]) -> Route {
     }
     match parts.next().unwrap_or("") {
         "/" => Route::Status,
+        "/reboot" => Route::Reboot,
         path => match path.strip_prefix("/bytes/").map(crate::num::parse_u64) {
             Some(Some(n)) => Route::Bytes(n),
             _ => Route::NotFound,
@@ -74,6 +77,8 @@ mod tests {
             Route::NotFound
         );
         assert_eq!(route(b"GET /other HTTP/1.1\r\n"), Route::NotFound);
+        assert_eq!(route(b"GET /reboot HTTP/1.1\r\n\r\n"), Route::Reboot);
+        assert_eq!(route(b"GET /reboot/now HTTP/1.1\r\n"), Route::NotFound);
         assert_eq!(route(b"POST / HTTP/1.1\r\n"), Route::BadMethod);
         assert_eq!(route(b"\xff\xfe garbage"), Route::BadMethod);
         assert_eq!(route(b""), Route::BadMethod);

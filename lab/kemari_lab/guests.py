@@ -58,6 +58,8 @@ class GuestSpec:
     # Verbose kernel console (soak runs): loglevel=7, oops=panic, and the
     # init keeps the log level (klab.verbose=1) instead of `quiet`.
     verbose: bool = False
+    # More kemari flags (`--on-reboot exit` …).
+    vmm_args: str = ""
     ip: str = field(init=False)
     mac: str = field(init=False)
     tap: str = field(init=False)
@@ -117,6 +119,8 @@ class GuestSpec:
             cmd += f" --disk {self.disk_arg}"
         if self.net:
             cmd += f" --net tap={self.tap},mac={self.mac}"
+        if self.vmm_args:
+            cmd += f" {self.vmm_args}"
         return cmd + self.log_args
 
     @property

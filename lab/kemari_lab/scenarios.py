@@ -8,6 +8,7 @@ To add one, write a function here taking ``(lab, vmm)`` and add it to
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -96,7 +97,7 @@ def two_hosts(lab: Lab, vmm: str) -> dict[str, float]:
     return times
 
 
-def boot_poweroff(lab: Lab, vmm: str, action: str = "poweroff") -> dict[str, float]:
+def boot_poweroff(lab: Lab, vmm: str, action: str = "poweroff", vmm_args: str = "") -> dict[str, float]:
     """A device-less guest on vh0 (2 vCPUs, 512 MiB) boots to its init and
     powers itself off; the VMM must exit 0. The smallest test of a VMM's Linux
     boot (bzImage, ACPI, SMP, poweroff)."""
@@ -105,7 +106,14 @@ def boot_poweroff(lab: Lab, vmm: str, action: str = "poweroff") -> dict[str, flo
     marker = "KLAB-GUEST-POWEROFF" if action == "poweroff" else "KLAB-GUEST-REBOOT"
     guest = Guest(
         host,
-        GuestSpec(name=f"{vmm}-{action}", vmm=vmm, disk=False, net=False, extra_cmdline=f"klab.poweroff={arg}"),
+        GuestSpec(
+            name=f"{vmm}-{action}",
+            vmm=vmm,
+            disk=False,
+            net=False,
+            extra_cmdline=f"klab.poweroff={arg}",
+            vmm_args=vmm_args,
+        ),
     )
     guest.start()
     status = guest.wait_exit(timeout=300)
@@ -126,8 +134,69 @@ def boot_poweroff(lab: Lab, vmm: str, action: str = "poweroff") -> dict[str, flo
 
 def boot_reboot(lab: Lab, vmm: str) -> dict[str, float]:
     """Like boot-poweroff, but the guest reboots (ACPI reset register, then
-    i8042): kemari ends the VM on a reset and exits 0, QEMU too (-no-reboot)."""
-    return boot_poweroff(lab, vmm, action="reboot")
+    i8042): kemari with --on-reboot exit ends the VM on a reset and exits 0,
+    QEMU too (-no-reboot). (guest-reboots has kemari reboot it in place.)"""
+    return boot_poweroff(lab, vmm, action="reboot", vmm_args="--on-reboot exit" if vmm == "kemari" else "")
+
+
+GUEST_REBOOTS = 5
+REBOOT_RE = re.compile(r"KLAB-GUEST-REBOOT lines=(\d+)")
+FS_RE = re.compile(r"KLAB-FS (clean|dirty)[^\n]*")
+RECORDS_RE = re.compile(r"KLAB-RECORDS lines=(\d+) bad=(\d+)")
+
+
+def guest_reboots(lab: Lab, vmm: str) -> dict[str, float]:
+    """A kemari guest on vh0 runs `reboot` 5 times while writing its disk (a
+    writer appending synced records and rewriting a file with fsync): it
+    comes back each time in the same kemari process (same pid, API answering,
+    `reboots` counting), its ext4 cleanly unmounted (superblock clean, no
+    journal to replay) with every record the writer synced, disk and network
+    checked again; then it powers off and kemari exits 0."""
+    if vmm != "kemari":
+        raise LabError(f"guest-reboots reboots a guest inside its kemari (--vmm kemari), not {vmm}")
+    guest, times = _boot_checked_guest(lab, 0, vmm)
+    host, ip = guest.host, guest.spec.ip
+    first = guest.info()
+    pid = first["pid"]
+    for boot in range(1, GUEST_REBOOTS + 1):
+        with step(f"reboot {boot} of {GUEST_REBOOTS}"):
+            if "writer started" not in lab.client_http_get(ip, "/cgi-bin/writer"):
+                raise LabError(f"{host.name}: the guest's disk writer did not start")
+            time.sleep(3)  # under load: the writer syncs records meanwhile
+            t0 = time.monotonic()
+            lab.client_http_get(ip, "/cgi-bin/reboot")
+            deadline = t0 + 240
+            while True:
+                console = guest.console_text()
+                if console.count("KLAB-GUEST-READY") > boot:
+                    break
+                if "KLAB-VMM-EXIT" in console or time.monotonic() > deadline:
+                    raise LabError(f"{host.name}: the guest did not come back from reboot {boot}:\n{console[-3000:]}")
+                time.sleep(2)
+            times[f"reboot_{boot}_to_ready_s"] = time.monotonic() - t0
+            # This boot's part of the console: from the reboot on.
+            before, _, after = console.rpartition("KLAB-GUEST-REBOOT")
+            synced = REBOOT_RE.search("KLAB-GUEST-REBOOT" + after)
+            if synced is None or "KLAB-UMOUNT-FAIL" in before[-2000:]:
+                raise LabError(f"{host.name}: the guest's reboot {boot} did not stop its writer and unmount:\n{console[-3000:]}")
+            fs = FS_RE.search(after)
+            records = RECORDS_RE.search(after)
+            if fs is None or fs.group(1) != "clean":
+                raise LabError(f"{host.name}: after reboot {boot} the filesystem is not clean: {fs.group(0) if fs else 'no report'}")
+            if records is None or records.group(1) != synced.group(1) or records.group(2) != "0":
+                raise LabError(
+                    f"{host.name}: after reboot {boot} the disk holds "
+                    f"{records.group(0) if records else 'no records report'}, "
+                    f"the writer had synced {synced.group(1)} records"
+                )
+            guest.check_boot(after)
+            info = guest.info()
+            if info.get("pid") != pid or info.get("reboots") != boot or info.get("state") != "running":
+                raise LabError(f"{host.name}: after reboot {boot} kemari answers {info} (pid was {pid})")
+            lab.wait_client_reach(ip)
+            times[f"records_after_reboot_{boot}"] = float(records.group(1))
+    times.update(_power_off(lab, guest))
+    return times
 
 
 def live_migration(lab: Lab, vmm: str) -> dict[str, float]:
@@ -326,6 +395,7 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario("two-hosts", 2, two_hosts, two_hosts.__doc__ or ""),
         Scenario("boot-poweroff", 1, boot_poweroff, (boot_poweroff.__doc__ or "").split(".")[0]),
         Scenario("boot-reboot", 1, boot_reboot, (boot_reboot.__doc__ or "").split(":")[0]),
+        Scenario("guest-reboots", 1, guest_reboots, (guest_reboots.__doc__ or "").split(":")[0]),
         Scenario("live-migration", 2, live_migration, (live_migration.__doc__ or "").split(",")[0]),
         Scenario("fault-tolerance", 2, fault_tolerance, (fault_tolerance.__doc__ or "").split(";")[0]),
         Scenario(

@@ -130,6 +130,16 @@ pub struct Args {
     /// Build the VM but do not start its vCPUs until resumed through the API.
     #[arg(long)]
     pub start_paused: bool,
+    /// What a guest reset (a reboot: i8042, ACPI reset register, port 0xcf9)
+    /// does: `restart` boots the guest again in this process (same disks,
+    /// TAPs, API socket, pid and identity; memory cleared, kernel loaded
+    /// again), `exit` ends the VM and exits 0.
+    #[arg(long, value_enum, default_value_t = OnReboot::Restart)]
+    pub on_reboot: OnReboot,
+    /// What a guest crash (a vCPU's triple fault) does: `stop` ends the VM
+    /// with exit status 4, `restart` boots the guest again as a reboot does.
+    #[arg(long, value_enum, default_value_t = OnCrash::Stop)]
+    pub on_crash: OnCrash,
     /// The system calls each thread may make (seccomp filters, see
     /// docs/architecture.md): `on` kills the process (SIGSYS) at a call
     /// outside its thread's filter; `log` allows it and has the kernel log
@@ -163,6 +173,24 @@ pub struct Args {
     /// address (`127.0.0.1:9400`); the API socket always serves it.
     #[arg(long, value_name = "ADDR")]
     pub metrics_listen: Option<String>,
+}
+
+/// `--on-reboot`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnReboot {
+    /// Boot the guest again in this process.
+    Restart,
+    /// End the VM; exit 0.
+    Exit,
+}
+
+/// `--on-crash`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnCrash {
+    /// End the VM; exit 4.
+    Stop,
+    /// Boot the guest again in this process.
+    Restart,
 }
 
 /// `--seccomp`.
@@ -620,6 +648,23 @@ pub fn parse_net(s: &str) -> Result<NetConfig, CliError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reset_restarts_and_a_crash_stops_unless_told_otherwise() {
+        use clap::Parser;
+        let args = Args::parse_from(["kemari", "--kernel", "/k", "--memory", "64M"]);
+        assert_eq!(
+            (args.on_reboot, args.on_crash),
+            (OnReboot::Restart, OnCrash::Stop)
+        );
+        let args = Args::parse_from(["kemari", "--on-reboot", "exit", "--on-crash", "restart"]);
+        assert_eq!(
+            (args.on_reboot, args.on_crash),
+            (OnReboot::Exit, OnCrash::Restart)
+        );
+        assert!(Args::try_parse_from(["kemari", "--on-reboot", "halt"]).is_err());
+        assert!(Args::try_parse_from(["kemari", "--on-crash", "exit"]).is_err());
+    }
 
     #[test]
     fn disks_and_nets() {

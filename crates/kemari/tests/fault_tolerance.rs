@@ -13,6 +13,9 @@
 //! - The sync link is cut (a relay stops forwarding) while both live: the
 //!   standby must not run a second copy (the primary holds the fence).
 //! - Periodic (Remus-style) checkpoints fail over the same way.
+//! - A guest reboot ends protection: the standby exits cleanly without
+//!   failing over, the guest boots again on the primary, unprotected, and a
+//!   new standby protects it again.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -350,6 +353,60 @@ fn standby_loss_degrades_then_a_new_standby_protects_and_shutdown_releases_it() 
     let st = wait_exit(&mut second.child.0, "the standby after a clean shutdown");
     assert!(st.success(), "standby exit: {st:?}");
     assert!(!read_text(&second.console).contains("counter:"));
+}
+
+#[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
+fn a_guest_reboot_ends_protection_and_a_new_standby_protects_it_again() {
+    let _turn = one_at_a_time();
+    let dir = scratch("ft-reboot");
+    let net = TapNet::create("b", 35);
+    let disk = disk_image(&dir);
+    let Pair {
+        primary,
+        standby,
+        echo,
+    } = protected_pair(&dir, &net, &disk, &[]);
+    // A reboot ends the guest's connections.
+    echo.finish();
+    let answer = ask_guest_reboot(&net.guest_ip());
+    assert!(answer.ends_with("rebooting\n"), "{answer}");
+    let mut standby = standby;
+    let st = wait_exit(&mut standby.child.0, "the standby after the guest's reboot");
+    assert!(st.success(), "standby exit: {st:?}");
+    assert!(!read_text(&standby.console).contains("counter:"));
+    wait_for("the guest's second boot", Duration::from_secs(60), || {
+        read_text(&primary.console)
+            .matches("kemari-guest: hello")
+            .count()
+            == 2
+    });
+    assert_eq!(ft_status(&primary)["state"], "unprotected");
+    let info: serde_json::Value =
+        serde_json::from_slice(&ctl(&primary.api, &["info"]).stdout).unwrap();
+    assert_eq!(info["reboots"], 1, "{info}");
+    let port = free_port();
+    let second = spawn_standby(&dir, "standby2", port, &net);
+    let report = ft_start(&primary, &dir, &format!("127.0.0.1:{port}"), &[]);
+    assert_eq!(report["state"], "protected", "{report}");
+    let echo = EchoChecker::start(&net.guest_ip());
+    wait_for(
+        "echo under the new protection",
+        Duration::from_secs(60),
+        || echo.verified() > 4096,
+    );
+    echo.finish();
+    let out = ctl(&primary.api, &["shutdown"]);
+    assert!(out.status.success());
+    let mut second = second;
+    let st = wait_exit(
+        &mut second.child.0,
+        "the new standby after a clean shutdown",
+    );
+    assert!(st.success(), "standby exit: {st:?}");
 }
 
 /// Forwards TCP between a listener and `to` until `cut`, then drops every

@@ -9,6 +9,8 @@
 //!   the destination holding the state): the source runs on, the guest's
 //!   dirty check finds no lost write, and a second migration succeeds;
 //! - the same for fault tolerance's initial synchronization;
+//! - a guest that reboots during a live migration's round 1: the migration
+//!   is cancelled, the guest boots again in the source;
 //! - 1,000 idle connections and a client sending one byte a second:
 //!   `kemarictl info` still answers.
 
@@ -183,6 +185,66 @@ fn the_api_answers_during_a_migration_over_a_long_link_and_it_completes() {
     assert!(report["downtime_ms"].as_f64().is_some(), "{report}");
     assert!(src.child.0.wait_timeout_secs(30).success());
     moved_without_lost_writes(&src, dst);
+}
+
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+fn a_guest_reboot_during_a_migration_cancels_it_and_reboots_in_the_source() {
+    let _turn = one_at_a_time();
+    let dir = scratch("api-reboot");
+    // It reboots at 8 s of uptime, every boot; its dirty workload keeps
+    // round 1 going through the slow link until then.
+    let src = spawn_vmm(
+        &[
+            "--kernel".into(),
+            guest_elf().display().to_string(),
+            "--memory".into(),
+            "256M".into(),
+            "--cmdline".into(),
+            format!("counter=100 {DIRTY} reboot_after=8000"),
+        ],
+        &dir.join("console-1.log"),
+        &dir.join("api-1.sock"),
+        &[],
+    );
+    wait_for(
+        "the guest's dirty workload",
+        Duration::from_secs(60),
+        || dirty_reports(&src.console).len() >= 2,
+    );
+    let port = free_port();
+    let mut dst = destination(&dir, "2", port, &[]);
+    let relay = Relay::start(port, Duration::from_millis(400));
+    let migrate = migrate_in_background(
+        &src.api,
+        format!("127.0.0.1:{}", relay.port),
+        key_file(&dir),
+        &[],
+    );
+    wait_for("round 1", Duration::from_secs(30), || {
+        timed_get(&src.api, "/vm/migration").is_ok_and(|p| p["phase"] == "round 1")
+    });
+    let out = migrate.join().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cancelled"), "{err}");
+    wait_for("the guest's second boot", Duration::from_secs(60), || {
+        read_text(&src.console)
+            .matches("kemari-guest: hello")
+            .count()
+            >= 2
+    });
+    let info = timed_get(&src.api, "/vm").unwrap();
+    assert_eq!(info["state"], "running", "{info}");
+    assert!(info["reboots"].as_u64().unwrap() >= 1, "{info}");
+    assert!(
+        !dst.child.0.wait_timeout_secs(30).success(),
+        "the destination gives up"
+    );
+    drop(relay);
+    succeeded(&ctl(&src.api, &["shutdown"]));
+    let mut src = src;
+    assert!(wait_exit(&mut src.child.0, "the source").success());
 }
 
 #[test]

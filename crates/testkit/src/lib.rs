@@ -9,7 +9,8 @@
 //! - [`etcd`]: a real etcd cluster of a few members on localhost ports;
 //! - [`procs`]: children killed on drop, timeouts, polling, tools on PATH;
 //! - [`stub`]: the PVH stub kernel (`fixtures/pvh-stub.S`);
-//! - [`net`]: free ports, TAP devices and bridges, the TCP echo checker;
+//! - [`net`]: free ports, TAP devices and bridges, the TCP echo checker, the
+//!   test guest's `GET /reboot`;
 //! - [`scenario`]: the test guest counting, writing its disk and echoing TCP,
 //!   and the checks that it went on across an operation.
 //!
@@ -29,7 +30,10 @@ pub mod stub;
 pub use bins::{guest_elf, kemari, kemarictl};
 pub use dirs::{log_without_escapes, read_text, scratch, write_key, TempDir};
 pub use etcd::EtcdCluster;
-pub use net::{free_port, wait_listening, wait_port, AnnounceCapture, Bridge, EchoChecker, TapNet};
+pub use net::{
+    ask_guest_reboot, free_port, wait_listening, wait_port, AnnounceCapture, Bridge, EchoChecker,
+    TapNet,
+};
 pub use procs::{
     assert_every_thread_filtered, assert_quiet_on_closed_stdout, assert_verbose_log_filter_refused,
     run, run_with_timeout, sh, thread_seccomp, tool, wait_exit, wait_for, KillOnDrop,

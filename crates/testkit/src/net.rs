@@ -93,6 +93,7 @@ pub struct TapNet {
 impl TapNet {
     pub fn create(tag: &str, subnet: u8) -> TapNet {
         let name = format!("kav{tag}{}", std::process::id() % 10000);
+        remove_stale_holder(&format!("10.201.{subnet}.1/24"), &format!("kav{tag}"), &[]);
         delete_link(&name);
         ip(&["tuntap", "add", &name, "mode", "tap"]);
         ip(&[
@@ -135,7 +136,11 @@ impl Bridge {
         let id = std::process::id() % 10000;
         let name = format!("klb{tag}{id}");
         let taps = [format!("kla{tag}{id}"), format!("klz{tag}{id}")];
-        remove_stale_holder(tag, subnet);
+        remove_stale_holder(
+            &format!("10.202.{subnet}.1/24"),
+            &format!("klb{tag}"),
+            &[format!("kla{tag}"), format!("klz{tag}")],
+        );
         delete_link(&name);
         taps.iter().for_each(|t| delete_link(t));
         ip(&["link", "add", &name, "type", "bridge"]);
@@ -160,18 +165,20 @@ impl Bridge {
     }
 }
 
-/// Removes a bridge of an ended test run that still holds this bridge's
-/// subnet (a test process killed before its drop ran): with it, the route
-/// to the guest goes to a dead bridge ("no route to host"). A bridge whose
-/// process (`pid % 10000` in its name) may still run is left alone.
-fn remove_stale_holder(tag: &str, subnet: u8) {
+/// Removes a link `<prefix><n>` (a bridge or a TAP, with its companions
+/// `<companion><n>`) of an ended test run that still holds `address`, the
+/// subnet about to be made (a test process killed before its drop ran):
+/// with it, the route to the guest goes to a dead link ("no route to
+/// host"). A link whose process (`pid % 10000` = n) may still run is left
+/// alone.
+fn remove_stale_holder(address: &str, prefix: &str, companions: &[String]) {
     let Ok(out) = Command::new("ip")
         .args(["-o", "-4", "addr", "show"])
         .output()
     else {
         return;
     };
-    let address = format!(" 10.202.{subnet}.1/24 ");
+    let address = format!(" {address} ");
     for line in String::from_utf8_lossy(&out.stdout).lines() {
         if !line.contains(&address) {
             continue;
@@ -179,10 +186,7 @@ fn remove_stale_holder(tag: &str, subnet: u8) {
         let Some(dev) = line.split_whitespace().nth(1) else {
             continue;
         };
-        let Some(suffix) = dev
-            .strip_prefix(&format!("klb{tag}"))
-            .and_then(|s| s.parse::<u32>().ok())
-        else {
+        let Some(suffix) = dev.strip_prefix(prefix).and_then(|s| s.parse::<u32>().ok()) else {
             continue;
         };
         let may_run = std::fs::read_dir("/proc")
@@ -196,13 +200,10 @@ fn remove_stale_holder(tag: &str, subnet: u8) {
             })
             .unwrap_or(true);
         if !may_run {
-            for n in [
-                format!("kla{tag}{suffix}"),
-                format!("klz{tag}{suffix}"),
-                dev.to_owned(),
-            ] {
-                delete_link(&n);
+            for c in companions {
+                delete_link(&format!("{c}{suffix}"));
             }
+            delete_link(dev);
         }
     }
 }
@@ -398,4 +399,26 @@ impl AnnounceCapture {
         self.stop.store(true, Ordering::SeqCst);
         self.thread.take().unwrap().join().unwrap()
     }
+}
+
+/// `GET /reboot` on the test guest's HTTP server at `ip`: its whole answer
+/// (the guest resets once the client has it).
+pub fn ask_guest_reboot(ip: &str) -> String {
+    let mut s = TcpStream::connect_timeout(
+        &format!("{ip}:80").parse().unwrap(),
+        Duration::from_secs(60),
+    )
+    .expect("the guest's HTTP server");
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s.write_all(b"GET /reboot HTTP/1.1\r\nHost: guest\r\n\r\n")
+        .unwrap();
+    // The server closes after the client does: read up to the body's end.
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 512];
+    while !answer.ends_with(b"\r\n\r\nrebooting\n") {
+        let n = s.read(&mut buf).expect("the answer to /reboot");
+        assert!(n > 0, "{}", String::from_utf8_lossy(&answer));
+        answer.extend_from_slice(&buf[..n]);
+    }
+    String::from_utf8_lossy(&answer).into_owned()
 }

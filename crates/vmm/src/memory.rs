@@ -56,6 +56,9 @@ pub enum MemoryError {
     /// ftruncate/fcntl on the backing file failed.
     #[error("cannot size or seal the guest memory file")]
     Resize(#[source] std::io::Error),
+    /// The backing file's pages could not be given back (a reboot).
+    #[error("cannot clear guest memory (punching a hole in its file)")]
+    Clear(#[source] std::io::Error),
     /// vm-memory refused the mapping.
     #[error("cannot map guest memory")]
     Map(#[source] vm_memory::mmap::FromRangesError),
@@ -143,6 +146,21 @@ impl GuestMemoryFile {
     /// How the memory is backed.
     pub fn backing(&self) -> &MemoryBacking {
         &self.backing
+    }
+
+    /// Gives every page of the file back, so that guest memory reads as
+    /// zeroes again, as at a cold boot (a reboot). Nothing may run on it.
+    pub fn clear(&self) -> Result<(), MemoryError> {
+        let len = i64::try_from(self.size).map_err(|_| {
+            MemoryError::Clear(std::io::Error::from(std::io::ErrorKind::InvalidInput))
+        })?;
+        sys::fallocate(
+            self.file.as_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            0,
+            len,
+        )
+        .map_err(MemoryError::Clear)
     }
 
     /// Maps the file as guest memory, split around the MMIO gap.
@@ -253,6 +271,24 @@ mod tests {
             again.read_obj::<u32>(GuestAddress(0x1000)).unwrap(),
             0xdead_beef
         );
+    }
+
+    #[test]
+    fn clear_zeroes_every_page_and_keeps_the_size() {
+        let m = GuestMemoryFile::create(64 << 20, &MemoryBacking::Memfd).unwrap();
+        let mem = m.map().unwrap();
+        for gpa in [0, 0x1000, (64 << 20) - 8] {
+            mem.write_obj(0x5a5a_5a5a_5a5a_5a5au64, GuestAddress(gpa))
+                .unwrap();
+        }
+        m.clear().unwrap();
+        assert_eq!(m.file().metadata().unwrap().len(), 64 << 20);
+        // The mapping that wrote (and a new one) read zeroes.
+        for map in [&mem, &m.map().unwrap()] {
+            for gpa in [0, 0x1000, (64 << 20) - 8] {
+                assert_eq!(map.read_obj::<u64>(GuestAddress(gpa)).unwrap(), 0);
+            }
+        }
     }
 
     #[test]

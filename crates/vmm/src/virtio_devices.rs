@@ -120,6 +120,59 @@ impl AttachedDevice {
     }
 }
 
+/// A device model kept across a reboot: its backend (disk image, NBD
+/// connection, TAP) stays open and its counters count on; only its wiring
+/// into the VM is made anew ([`reattach_all`]).
+pub struct KeptDevice {
+    info: DeviceInfo,
+    device: Arc<Mutex<dyn VirtioDevice>>,
+}
+
+impl AttachedDevice {
+    /// The device model, reset as a driver's reset does (queues and
+    /// negotiated features gone), to wire into the machine's next VM. The
+    /// vCPUs and the device event loop must have stopped.
+    pub fn keep(&self) -> KeptDevice {
+        self.device
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .reset();
+        KeptDevice {
+            info: self.info.clone(),
+            device: self.device.clone(),
+        }
+    }
+}
+
+/// Wires devices kept from the machine's previous boot into `vm`, each in
+/// the MMIO window and on the interrupt line it had (they are placed by
+/// position), behind a new transport: the guest finds them as at a cold
+/// boot.
+pub fn reattach_all(
+    vm: &Vm,
+    mem: &GuestMemoryMmap,
+    mmio_bus: &mut Bus,
+    kept: Vec<KeptDevice>,
+) -> Result<Vec<AttachedDevice>, AttachError> {
+    kept.into_iter()
+        .enumerate()
+        .map(|(index, k)| {
+            let KeptDevice { info, device } = k;
+            wire(
+                vm,
+                mem,
+                mmio_bus,
+                index,
+                info.name,
+                &info.kind,
+                info.backend,
+                device,
+                None,
+            )
+        })
+        .collect()
+}
+
 impl BusDevice for MmioTransport {
     fn read(&mut self, offset: u64, data: &mut [u8]) {
         MmioTransport::read(self, offset, data)

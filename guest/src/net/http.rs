@@ -2,6 +2,8 @@
 //! - `GET /` answers `requests=<n> uptime_ms=<ms>` (n counts the requests
 //!   served since boot, this one included);
 //! - `GET /bytes/<N>` answers N bytes, byte i being `b'a' + i % 26`;
+//! - `GET /reboot` answers `rebooting`, then the guest resets (once the
+//!   answer is acknowledged, or [`REBOOT_GRACE_MS`] after it was queued);
 //! - anything else gets 404 (unknown path) or 405 (not GET).
 //!
 //! Responses carry Content-Length and `Connection: close`; the server waits
@@ -19,6 +21,8 @@ use super::HTTP_PORT;
 
 const MAX_REQUEST: usize = 2048;
 const IDLE_TIMEOUT_MS: u64 = 10_000;
+/// Longest wait after a `/reboot` answer for the client's acknowledgement.
+pub const REBOOT_GRACE_MS: u64 = 2_000;
 
 /// A fixed-size text buffer for response heads.
 struct Head {
@@ -59,6 +63,8 @@ struct Conn {
 pub struct Http {
     conns: Vec<Conn>,
     requests: u64,
+    /// A `/reboot` was answered on this socket, at this time.
+    reboot: Option<(SocketHandle, u64)>,
 }
 
 impl Http {
@@ -77,7 +83,11 @@ impl Http {
                 last_activity_ms: 0,
             })
             .collect();
-        Self { conns, requests: 0 }
+        Self {
+            conns,
+            requests: 0,
+            reboot: None,
+        }
     }
 
     /// Returns true when it queued data to send.
@@ -117,6 +127,9 @@ impl Http {
                         self.requests += 1;
                         c.head.len = 0;
                         c.body_len = respond(&c.request[..end], &mut c.head, self.requests, now_ms);
+                        if route(&c.request[..end]) == Route::Reboot {
+                            self.reboot.get_or_insert((c.handle, now_ms));
+                        }
                         c.state = State::Sending {
                             sent: 0,
                             body_sent: 0,
@@ -182,6 +195,22 @@ impl Http {
     }
 }
 
+impl Http {
+    /// A `/reboot` was answered and its answer acknowledged (or given up
+    /// on): time to reset.
+    pub fn reboot_due(&self, sockets: &SocketSet<'_>, now_ms: u64) -> bool {
+        let Some((handle, at_ms)) = self.reboot else {
+            return false;
+        };
+        let answered = self.conns.iter().any(|c| {
+            c.handle == handle
+                && matches!(c.state, State::Done)
+                && sockets.get::<tcp::Socket>(handle).send_queue() == 0
+        });
+        answered || now_ms.saturating_sub(at_ms) > REBOOT_GRACE_MS
+    }
+}
+
 /// The client closed its side (not merely "not yet established").
 fn peer_closed(s: &tcp::Socket<'_>) -> bool {
     matches!(
@@ -217,6 +246,10 @@ fn respond(request: &[u8], head: &mut Head, requests: u64, now_ms: u64) -> u64 {
                 "HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: {n}\r\nConnection: close\r\n\r\n"
             );
             n
+        }
+        Route::Reboot => {
+            status(head, "200 OK", "rebooting\n");
+            0
         }
         Route::NotFound => {
             status(head, "404 Not Found", "not found\n");

@@ -1,6 +1,7 @@
 //! The TCP/IP stack (smoltcp) on virtio-net, with a static address from the
 //! command line, and the services: TCP echo (port 7), UDP echo (port 7) and
-//! a small HTTP server (port 80). ICMP echo (ping) is answered by smoltcp.
+//! a small HTTP server (port 80, which also reboots the guest on `GET
+//! /reboot`). ICMP echo (ping) is answered by smoltcp.
 
 mod echo;
 mod http;
@@ -89,6 +90,11 @@ impl NetStack {
             echo: echo::Echo::new(tcp_echo, udp_echo),
             http: http::Http::new(http_socks),
         }
+    }
+
+    /// A `/reboot` was answered: time to reset.
+    pub fn reboot_due(&self, now_ms: u64) -> bool {
+        self.http.reboot_due(&self.sockets, now_ms)
     }
 
     /// Moves packets and runs the services; never blocks.

@@ -7,6 +7,13 @@
 #   KLAB-GUEST-READY ip=...      httpd (port 80) and nc echo (port 7) running
 # GET /cgi-bin/disk?TOKEN writes TOKEN to /mnt/klab-token.txt and reads it back;
 # GET /cgi-bin/poweroff makes the guest unmount its disk and power off;
+# GET /cgi-bin/writer starts the disk writer (load): numbered records appended
+# to /mnt/records.log, each synced, and a 256 KiB file rewritten with fsync;
+# GET /cgi-bin/reboot makes the guest stop the writer, unmount its disk and
+# reboot (`reboot -f`), printing KLAB-GUEST-REBOOT lines=<records on disk>;
+# before mounting, every boot prints KLAB-FS clean|dirty (the ext4
+# superblock's state: cleanly unmounted, no journal to replay) and, after,
+# KLAB-RECORDS lines=<records> bad=<malformed lines>;
 # klab.poweroff=1 on the command line makes it power off right after READY,
 # klab.poweroff=reboot makes it reboot instead.
 # klab.verbose=1 keeps the kernel's console log level (no `dmesg -n 1`): soak
@@ -35,7 +42,20 @@ for i in $(seq 50); do
     [ -b /dev/vda ] && [ -e /sys/class/net/eth0 ] && break
     sleep 0.1
 done
+# The ext4 superblock (at 1024): s_state (offset 58, bit 0: valid/clean)
+# and s_feature_incompat (offset 96, bit 2: the journal needs recovery).
+if [ -b /dev/vda ]; then
+    state=$(od -An -tu2 -j 1082 -N 2 /dev/vda | tr -d ' ')
+    incompat=$(od -An -tu4 -j 1120 -N 4 /dev/vda | tr -d ' ')
+    if [ $((state & 1)) = 1 ] && [ $((incompat & 4)) = 0 ]; then
+        echo "KLAB-FS clean state=$state incompat=$incompat"
+    else
+        echo "KLAB-FS dirty state=$state incompat=$incompat"
+    fi
+fi
 if mount -t ext4 /dev/vda /mnt; then
+    touch /mnt/records.log
+    echo "KLAB-RECORDS lines=$(wc -l < /mnt/records.log) bad=$(grep -cv '^rec [0-9]* [0-9]*$' /mnt/records.log)"
     token="written-$(cat /proc/sys/kernel/random/uuid)"
     echo "$token" > /mnt/written.txt && sync && echo 3 > /proc/sys/vm/drop_caches
     if [ "$(cat /mnt/written.txt)" = "$token" ] && grep -q "kemari lab" /mnt/hello.txt; then
@@ -61,6 +81,45 @@ echo
 echo "powering off"
 ( sleep 1; umount /mnt; echo KLAB-GUEST-POWEROFF > /dev/console; poweroff -f ) >/dev/null 2>&1 </dev/null &
 CGI
+cat > /www/cgi-bin/writer <<'CGI'
+#!/bin/sh
+# The disk writer (load), once per boot.
+echo "Content-Type: text/plain"
+echo
+if [ -e /tmp/writer.pid ]; then
+    echo "writer running"
+    exit 0
+fi
+boot=$(tr -cd '0-9' < /proc/sys/kernel/random/boot_id | cut -c1-9)
+echo running > /tmp/writer.pid
+(
+    n=0
+    while [ ! -e /tmp/writer.stop ]; do
+        n=$((n + 1))
+        echo "rec $boot $n" >> /mnt/records.log && sync
+        dd if=/dev/urandom of=/mnt/blob bs=64k count=4 conv=fsync 2>/dev/null
+    done
+    rm -f /tmp/writer.pid
+) >/dev/null 2>&1 </dev/null &
+echo "writer started"
+CGI
+cat > /www/cgi-bin/reboot <<'CGI'
+#!/bin/sh
+echo "Content-Type: text/plain"
+echo
+echo "rebooting"
+(
+    sleep 1
+    # The writer stops after its current record (a service stopped).
+    touch /tmp/writer.stop
+    while [ -e /tmp/writer.pid ]; do sleep 0.1; done
+    lines=$(wc -l < /mnt/records.log)
+    sync
+    umount /mnt || echo "KLAB-UMOUNT-FAIL" > /dev/console
+    echo "KLAB-GUEST-REBOOT lines=$lines" > /dev/console
+    reboot -f
+) >/dev/null 2>&1 </dev/null &
+CGI
 cat > /www/cgi-bin/disk <<'CGI'
 #!/bin/sh
 # GET /cgi-bin/disk?TOKEN: write TOKEN to /mnt/klab-token.txt, sync, drop the
@@ -75,7 +134,7 @@ else
     echo "KLAB-DISK-FAIL $token"
 fi
 CGI
-chmod +x /www/cgi-bin/poweroff /www/cgi-bin/disk
+chmod +x /www/cgi-bin/poweroff /www/cgi-bin/disk /www/cgi-bin/writer /www/cgi-bin/reboot
 httpd -p 80 -h /www
 # Debian's busybox nc has no -k: -ll with -e is its persistent server.
 nc -ll -p 7 -e cat >/dev/null 2>&1 &

@@ -16,7 +16,11 @@
 //! the operation (202) or follows it (`?follow`). Only this module's
 //! callers choose the process's exit status:
 //!
-//! Exit status: 0 after a clean guest poweroff, a guest reset, an API
+//! A guest reset reboots the guest in place (`reboot.rs`) unless
+//! `--on-reboot exit`; a triple fault too with `--on-crash restart`.
+//!
+//! Exit status: 0 after a clean guest poweroff, a guest reset (with
+//! `--on-reboot exit`), an API
 //! shutdown or SIGTERM/SIGINT, a completed hand-over, or a fault-tolerance
 //! standby whose primary ended protection; 1 when the VMM fails (bad
 //! configuration, KVM error, a standby that may not fail over); 3 when the
@@ -27,6 +31,7 @@ mod ending;
 mod ft_events;
 mod hardening;
 mod queries;
+mod reboot;
 pub(crate) mod shared;
 mod startup;
 mod worker;
@@ -40,7 +45,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use vmm::machine::{Machine, MachineError};
 use vmm::persist::snapshot::{self, SnapshotError};
-use vmm::vstate::{VmEvent, VmEventSink};
+use vmm::vstate::VmEvent;
 
 use ft::fence::{Arbiter, FenceCommand, FenceSpec, HeldFence};
 use ft::gate::FtGate;
@@ -53,7 +58,7 @@ use crate::api::server::ServerError;
 use crate::api::{
     ActionError, ApiRequest, ApiServer, FtStartRequest, Reply, Routed, ServerOptions,
 };
-use crate::cli::{Args, CliError};
+use crate::cli::{Args, CliError, OnCrash, OnReboot};
 use crate::metrics::listener::MetricsListener;
 use crate::operation::OpKind;
 
@@ -95,6 +100,10 @@ pub enum ProcessError {
     /// The guest or KVM failed while running.
     #[error("VM failed: {0}")]
     VmFailed(String),
+    /// The guest asked for a reboot (or crashed, with `--on-crash
+    /// restart`) and its machine could not be built again.
+    #[error("cannot reboot the guest")]
+    Reboot(#[source] MachineError),
     /// Signal handling could not be set up.
     #[error("cannot install signal handlers")]
     Signals(#[source] std::io::Error),
@@ -127,7 +136,9 @@ type Event = (&'static str, Value);
 type Answer = Result<Reply, ActionError>;
 
 enum Control {
-    Vm(VmEvent),
+    /// A guest event of the machine of this generation (each reboot makes
+    /// a new one: a late event of the old machine is ignored).
+    Vm(u64, VmEvent),
     /// The fence was lost (an etcd lease not renewed in time).
     FenceLost(String),
     Api(Routed, Sender<Answer>),
@@ -193,6 +204,14 @@ struct Controller {
     ending_event: Option<Event>,
     /// The API's streamed answers (an operation's followers).
     streams: Option<kemari_api::server::StreamsWritten>,
+    /// The machine's generation: one more at each reboot.
+    generation: u64,
+    /// `--on-reboot`.
+    on_reboot: OnReboot,
+    /// `--on-crash`.
+    on_crash: OnCrash,
+    /// A reboot to make once the running operation returns the machine.
+    reboot_pending: Option<reboot::Cause>,
 }
 
 /// Runs the VM described by `args` until it ends.
@@ -209,7 +228,7 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         None => None,
     };
     let (tx, rx) = channel();
-    let sink = VmEventSink::new(forwarder(&tx, Control::Vm));
+    let sink = reboot::vm_sink(&tx, 0);
     // Forked while this is the only thread, with the privileges the
     // command may need (no thread of the VMM may execute a program).
     let fence_cmd = match &args.ft_fence_cmd {
@@ -329,6 +348,10 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         ending: None,
         ending_event: None,
         streams: api.as_ref().map(|a| a.streams_written()),
+        generation: 0,
+        on_reboot: args.on_reboot,
+        on_crash: args.on_crash,
+        reboot_pending: None,
     };
     let status = loop {
         let Ok(event) = rx.recv() else {
@@ -383,19 +406,50 @@ impl Controller {
             // Not a reason to tell the standby to stand down: handled first.
             return self.fence_lost(why);
         }
-        if let (Control::Vm(_) | Control::Signal(_), Some(g)) = (&event, &self.ft_gate) {
-            // The VM ends here on purpose: the standby must not take over.
-            g.stop("the primary VM ended");
+        if let Control::Vm(generation, e) = &event {
+            if *generation != self.generation {
+                tracing::debug!(event = ?e, "an event of the VM before its reboot: ignored");
+                return None;
+            }
+        }
+        let restart = match &event {
+            Control::Vm(_, VmEvent::Reset) => self.on_reboot == OnReboot::Restart,
+            Control::Vm(_, VmEvent::Crashed { .. }) => self.on_crash == OnCrash::Restart,
+            _ => false,
+        };
+        if let (Control::Vm(..) | Control::Signal(_), Some(g)) = (&event, &self.ft_gate) {
+            // The VM ends (or its guest boots anew) here on purpose: the
+            // standby must not take over.
+            g.stop(if restart {
+                "the primary's guest rebooted: protect it again with `kemarictl ft start`"
+            } else {
+                "the primary VM ended"
+            });
         }
         match event {
-            Control::Vm(VmEvent::Poweroff { code: 0 }) => {
+            Control::Vm(_, VmEvent::Reset) if restart => {
+                tracing::info!("guest reset: rebooting it in place");
+                self.shared
+                    .events
+                    .publish("reset", json!({ "then": "restart" }));
+                self.reboot(reboot::Cause::Reset)
+            }
+            Control::Vm(_, VmEvent::Crashed { vcpu, reason }) if restart => {
+                eprintln!("kemari: guest crashed: {reason} on vCPU {vcpu}; restarting it");
+                self.shared.events.publish(
+                    "crashed",
+                    json!({ "reason": reason, "vcpu": vcpu, "then": "restart" }),
+                );
+                self.reboot(reboot::Cause::Crash)
+            }
+            Control::Vm(_, VmEvent::Poweroff { code: 0 }) => {
                 tracing::info!("guest powered off");
                 self.end(
                     Ending::Status(ExitCode::SUCCESS),
                     ("shutdown", json!({ "reason": "guest poweroff" })),
                 )
             }
-            Control::Vm(VmEvent::Poweroff { code }) => {
+            Control::Vm(_, VmEvent::Poweroff { code }) => {
                 eprintln!("kemari: guest reported failure (exit code {code})");
                 self.end(
                     Ending::Status(ExitCode::from(EXIT_GUEST_FAILURE)),
@@ -405,19 +459,19 @@ impl Controller {
                     ),
                 )
             }
-            Control::Vm(VmEvent::Reset) => {
-                tracing::info!("guest reset: ending the VM");
+            Control::Vm(_, VmEvent::Reset) => {
+                tracing::info!("guest reset: ending the VM (--on-reboot exit)");
                 self.end(
                     Ending::Status(ExitCode::SUCCESS),
                     ("reset", json!({ "then": "the VMM ends" })),
                 )
             }
-            Control::Vm(VmEvent::Crashed { vcpu, reason }) => {
+            Control::Vm(_, VmEvent::Crashed { vcpu, reason }) => {
                 eprintln!("kemari: guest crashed: {reason} on vCPU {vcpu}");
                 let event = ("crashed", json!({ "reason": reason, "vcpu": vcpu }));
                 self.end(Ending::Status(ExitCode::from(EXIT_GUEST_CRASHED)), event)
             }
-            Control::Vm(VmEvent::Error(message)) => {
+            Control::Vm(_, VmEvent::Error(message)) => {
                 let event = (
                     "crashed",
                     json!({ "reason": "internal error", "message": message }),
@@ -525,6 +579,11 @@ impl Controller {
             if let Some(g) = &self.ft_gate {
                 g.stop("the primary VMM is shutting down");
             }
+            if self.reboot_pending.take().is_some() {
+                tracing::warn!(
+                    "the guest asked for a reboot while its VM was handed over: the VM's next VMM runs it on from where it was"
+                );
+            }
             // The last events: the operation's end (and the shutdown asked
             // for meanwhile); then every event stream ends.
             if let Some((kind, details)) = self.ending_event.take() {
@@ -551,6 +610,12 @@ impl Controller {
         if let Some(ending) = self.ending.take() {
             let event = self.ending_event.take();
             return self.end_with(ending, event);
+        }
+        if let Some(cause) = self.reboot_pending.take() {
+            if let Some(g) = &self.ft_gate {
+                g.stop("the primary's guest rebooted: protect it again with `kemarictl ft start`");
+            }
+            return self.reboot(cause);
         }
         None
     }

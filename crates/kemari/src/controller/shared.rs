@@ -4,6 +4,7 @@
 //! for the main loop or a worker, so a query is answered at once whatever
 //! runs.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -44,6 +45,8 @@ pub struct Shared {
     pub events: EventHub,
     /// Fault tolerance's state as last published (`ft_events`).
     pub ft_seen: Mutex<FtState>,
+    /// In-place guest reboots in this process.
+    reboots: AtomicU64,
 }
 
 impl Shared {
@@ -58,6 +61,7 @@ impl Shared {
             started: Instant::now(),
             events: EventHub::default(),
             ft_seen: Mutex::new(FtState::Unprotected),
+            reboots: AtomicU64::new(0),
         })
     }
 
@@ -75,6 +79,16 @@ impl Shared {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
+    }
+
+    /// One more in-place reboot; returns how many there were.
+    pub fn count_reboot(&self) -> u64 {
+        self.reboots.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// In-place guest reboots in this process.
+    pub fn reboots(&self) -> u64 {
+        self.reboots.load(Ordering::Relaxed)
     }
 
     /// What this VMM is.

@@ -184,6 +184,11 @@ fn registry(shared: &Shared) -> Registry {
 
     if let Some(m) = &monitor {
         machine(&mut r, m);
+        r.register(
+            "vm_reboots",
+            "In-place guest reboots (resets, restarted crashes) in this process",
+            ConstCounter::new(shared.reboots()),
+        );
     }
     ft(&mut r, shared);
     operations(&mut r, shared);
@@ -206,12 +211,12 @@ fn machine(r: &mut Registry, m: &vmm::machine::MachineMonitor) {
     );
     r.register(
         "vm_uptime_seconds",
-        "Time since the machine was built in this process",
+        "Time since the machine was built (or last rebooted) in this process",
         const_gauge(m.uptime().as_secs_f64()),
     );
     r.register(
         "vm_pauses",
-        "Pauses of the VM since the machine was built",
+        "Pauses of the VM since the machine was built (or last rebooted)",
         ConstCounter::new(metrics.pauses),
     );
     let exits = Family::<Labels, Counter>::default();

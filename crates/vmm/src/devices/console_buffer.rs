@@ -105,6 +105,14 @@ impl ConsoleBuffer {
         write_out(&mut self.shared.lock(), usize::MAX);
     }
 
+    /// Writes what waits and hands the output over (a reboot keeps the
+    /// console's file or socket): this buffer writes nowhere afterwards.
+    pub fn take_output(&self) -> SerialOutput {
+        let mut p = self.shared.lock();
+        write_out(&mut p, usize::MAX);
+        std::mem::replace(&mut p.out, SerialOutput::Null)
+    }
+
     /// Bytes waiting (for tests and metrics).
     pub fn pending_len(&self) -> usize {
         self.shared.lock().buf.len()
@@ -301,6 +309,20 @@ mod tests {
         c.write_all(b"\n").unwrap();
         assert_eq!(read_all(&mut r), "counter: 2\n");
         assert_eq!(c.pending_len(), 0);
+    }
+
+    #[test]
+    fn a_taken_output_gets_the_partial_line_and_the_next_buffer() {
+        let (mut c, mut r) = file_pair();
+        c.write_all(b"before reboot").unwrap();
+        let out = c.take_output();
+        assert_eq!(read_all(&mut r), "before reboot");
+        // The old buffer writes nowhere; the next one to the same file.
+        c.write_all(b"lost\n").unwrap();
+        drop(c);
+        let mut next = ConsoleBuffer::new(out, Arc::new(crate::output::PassThroughGate));
+        next.write_all(b"after\n").unwrap();
+        assert_eq!(read_all(&mut r), "after\n");
     }
 
     #[test]

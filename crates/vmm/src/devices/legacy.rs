@@ -91,6 +91,13 @@ impl SerialDevice {
         self.serial.writer_mut().flush_pending();
     }
 
+    /// Writes out what the console holds and hands its output over, for
+    /// the UART of the machine's next boot (a reboot); this one writes
+    /// nowhere afterwards.
+    pub fn take_output(&mut self) -> SerialOutput {
+        self.serial.writer_mut().take_output()
+    }
+
     /// Starts the console's flusher thread if it has not started.
     pub fn start_output_flusher(&mut self) {
         self.serial.writer_mut().start_flusher_now();

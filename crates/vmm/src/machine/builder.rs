@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::monitor::MachineStatus;
-use super::setup::Setup;
+use super::setup::{Kept, Setup};
 use super::{Machine, MachineCore, MachineError, PreparedVm, RunState};
 use crate::config::MachineConfig;
 use crate::dirty::{DirtyTracker, DirtyTrackerConfig};
@@ -60,6 +60,7 @@ impl Machine {
             None,
             Vec::new(),
             dirty,
+            None,
         )
     }
 
@@ -98,6 +99,7 @@ impl Machine {
             Some(state),
             taps,
             DirtyTrackerConfig::default(),
+            None,
         )
     }
 
@@ -138,11 +140,14 @@ impl Machine {
             Some(state),
             taps,
             DirtyTrackerConfig::default(),
+            None,
         )
     }
 
+    /// Builds a machine around `memory_file`: restores `saved`, or boots
+    /// (with the devices a reboot `kept`, or new ones).
     #[allow(clippy::too_many_arguments)]
-    fn assemble(
+    pub(super) fn assemble(
         config: MachineConfig,
         memory_file: GuestMemoryFile,
         events: VmEventSink,
@@ -151,6 +156,7 @@ impl Machine {
         saved: Option<&VmState>,
         taps: Vec<std::fs::File>,
         dirty: DirtyTrackerConfig,
+        kept: Option<Kept>,
     ) -> Result<Self, MachineError> {
         let guest_memory = memory_file.map()?;
         let vm = Vm::new()?;
@@ -173,6 +179,7 @@ impl Machine {
             saved,
             taps,
             dirty,
+            kept,
         )
     }
 
@@ -187,6 +194,7 @@ impl Machine {
         saved: Option<&VmState>,
         taps: Vec<std::fs::File>,
         dirty: DirtyTrackerConfig,
+        kept: Option<Kept>,
     ) -> Result<Self, MachineError> {
         let built_at = Instant::now();
         // Every gate the machine is given sits behind its fence (empty
@@ -220,6 +228,7 @@ impl Machine {
                 gate,
                 saved,
                 taps,
+                kept,
                 start_paused,
                 event_loop_ahead,
             )

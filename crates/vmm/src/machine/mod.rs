@@ -7,6 +7,7 @@
 //! - `builder.rs`: building one (boot, restore, restore into a prepared VM);
 //! - `setup.rs`: the devices, the kernel and the vCPUs it is built from;
 //! - `prepared.rs`: [`PreparedVm`], a VM made ahead of a restore;
+//! - `reboot.rs`: [`Machine::reboot`], a guest reset in the same process;
 //! - `core.rs`: [`MachineCore`], the part other threads use while it runs;
 //! - `monitor.rs`: what it reports ([`RunState`], [`MachineMetrics`]), also
 //!   through a [`MachineMonitor`] on other threads;
@@ -17,6 +18,7 @@ mod core;
 mod error;
 mod monitor;
 mod prepared;
+mod reboot;
 mod setup;
 
 use std::sync::Arc;

@@ -175,6 +175,11 @@ impl MachineStatus {
         self.paused.store(false, Ordering::Release);
     }
 
+    /// Where the serial console goes.
+    pub(super) fn serial_backend(&self) -> &str {
+        &self.serial_backend
+    }
+
     pub(super) fn uptime(&self) -> Duration {
         self.built_at.elapsed()
     }

@@ -21,11 +21,19 @@ use crate::dirty::DirtyTracker;
 use crate::memory::GuestMemoryMmap;
 use crate::output::OutputGate;
 use crate::persist::{self, VmState};
-use crate::virtio_devices::{self, AttachedDevice};
+use crate::virtio_devices::{self, AttachedDevice, KeptDevice};
 use crate::vstate::cpuid;
 use crate::vstate::vcpu::{BootEntry, Vcpu, VcpuThreadAhead};
 use crate::vstate::vm::{Vm, VmError};
 use crate::vstate::VmEventSink;
+
+/// What a reboot keeps of the machine's previous boot: its device models
+/// (disks and TAPs open, reset) and its console's output.
+pub(super) struct Kept {
+    pub(super) virtio: Vec<KeptDevice>,
+    pub(super) serial: SerialOutput,
+    pub(super) serial_backend: String,
+}
 
 /// What is built besides memory slots, before the vCPUs start.
 pub(super) struct Setup {
@@ -52,13 +60,21 @@ impl Machine {
         gate: Arc<dyn OutputGate>,
         saved: Option<&VmState>,
         taps: Vec<std::fs::File>,
+        kept: Option<Kept>,
         start_paused: bool,
         event_loop_ahead: Option<EventLoopAhead>,
     ) -> Result<Setup, MachineError> {
+        let (kept_serial, kept_virtio) = match kept {
+            Some(k) => (Some((k.serial, k.serial_backend)), Some(k.virtio)),
+            None => (None, None),
+        };
         // Legacy devices.
         let serial_irq = EventFd::new(libc::EFD_NONBLOCK).map_err(MachineError::EventFd)?;
         vm.register_irqfd(&serial_irq, SERIAL_GSI)?;
-        let (serial_out, serial_backend) = open_serial(&config.serial)?;
+        let (serial_out, serial_backend) = match kept_serial {
+            Some(kept) => kept,
+            None => open_serial(&config.serial)?,
+        };
         let serial = match saved {
             None => SerialDevice::new(serial_irq, serial_out, gate.clone()),
             Some(s) => {
@@ -87,14 +103,17 @@ impl Machine {
 
         // virtio devices.
         let mut mmio_bus = Bus::new();
-        let virtio = virtio_devices::attach_all(
-            config,
-            vm,
-            guest_memory,
-            &mut mmio_bus,
-            saved.map(|s| s.virtio.as_slice()),
-            taps,
-        )?;
+        let virtio = match kept_virtio {
+            Some(kept) => virtio_devices::reattach_all(vm, guest_memory, &mut mmio_bus, kept)?,
+            None => virtio_devices::attach_all(
+                config,
+                vm,
+                guest_memory,
+                &mut mmio_bus,
+                saved.map(|s| s.virtio.as_slice()),
+                taps,
+            )?,
+        };
         let mut cmdline = config.cmdline.clone();
         for d in &virtio {
             cmdline.push_str(&format!(

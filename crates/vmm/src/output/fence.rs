@@ -43,6 +43,11 @@ impl FenceSlot {
         self.0.set(fence).is_ok()
     }
 
+    /// The fence set, if any.
+    pub fn fence(&self) -> Option<Arc<dyn OutputFence>> {
+        self.0.get().cloned()
+    }
+
     /// Whether outputs may go: no fence, or a fence that holds.
     pub fn holds(&self) -> bool {
         self.0.get().is_none_or(|f| f.holds())

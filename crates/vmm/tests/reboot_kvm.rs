@@ -1,0 +1,165 @@
+//! `Machine::reboot` with real KVM: a new VM around the same memory and
+//! device models. Guest memory reads zeroes again but for what the boot
+//! loads (the kernel, at its address); the disk stays open (its file is
+//! unlinked before the reboot, which needs no path); the devices keep their
+//! windows and lines; a paused machine comes back paused.
+
+use std::path::{Path, PathBuf};
+
+use vm_memory::{Bytes, GuestAddress};
+use vmm::config::{DiskConfig, MachineConfig, SerialConfig};
+use vmm::machine::{Machine, RunState};
+use vmm::vstate::VmEventSink;
+
+/// Where the kernel is loaded and entered (PVH, 32-bit protected mode).
+const ENTRY: u32 = 0x10_0000;
+
+/// A PVH ELF kernel whose code is `hlt; jmp .-1`: it sleeps in KVM_RUN,
+/// and a kick takes it out.
+fn halting_kernel(path: &Path) {
+    let code: &[u8] = &[0xf4, 0xeb, 0xfd];
+    // The note: namesz, descsz, type XEN_ELFNOTE_PHYS32_ENTRY, "Xen\0", the entry.
+    let mut note = Vec::new();
+    for v in [4u32, 4, 18] {
+        note.extend_from_slice(&v.to_le_bytes());
+    }
+    note.extend_from_slice(b"Xen\0");
+    note.extend_from_slice(&ENTRY.to_le_bytes());
+    let (note_at, code_at) = (0x100u64, 0x200u64);
+
+    let mut elf = Vec::new();
+    elf.extend_from_slice(&[0x7f, b'E', b'L', b'F', 2, 1, 1, 0]);
+    elf.extend_from_slice(&[0; 8]);
+    elf.extend_from_slice(&2u16.to_le_bytes()); // ET_EXEC
+    elf.extend_from_slice(&0x3eu16.to_le_bytes()); // x86-64
+    elf.extend_from_slice(&1u32.to_le_bytes());
+    elf.extend_from_slice(&u64::from(ENTRY).to_le_bytes());
+    elf.extend_from_slice(&64u64.to_le_bytes()); // program headers
+    elf.extend_from_slice(&0u64.to_le_bytes()); // no section headers
+    elf.extend_from_slice(&0u32.to_le_bytes());
+    for v in [64u16, 56, 2, 64, 0, 0] {
+        elf.extend_from_slice(&v.to_le_bytes());
+    }
+    // type, flags, offset, vaddr, paddr, filesz, memsz, align
+    let phdr = |elf: &mut Vec<u8>, kind: u32, flags: u32, at: u64, addr: u64, len: u64| {
+        elf.extend_from_slice(&kind.to_le_bytes());
+        elf.extend_from_slice(&flags.to_le_bytes());
+        for v in [at, addr, addr, len, len, 4] {
+            elf.extend_from_slice(&v.to_le_bytes());
+        }
+    };
+    phdr(&mut elf, 1, 5, code_at, u64::from(ENTRY), code.len() as u64); // PT_LOAD, R+X
+    phdr(&mut elf, 4, 4, note_at, 0, note.len() as u64); // PT_NOTE
+    elf.resize(note_at as usize, 0);
+    elf.extend_from_slice(&note);
+    elf.resize(code_at as usize, 0);
+    elf.extend_from_slice(code);
+    std::fs::write(path, elf).unwrap();
+}
+
+fn config(kernel: PathBuf, disk: PathBuf) -> MachineConfig {
+    MachineConfig {
+        vcpus: 2,
+        memory_bytes: 32 << 20,
+        memory_backing: Default::default(),
+        kernel,
+        initramfs: None,
+        cmdline: String::new(),
+        serial: SerialConfig::Null,
+        disks: vec![DiskConfig {
+            path: disk,
+            read_only: false,
+        }],
+        nets: Vec::new(),
+        id: None,
+        name: None,
+    }
+}
+
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+fn a_reboot_clears_memory_reloads_the_kernel_and_keeps_the_disk_open() {
+    let dir = std::env::temp_dir().join(format!("kemari-reboot-kvm-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let kernel = dir.join("halt.elf");
+    halting_kernel(&kernel);
+    let disk = dir.join("disk.img");
+    std::fs::File::create(&disk)
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let machine = Machine::build(
+        config(kernel, disk.clone()),
+        VmEventSink::new(|_| {}),
+        false,
+    )
+    .expect("building a machine around the halting kernel");
+    let devices = machine.devices();
+    // The process's fence (an etcd lease, a lock) outlives the boot.
+    assert!(machine.fence_outputs(std::sync::Arc::new(Holding)));
+    // What the guest left in memory, far from anything the boot loads.
+    let marker = GuestAddress(24 << 20);
+    machine
+        .guest_memory()
+        .write_obj(0x6b65_6d61_7269u64, marker)
+        .unwrap();
+    // Reopening the disk by its path would fail now.
+    std::fs::remove_file(&disk).unwrap();
+    let mut machine = machine
+        .reboot(VmEventSink::new(|_| {}))
+        .expect("the reboot");
+    assert_eq!(machine.state(), RunState::Running);
+    let mem = machine.guest_memory();
+    assert_eq!(
+        mem.read_obj::<u64>(marker).unwrap(),
+        0,
+        "memory not cleared"
+    );
+    let mut code = [0u8; 3];
+    mem.read_slice(&mut code, GuestAddress(u64::from(ENTRY)))
+        .unwrap();
+    assert_eq!(code, [0xf4, 0xeb, 0xfd], "the kernel was not loaded again");
+    assert!(
+        !machine.fence_outputs(std::sync::Arc::new(Holding)),
+        "the rebooted machine lost its fence"
+    );
+    let again = machine.devices();
+    assert_eq!(again.len(), devices.len());
+    for (before, after) in devices.iter().zip(&again) {
+        assert_eq!(
+            (
+                &before.name,
+                &before.kind,
+                before.address,
+                before.gsi,
+                &before.backend
+            ),
+            (
+                &after.name,
+                &after.kind,
+                after.address,
+                after.gsi,
+                &after.backend
+            )
+        );
+    }
+    // A paused machine reboots paused.
+    machine.pause().unwrap();
+    let machine = machine
+        .reboot(VmEventSink::new(|_| {}))
+        .expect("the second reboot");
+    assert_eq!(machine.state(), RunState::Paused);
+    assert_eq!(machine.metrics().devices.len(), devices.len());
+    drop(machine);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A fence that always holds.
+#[derive(Debug)]
+struct Holding;
+
+impl vmm::output::OutputFence for Holding {
+    fn holds(&self) -> bool {
+        true
+    }
+}
