@@ -20,12 +20,19 @@
 #           the relocation test (client I/O during the copy, proxy SIGKILLed
 #           and restarted, cut-over, target stopped, every byte checked).
 #
+# Servers and fio run at nice -10 (NICE=0 to run them at 0): the host is shared
+# with builds at nice 0, and without it a server's throughput under load follows
+# how many threads it has more than its work per request.
 # Env: SECS (fio runtime per loopback run, default 4), ROUNDS (default 3), LOOP_CASES
 # ("RW BS QD CONNS|..." to run fewer cases), WAN_SECS (per Table 4
 # case, default 30), WORK (scratch dir, default /tmp/knbd-bench), BIN, BASELINE_BIN (an older
 # kemari-nbd build to add as a fourth loopback column), TABLE4_CASES (default "off on pre"),
 # RELOCATION (0 skips the relocation test).
 set -euo pipefail
+if [ "${NICE:--10}" != 0 ] && [ -z "${KNBD_BENCH_NICED:-}" ]; then
+    export KNBD_BENCH_NICED=1
+    exec nice -n "${NICE:--10}" "$0" "$@"
+fi
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../../.." && pwd)
@@ -132,7 +139,10 @@ loopback() {
                 local p=${plist[$(( (k + r - 1) % n ))]}
                 # The server's CPU time per request (less sensitive to the
                 # machine's load than throughput): /proc/PID/stat utime+stime.
+                # Each run starts without dirty pages (no writeback left
+                # over from the runs before it).
                 local c0 c1 out
+                sync
                 c0=$(server_cpu "${SPID[$p]}")
                 out=$(fio_case nbd://127.0.0.1:$p/disk "$1" "$2" "$3" "$4")
                 c1=$(server_cpu "${SPID[$p]}")

@@ -14,8 +14,13 @@
 //! therefore adaptive: it halves after each miss down to nothing, returns to
 //! the full length after a hit, and while it is off one wait in
 //! [`PROBE_EVERY`] spins in full (a probe) to find out whether it pays again.
+//! And since the client needs a CPU too, at most half the CPUs (at least
+//! one) spin at a time, whatever the number of connections: the others
+//! sleep in `read` at once.
 
 use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// The longest a connection polls for its next request.
@@ -24,6 +29,20 @@ pub const MAX_SPIN: Duration = Duration::from_micros(50);
 const MIN_SPIN: Duration = Duration::from_micros(4);
 /// While spinning is off, every this many waits spin in full once.
 const PROBE_EVERY: u32 = 32;
+
+/// Connections spinning right now, process-wide.
+static SPINNING: AtomicUsize = AtomicUsize::new(0);
+
+/// How many connections may spin at once: half the CPUs, at least one.
+fn max_spinning() -> usize {
+    static MAX: OnceLock<usize> = OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get() / 2)
+            .unwrap_or(1)
+            .max(1)
+    })
+}
 
 /// One connection's spin budget.
 #[derive(Debug)]
@@ -78,7 +97,13 @@ impl RequestPoll {
         if budget.is_zero() {
             return;
         }
+        if SPINNING.fetch_add(1, Ordering::AcqRel) >= max_spinning() {
+            // Others spin already: sleep, and learn nothing from it.
+            SPINNING.fetch_sub(1, Ordering::AcqRel);
+            return;
+        }
         let hit = spin_until_readable(fd, budget);
+        SPINNING.fetch_sub(1, Ordering::AcqRel);
         self.record(budget, hit);
     }
 }
