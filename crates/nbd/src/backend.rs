@@ -425,6 +425,32 @@ mod tests {
     }
 
     #[test]
+    fn cached_reads_fill_the_buffer_or_report_false() {
+        let path = std::env::temp_dir().join(format!("knbd-nowait-{}", std::process::id()));
+        let data: Vec<u8> = (0..20_000u32).map(|i| (i % 253) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        let f = File::open(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        // Just written: cached.
+        let mut buf = vec![0u8; 9000];
+        assert!(read_cached_at(&f, &mut buf, 1001));
+        assert!(buf[..] == data[1001..10_001]);
+        // Past the end: a short read is not a cached read.
+        assert!(!read_cached_at(&f, &mut buf, 15_000));
+        assert!(read_cached_at(&f, &mut [], 30_000));
+        // The backend counts only reads it served.
+        let b = FileBackend {
+            file: f,
+            size: 20_000,
+            read_only: true,
+            counters: AccessCounters::new(20_000),
+        };
+        assert!(b.read_cached(&mut buf[..100], 0));
+        assert!(!b.read_cached(&mut buf, 19_000));
+        assert_eq!(b.counters.snapshot().groups, vec![(1, 0)]);
+    }
+
+    #[test]
     fn counters_span_groups() {
         let c = AccessCounters::new(3 * ACCESS_GROUP_SIZE);
         c.record(ACCESS_GROUP_SIZE - 1, 2, false);
