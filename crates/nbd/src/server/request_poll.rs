@@ -14,9 +14,11 @@
 //! therefore adaptive: it halves after each miss down to nothing, returns to
 //! the full length after a hit, and while it is off one wait in
 //! [`PROBE_EVERY`] spins in full (a probe) to find out whether it pays again.
-//! And since the client needs a CPU too, at most half the CPUs (at least
-//! one) spin at a time, whatever the number of connections: the others
-//! sleep in `read` at once.
+//! And since the clients need CPUs too, connections spin only while there
+//! are no more of them than half the CPUs (at least one): on the 2-CPU
+//! development host one spinning connection of four left the other three
+//! and their clients one CPU, and 4 KiB QD1 reads over four connections ran
+//! at 0.65x nbdkit while spending less CPU per request.
 
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -30,10 +32,10 @@ const MIN_SPIN: Duration = Duration::from_micros(4);
 /// While spinning is off, every this many waits spin in full once.
 const PROBE_EVERY: u32 = 32;
 
-/// Connections spinning right now, process-wide.
-static SPINNING: AtomicUsize = AtomicUsize::new(0);
+/// Connections in the transmission phase, process-wide.
+static OPEN: AtomicUsize = AtomicUsize::new(0);
 
-/// How many connections may spin at once: half the CPUs, at least one.
+/// Up to how many open connections spin: half the CPUs, at least one.
 fn max_spinning() -> usize {
     static MAX: OnceLock<usize> = OnceLock::new();
     *MAX.get_or_init(|| {
@@ -44,7 +46,7 @@ fn max_spinning() -> usize {
     })
 }
 
-/// One connection's spin budget.
+/// One connection's spin budget (counted as open while it lives).
 #[derive(Debug)]
 pub struct RequestPoll {
     spin: Duration,
@@ -53,10 +55,17 @@ pub struct RequestPoll {
 
 impl Default for RequestPoll {
     fn default() -> Self {
+        OPEN.fetch_add(1, Ordering::Relaxed);
         RequestPoll {
             spin: MAX_SPIN,
             idle_waits: 0,
         }
+    }
+}
+
+impl Drop for RequestPoll {
+    fn drop(&mut self) {
+        OPEN.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -93,17 +102,20 @@ impl RequestPoll {
     /// learns from the outcome. The caller then reads as usual, blocking if
     /// nothing came.
     pub fn wait(&mut self, fd: RawFd) {
+        if OPEN.load(Ordering::Relaxed) > max_spinning() {
+            // More connections than spare CPUs: sleep, learn nothing.
+            return;
+        }
+        self.spin_once(fd);
+    }
+
+    /// One wait's spin, whatever the number of connections.
+    fn spin_once(&mut self, fd: RawFd) {
         let budget = self.budget();
         if budget.is_zero() {
             return;
         }
-        if SPINNING.fetch_add(1, Ordering::AcqRel) >= max_spinning() {
-            // Others spin already: sleep, and learn nothing from it.
-            SPINNING.fetch_sub(1, Ordering::AcqRel);
-            return;
-        }
         let hit = spin_until_readable(fd, budget);
-        SPINNING.fetch_sub(1, Ordering::AcqRel);
         self.record(budget, hit);
     }
 }
@@ -173,11 +185,12 @@ mod tests {
         let mut p = RequestPoll::default();
         p.record(MAX_SPIN, false);
         a.write_all(b"x").unwrap();
-        p.wait(b.as_raw_fd());
+        p.spin_once(b.as_raw_fd());
         assert_eq!(p.budget(), MAX_SPIN);
         // Nothing to read: a miss shortens the next spin.
         let (_c, d) = UnixStream::pair().unwrap();
-        p.wait(d.as_raw_fd());
+        p.spin_once(d.as_raw_fd());
         assert_eq!(p.budget(), MAX_SPIN / 2);
+        assert!(max_spinning() >= 1);
     }
 }
