@@ -4,9 +4,14 @@
 #
 #   crates/nbd/bench/run.sh [loopback|wan|all]     (default: all)
 #
-# loopback: kemari-nbd target vs nbdkit (file plugin) vs qemu-nbd, fio's nbd
-#           engine: sequential read/write (1 MiB, QD8), 4 KiB random read at
-#           QD1 and QD16; then proxy fully cached vs direct target.
+# loopback: kemari-nbd target vs nbdkit (file plugin) vs qemu-nbd on the same
+#           image, fio's nbd engine: 4 KiB random read and write at QD1 and
+#           QD32, 1 MiB sequential read and write at QD8, each on one
+#           connection and on four (multi-conn: four fio jobs, one connection
+#           and the case's queue depth each); ROUNDS rounds with the servers'
+#           order rotated per round; medians, spread, kemari-nbd ÷ the best
+#           other, server CPU per request. Then proxy fully cached vs direct
+#           target (PROXY=0 skips it).
 # wan:      two namespaces joined by veth with tbf 100 Mbit/s on both ends and
 #           a userspace relay adding 10 ms each way (20 ms RTT; this kernel has
 #           no netem). A 1 GiB ext4 image on the target, a proxy at the other
@@ -15,11 +20,19 @@
 #           the relocation test (client I/O during the copy, proxy SIGKILLed
 #           and restarted, cut-over, target stopped, every byte checked).
 #
-# Env: SECS (fio runtime per loopback case, default 4), ROUNDS (default 3), WAN_SECS (per Table 4
+# Servers and fio run at nice -10 (NICE=0 to run them at 0): the host is shared
+# with builds at nice 0, and without it a server's throughput under load follows
+# how many threads it has more than its work per request.
+# Env: SECS (fio runtime per loopback run, default 4), ROUNDS (default 3), LOOP_CASES
+# ("RW BS QD CONNS|..." to run fewer cases), WAN_SECS (per Table 4
 # case, default 30), WORK (scratch dir, default /tmp/knbd-bench), BIN, BASELINE_BIN (an older
 # kemari-nbd build to add as a fourth loopback column), TABLE4_CASES (default "off on pre"),
 # RELOCATION (0 skips the relocation test).
 set -euo pipefail
+if [ "${NICE:--10}" != 0 ] && [ -z "${KNBD_BENCH_NICED:-}" ]; then
+    export KNBD_BENCH_NICED=1
+    exec nice -n "${NICE:--10}" "$0" "$@"
+fi
 
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../../.." && pwd)
@@ -67,76 +80,81 @@ server_cpu() { awk '{ print $14 + $15 }' "/proc/$1/stat"; }
 LAST_PID=
 bg() { "$@" & LAST_PID=$!; PIDS+=("$LAST_PID"); }
 
-# Lines "PORT IOPS MBPS" on stdin -> "IOPS/MBPS" of the median-IOPS run for PORT.
-median_of() {
-    awk -v p="$1" '$1 == p { print $2, $3 }' | sort -n | awk '{ a[NR] = $1 "/" $2 } END { print a[int((NR + 1) / 2)] }'
+# fio against an NBD URI: fio_case URI RW BS QD CONNS [extra...] -> "IOPS MB/s".
+# CONNS > 1 runs that many fio jobs, one NBD connection each (multi-conn), at
+# QD each; sequential jobs get regions of their own.
+fio_case() {
+    local uri=$1 rw=$2 bs=$3 qd=$4 conns=$5; shift 5
+    local side=read span=$LOOP_SIZE_MB
+    case $rw in write|randwrite) side=write ;; esac
+    local per=()
+    if [ "$conns" -gt 1 ]; then
+        per=(--numjobs="$conns" --group_reporting)
+        case $rw in read|write) span=$((LOOP_SIZE_MB / conns)); per+=(--offset_increment="${span}M") ;; esac
+    fi
+    fio --name=b --ioengine=nbd --uri="$uri" --rw="$rw" --bs="$bs" --iodepth="$qd" --size="${span}M" \
+        "${per[@]}" --runtime="$SECS" --time_based --output-format=json "$@" 2>/dev/null | "$SUM" "$side"
 }
 
-# fio against an NBD URI: fio_case URI RW BS QD [extra...] -> "IOPS MB/s"
-fio_case() {
-    local uri=$1 rw=$2 bs=$3 qd=$4; shift 4
-    local side=read
-    case $rw in write|randwrite) side=write ;; esac
-    fio --name=b --ioengine=nbd --uri="$uri" --rw="$rw" --bs="$bs" --iodepth="$qd" \
-        --runtime="$SECS" --time_based --output-format=json "$@" 2>/dev/null | "$SUM" "$side"
-}
+# The loopback cases: "RW BS QD CONNS".
+LOOP_CASES=${LOOP_CASES:-"randread 4k 1 1|randread 4k 32 1|randwrite 4k 1 1|randwrite 4k 32 1|read 1M 8 1|write 1M 8 1|randread 4k 1 4|randread 4k 32 4|randwrite 4k 1 4|randwrite 4k 32 4|read 1M 8 4|write 1M 8 4"}
+LOOP_SIZE_MB=512
 
 loopback() {
-    local img=$WORK/loop.img size=512M
-    log "== loopback: $size image in page cache, ${SECS}s per case"
-    rm -f "$img"; truncate -s $size "$img"
-    dd if=/dev/urandom of="$img" bs=1M count=512 conv=notrunc status=none
+    local img=$WORK/loop.img
+    log "== loopback: ${LOOP_SIZE_MB} MiB image in page cache, ${SECS}s per run, $ROUNDS rotated rounds"
+    rm -f "$img"
+    dd if=/dev/urandom of="$img" bs=1M count=$LOOP_SIZE_MB status=none
     local P1=21809 P2=21810 P3=21811 P4=21812
-    declare -A SPID
+    declare -A SPID NAME
     bg env KEMARI_LOG=warn "$BIN" serve --export "disk=$img" --listen 127.0.0.1:$P1 >/dev/null
-    SPID[$P1]=$LAST_PID
+    SPID[$P1]=$LAST_PID; NAME[$P1]=kemari-nbd
     bg nbdkit -f -i 127.0.0.1 -p $P2 file "file=$img" >/dev/null
-    SPID[$P2]=$LAST_PID
-    bg qemu-nbd -f raw -x disk -b 127.0.0.1 -p $P3 --persistent --shared=8 "$img" >/dev/null
-    SPID[$P3]=$LAST_PID
+    SPID[$P2]=$LAST_PID; NAME[$P2]=nbdkit
+    bg qemu-nbd -f raw -x disk -b 127.0.0.1 -p $P3 --persistent --shared=16 "$img" >/dev/null
+    SPID[$P3]=$LAST_PID; NAME[$P3]=qemu-nbd
     wait_port "" $P1; wait_port "" $P2; wait_port "" $P3
-    local ports="$P1 $P2 $P3" names="kemari-nbd nbdkit qemu-nbd"
+    local ports="$P1 $P2 $P3"
     if [ -n "${BASELINE_BIN:-}" ]; then
         # An older build of kemari-nbd, side by side (before/after figures).
-        bg env RUST_LOG=warn "$BASELINE_BIN" serve --export "disk=$img" --listen 127.0.0.1:21813 >/dev/null
-        SPID[21813]=$LAST_PID
+        bg env KEMARI_LOG=warn "$BASELINE_BIN" serve --export "disk=$img" --listen 127.0.0.1:21813 >/dev/null
+        SPID[21813]=$LAST_PID; NAME[21813]=baseline
         wait_port "" 21813
-        ports="$ports 21813"; names="$names baseline"
+        ports="$ports 21813"
     fi
-    local cpu_lines=()
-    # The machine is shared: run ROUNDS interleaved rounds, report medians.
-    local c r p
-    log "(IOPS/MB/s, median of $ROUNDS interleaved rounds of ${SECS}s)"
-    printf '%-22s' "case"; for p in $names; do printf ' %14s' "$p"; done; printf '\n'
-    for c in "read 1M 8" "write 1M 8" "randread 4k 1" "randread 4k 16"; do
-        set -- $c
-        local res=()
-        for r in $(seq 1 "$ROUNDS"); do
-            for p in $ports; do
+    # Every run: "CASE PORT IOPS MBPS CPU_US_PER_REQUEST ROUND". The machine is
+    # shared: each round runs every case on every server, the servers'
+    # order rotated by one per round, and the tables show medians and the
+    # spread (min-max) over the rounds.
+    local raw=$WORK/loop-runs.txt
+    : > "$raw"
+    local -a plist=($ports)
+    local n=${#plist[@]} r i k c
+    local IFS_SAVE=$IFS
+    IFS='|' read -r -a cases <<< "$LOOP_CASES"; IFS=$IFS_SAVE
+    for r in $(seq 1 "$ROUNDS"); do
+        for c in "${cases[@]}"; do
+            set -- $c
+            for k in $(seq 0 $((n - 1))); do
+                local p=${plist[$(( (k + r - 1) % n ))]}
                 # The server's CPU time per request (less sensitive to the
                 # machine's load than throughput): /proc/PID/stat utime+stime.
+                # Each run starts without dirty pages (no writeback left
+                # over from the runs before it).
                 local c0 c1 out
+                sync
                 c0=$(server_cpu "${SPID[$p]}")
-                out=$(fio_case nbd://127.0.0.1:$p/disk "$1" "$2" "$3" --size=$size)
+                out=$(fio_case nbd://127.0.0.1:$p/disk "$1" "$2" "$3" "$4")
                 c1=$(server_cpu "${SPID[$p]}")
-                res+=("$p $out $(python3 -c "print(f'{($c1 - $c0) / $(getconf CLK_TCK) * 1e6 / max(1, ${out%% *} * $SECS):.1f}')")")
+                python3 -c "print('$1:$2:$3:$4', $p, '$out', f'{($c1 - $c0) / $(getconf CLK_TCK) * 1e6 / max(1, ${out%% *} * $SECS):.1f}', $r)" >> "$raw"
             done
         done
-        printf '%-22s' "$1 bs=$2 qd=$3"
-        for p in $ports; do
-            printf ' %14s' "$(printf '%s\n' "${res[@]}" | median_of "$p")"
-        done
-        printf '\n'
-        local line
-        line=$(printf '%-22s' "$1 bs=$2 qd=$3")
-        for p in $ports; do
-            line+=$(printf ' %14s' "$(printf '%s\n' "${res[@]}" | awk -v p="$p" '$1 == p { print $4 }' | sort -n | awk '{ a[NR] = $1 } END { print a[int((NR + 1) / 2)] }')")
-        done
-        cpu_lines+=("$line")
+        log "round $r of $ROUNDS done"
     done
-    log "server CPU time per request, µs (median of $ROUNDS rounds; lower is better)"
-    printf '%-22s' "case"; for p in $names; do printf ' %14s' "$p"; done; printf '\n'
-    printf '%s\n' "${cpu_lines[@]}"
+    local names=""
+    for p in $ports; do names+="$p=${NAME[$p]} "; done
+    python3 "$HERE/loop_table.py" "$raw" $names
+    [ "${PROXY:-1}" = 1 ] || { stop_all; return 0; }
     log "== proxy fully cached (after cut-over) vs direct target"
     rm -rf "$WORK/loopcache"
     bg env KEMARI_LOG=warn "$BIN" proxy --upstream nbd://127.0.0.1:$P1/disk --cache "$WORK/loopcache" \
@@ -144,30 +162,36 @@ loopback() {
     wait_port "" $P4
     "$BIN" cutover --wait --control "$WORK/loop.ctl" >/dev/null
     # Both files start clean (the copy just wrote the whole cache file), so
-    # no writeback of it runs during the proxy's cases only. It did not
-    # change the proxy's write ratio (docs/benchmarks.md), but it keeps the
-    # comparison even.
+    # no writeback of it runs during the proxy's cases only.
     sync
-    printf '%-22s %14s %14s %8s\n' "case" target proxy ratio
-    for c in "read 1M 8" "write 1M 8" "randread 4k 1" "randread 4k 16"; do
+    printf '%-26s %14s %14s %8s\n' "case (IOPS/MB/s)" target proxy ratio
+    for c in "read 1M 8 1" "write 1M 8 1" "randread 4k 1 1" "randread 4k 32 1"; do
         set -- $c
         local res=()
         for r in $(seq 1 "$ROUNDS"); do
             for p in $P1 $P4; do
-                res+=("$p $(fio_case nbd://127.0.0.1:$p/disk "$1" "$2" "$3" --size=$size)")
+                res+=("$p $(fio_case nbd://127.0.0.1:$p/disk "$1" "$2" "$3" "$4")")
             done
         done
         local a b
         a=$(printf '%s\n' "${res[@]}" | median_of $P1)
         b=$(printf '%s\n' "${res[@]}" | median_of $P4)
-        printf '%-22s %14s %14s %8s\n' "$1 bs=$2 qd=$3" "$a" "$b" \
+        printf '%-26s %14s %14s %8s\n' "$1 bs=$2 qd=$3" "$a" "$b" \
             "$(python3 -c "print(f'{${b%%/*}/max(1,${a%%/*}):.3f}')")"
     done
+    stop_all
+}
+
+stop_all() {
     for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
     wait 2>/dev/null || true
     PIDS=()
 }
 
+# Lines "PORT IOPS MBPS" on stdin -> "IOPS/MBPS" of the median-IOPS run for PORT.
+median_of() {
+    awk -v p="$1" '$1 == p { print $2, $3 }' | sort -n | awk '{ a[NR] = $1 "/" $2 } END { print a[int((NR + 1) / 2)] }'
+}
 SRC_IP=10.231.0.1
 DST_IP=10.231.0.2
 RELAY_PORT=10900

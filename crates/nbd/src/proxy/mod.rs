@@ -420,6 +420,16 @@ impl Backend for Proxy {
     fn access_counts(&self) -> Option<AccessCounts> {
         Some(self.shared.counters.snapshot())
     }
+    fn read_cached(&self, buf: &mut [u8], offset: u64) -> bool {
+        let sh = &self.shared;
+        let len = buf.len() as u64;
+        let local = sh.cut_over.load(Ordering::Acquire) || sh.cache.range_cached(offset, len);
+        let ok = local && crate::backend::read_cached_at(sh.cache.file(), buf, offset);
+        if ok {
+            sh.counters.record(offset, len, false);
+        }
+        ok
+    }
     fn write_via_file(
         &self,
         offset: u64,

@@ -17,6 +17,8 @@
 //! same code with or without TLS.
 
 pub mod negotiate;
+mod read_buf;
+mod request_poll;
 pub mod transmission;
 
 use std::collections::BTreeMap;

@@ -11,6 +11,8 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use tracing::warn;
 
+use super::read_buf::ReadBuf;
+use super::request_poll::RequestPoll;
 use super::{lock, read_exact_or_eof, ServerError};
 use crate::backend::{Backend, Extent};
 use crate::splice::{Pipe, SpliceError};
@@ -27,10 +29,6 @@ const LARGE_WORKERS: usize = 4;
 /// Writes at least this large are spliced from the socket into the file
 /// when the backend allows it (one copy instead of two).
 const SPLICE_MIN: u32 = 64 * 1024;
-/// How long a connection that has answered everything it had polls its
-/// socket for the next request before it sleeps in `read` (see
-/// [`await_request`]).
-const REQUEST_POLL: std::time::Duration = std::time::Duration::from_micros(50);
 
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -45,7 +43,7 @@ pub struct Negotiated {
 /// A request's outcome: data for reads, extents for block status, or an errno.
 enum Outcome {
     Ok,
-    Data(PageBuf),
+    Data(ReadBuf),
     Extents(u32, Vec<BlockDescriptor>),
     Err(u32, &'static str),
 }
@@ -77,18 +75,7 @@ fn write_reply<W: Write>(
             0,
         )),
         Outcome::Ok => w.write_all(&encode_simple_reply(0, req.cookie)),
-        Outcome::Data(d) if structured => {
-            let mut h = [0u8; STRUCTURED_REPLY_HEADER_LEN + 8];
-            h[..STRUCTURED_REPLY_HEADER_LEN].copy_from_slice(&encode_structured_header(
-                REPLY_FLAG_DONE,
-                REPLY_TYPE_OFFSET_DATA,
-                req.cookie,
-                8 + d.len() as u32,
-            ));
-            h[STRUCTURED_REPLY_HEADER_LEN..].copy_from_slice(&req.offset.to_be_bytes());
-            write_header_and_data(w, &h, d)
-        }
-        Outcome::Data(d) => write_header_and_data(w, &encode_simple_reply(0, req.cookie), d),
+        Outcome::Data(d) => write_data(w, structured, req, d.data()),
         Outcome::Extents(id, d) => write_chunk(
             w,
             REPLY_TYPE_BLOCK_STATUS,
@@ -103,6 +90,27 @@ fn write_reply<W: Write>(
         ),
         Outcome::Err(e, _) => w.write_all(&encode_simple_reply(*e, req.cookie)),
     }
+}
+
+/// A successful READ's reply: one `OFFSET_DATA` chunk, or a simple reply.
+fn write_data<W: Write>(
+    w: &mut BufWriter<W>,
+    structured: bool,
+    req: &Request,
+    d: &[u8],
+) -> io::Result<()> {
+    if !structured {
+        return write_header_and_data(w, &encode_simple_reply(0, req.cookie), d);
+    }
+    let mut h = [0u8; STRUCTURED_REPLY_HEADER_LEN + 8];
+    h[..STRUCTURED_REPLY_HEADER_LEN].copy_from_slice(&encode_structured_header(
+        REPLY_FLAG_DONE,
+        REPLY_TYPE_OFFSET_DATA,
+        req.cookie,
+        8 + d.len() as u32,
+    ));
+    h[STRUCTURED_REPLY_HEADER_LEN..].copy_from_slice(&req.offset.to_be_bytes());
+    write_header_and_data(w, &h, d)
 }
 
 /// One final structured chunk with a small payload.
@@ -149,14 +157,14 @@ fn execute(
     neg: Negotiated,
     req: &Request,
     payload: &[u8],
-    mut buf: PageBuf,
+    buf: PageBuf,
 ) -> Outcome {
     let fua = req.flags & CMD_FLAG_FUA != 0;
     let len = u64::from(req.len);
     let res = match req.command {
         CMD_READ => {
-            buf.set_len(req.len as usize);
-            match b.read_at(&mut buf, req.offset) {
+            let mut buf = ReadBuf::from(buf);
+            match b.read_at(buf.fill(req.len as usize, req.offset), req.offset) {
                 Ok(()) => return Outcome::Data(buf),
                 Err(e) => Err(e),
             }
@@ -389,6 +397,7 @@ where
     let mut pbuf = PageBuf::new();
     let mut workers: Option<std::sync::mpsc::Sender<Job>> = None;
     let mut pipe: Option<Pipe> = None;
+    let mut poll = RequestPoll::default();
     let mut splice_ok = sock.is_some();
     // After a spliced write the next header is read on its own, so that the
     // read buffer does not swallow (and force a copy of) the next payload.
@@ -398,7 +407,7 @@ where
             lock(&w).flush()?;
             // Not while helpers run large transfers: they need the CPU.
             if let (Some(fd), 0) = (sock, helpers.active.load(Ordering::Relaxed)) {
-                await_request(fd, REQUEST_POLL);
+                poll.wait(fd);
             }
         }
         let mut hb = [0u8; REQUEST_LEN];
@@ -477,8 +486,24 @@ where
             continue;
         }
         // Large transfers also go to helpers, so that receiving the next
-        // request overlaps with this one's file I/O.
+        // request overlaps with this one's file I/O — unless a read's data
+        // is all in the page cache: then there is no I/O to overlap, and
+        // handing it over would cost two thread wake-ups.
         let large = req.len >= OFFLOAD_MIN && matches!(req.command, CMD_READ | CMD_WRITE);
+        if large && req.command == CMD_READ {
+            let mut rb = ReadBuf::from(std::mem::take(&mut buf));
+            let cached = backend.read_cached(rb.fill(req.len as usize, req.offset), req.offset);
+            if cached {
+                write_data(&mut *lock(&w), structured, &req, rb.data())?;
+            }
+            buf = rb.into_inner();
+            if cached {
+                if payload.capacity() > 0 {
+                    pbuf = payload;
+                }
+                continue;
+            }
+        }
         if (large || backend.may_block(req.command, req.offset, req.len))
             && helpers.active.load(Ordering::Relaxed) < MAX_HELPERS_PER_CONN
         {
@@ -494,7 +519,7 @@ where
                 }
                 h2.give(payload);
                 if let Outcome::Data(d) = out {
-                    h2.give(d);
+                    h2.give(d.into_inner());
                 }
                 h2.active.fetch_sub(1, Ordering::Relaxed);
                 let mut c = lock(&h2.count);
@@ -543,7 +568,7 @@ where
         }
         write_reply(&mut *lock(&w), structured, &req, &out)?;
         if let Outcome::Data(d) = out {
-            buf = d;
+            buf = d.into_inner();
         }
     };
     // Let outstanding helper replies go out before the connection closes.
@@ -554,30 +579,4 @@ where
     drop(c);
     let _ = lock(&w).flush();
     result
-}
-
-/// Polls `fd` for up to `limit` until it is readable. A client with requests
-/// in flight sends the next one as soon as a reply lands; a connection that
-/// went to sleep in `read` in between has to be woken for it, and on a
-/// small VM host that wake-up (an IPI) costs the *client* more CPU time than
-/// the request itself. The caller then reads as usual, blocking if nothing
-/// came.
-fn await_request(fd: RawFd, limit: std::time::Duration) {
-    if limit.is_zero() {
-        return;
-    }
-    let start = std::time::Instant::now();
-    loop {
-        let mut p = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for the duration of the call; a zero
-        // timeout never blocks.
-        if unsafe { libc::poll(&mut p, 1, 0) } != 0 || start.elapsed() >= limit {
-            return;
-        }
-        std::hint::spin_loop();
-    }
 }
