@@ -9,5 +9,6 @@ pub mod controller;
 pub mod events;
 pub mod identity;
 pub mod metrics;
+pub mod notify;
 pub mod operation;
 pub mod sys;

@@ -9,6 +9,7 @@ pub mod backend;
 pub mod control;
 pub mod ext;
 pub mod loadgen;
+pub mod notify;
 pub mod proxy;
 pub mod relay;
 pub mod server;

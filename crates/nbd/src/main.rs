@@ -222,6 +222,7 @@ fn run(cmd: Cmd) -> Result<()> {
             shutdown::exit_on_signals().context("installing the signal handler")?;
             let l = Listener::bind(&listen).with_context(|| format!("--listen {listen}"))?;
             tracing::info!(%listen, tls = ?config.tls.mode(), "target serving");
+            kemari_nbd::notify::ready("target", &listen);
             serve(l, Arc::new(config))?;
         }
         Cmd::Proxy {
@@ -260,6 +261,7 @@ fn run(cmd: Cmd) -> Result<()> {
             }
             config.exports.add(&export, proxy);
             tracing::info!(%listen, %upstream, tls = ?config.tls.mode(), "proxy serving");
+            kemari_nbd::notify::ready("proxy", &listen);
             serve(l, Arc::new(config))?;
         }
         Cmd::Status { control: c } => print(control::request(&c, "status")?)?,

@@ -9,6 +9,7 @@
 //! - [`procs`]: children killed on drop, timeouts, polling, tools on PATH;
 //! - [`stub`]: the PVH stub kernel (`fixtures/pvh-stub.S`);
 //! - [`net`]: free ports, TAP devices and bridges, the TCP echo checker;
+//! - [`notify`]: a test-owned `NOTIFY_SOCKET` (systemd's readiness);
 //! - [`scenario`]: the test guest counting, writing its disk and echoing TCP,
 //!   and the checks that it went on across an operation.
 //!
@@ -19,6 +20,7 @@
 pub mod bins;
 pub mod dirs;
 pub mod net;
+pub mod notify;
 pub mod procs;
 pub mod relay;
 pub mod scenario;
@@ -26,7 +28,10 @@ pub mod stub;
 
 pub use bins::{guest_elf, kemari, kemarictl};
 pub use dirs::{log_without_escapes, read_text, scratch, write_key, TempDir};
-pub use net::{free_port, wait_listening, wait_port, AnnounceCapture, Bridge, EchoChecker, TapNet};
+pub use net::{
+    free_port, listening, wait_listening, wait_port, AnnounceCapture, Bridge, EchoChecker, TapNet,
+};
+pub use notify::NotifySocket;
 pub use procs::{
     assert_every_thread_filtered, assert_quiet_on_closed_stdout, assert_verbose_log_filter_refused,
     run, run_with_timeout, sh, thread_seccomp, tool, wait_exit, wait_for, KillOnDrop,
