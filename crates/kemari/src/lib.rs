@@ -6,6 +6,7 @@
 pub use kemari_api as api;
 pub mod cli;
 pub mod controller;
+pub mod ctl;
 pub mod events;
 pub mod identity;
 pub mod metrics;

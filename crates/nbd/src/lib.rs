@@ -6,6 +6,7 @@
 
 pub mod allow;
 pub mod backend;
+pub mod cli;
 pub mod control;
 pub mod ext;
 pub mod loadgen;

@@ -44,7 +44,11 @@ fn the_target_is_ready_once_it_serves() {
     let s = TcpStream::connect(("127.0.0.1", port)).expect("READY=1 before the port listens");
     s.set_read_timeout(Some(PATIENCE)).unwrap();
     assert_eq!(&greeting(s), b"NBDMAGIC");
-    assert_eq!(ready.get("READY").map(String::as_str), Some("1"), "{ready:?}");
+    assert_eq!(
+        ready.get("READY").map(String::as_str),
+        Some("1"),
+        "{ready:?}"
+    );
     assert_eq!(
         ready.get("STATUS"),
         Some(&format!("target serving on {listen}")),
@@ -76,7 +80,11 @@ fn the_proxy_is_ready_once_it_serves() {
     let s = UnixStream::connect(&sock).expect("READY=1 before the socket listens");
     s.set_read_timeout(Some(PATIENCE)).unwrap();
     assert_eq!(&greeting(s), b"NBDMAGIC");
-    assert_eq!(ready.get("READY").map(String::as_str), Some("1"), "{ready:?}");
+    assert_eq!(
+        ready.get("READY").map(String::as_str),
+        Some("1"),
+        "{ready:?}"
+    );
     assert_eq!(
         ready.get("STATUS"),
         Some(&format!("proxy serving on {listen}")),
