@@ -112,4 +112,23 @@ mod tests {
             cmd.debug_assert();
         }
     }
+
+    #[test]
+    fn completions_for_three_shells_under_debians_names() {
+        let dir = std::env::temp_dir().join(format!("xtask-completions-{}", std::process::id()));
+        completions(&dir).unwrap();
+        for name in ["kemari", "kemarictl", "kemari-nbd"] {
+            for file in [
+                format!("bash/{name}"),
+                format!("zsh/_{name}"),
+                format!("fish/{name}.fish"),
+            ] {
+                let text = std::fs::read_to_string(dir.join(&file)).unwrap();
+                assert!(text.contains(name), "{file}");
+            }
+        }
+        let bash = std::fs::read_to_string(dir.join("bash/kemarictl")).unwrap();
+        assert!(bash.contains("warm-restart") && bash.contains("--api-socket"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

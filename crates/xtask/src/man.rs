@@ -118,3 +118,37 @@ pub fn write_all(commands: &[clap::Command], dir: &Path) -> Result<(), WriteErro
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_command_and_subcommand_gets_a_page_with_its_flags() {
+        let dir = std::env::temp_dir().join(format!("xtask-man-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        write_all(&crate::commands(), &dir).unwrap();
+        // roff writes a flag's hyphens as \-.
+        let page = |name: &str| {
+            std::fs::read_to_string(dir.join(format!("{name}.1")))
+                .unwrap()
+                .replace("\\-", "-")
+        };
+        let kemari = page("kemari");
+        for text in [
+            "--api-socket",
+            "--config",
+            "EXIT STATUS",
+            "NOTIFY_SOCKET",
+            "kemarictl",
+        ] {
+            assert!(kemari.contains(text), "kemari.1 lacks {text}");
+        }
+        assert!(page("kemarictl-migrate").contains("--max-downtime-ms"));
+        assert!(page("kemarictl-ft-start").contains("--peer"));
+        assert!(page("kemari-nbd-proxy").contains("--upstream"));
+        // Hidden subcommands (benchmark helpers) get none.
+        assert!(!dir.join("kemari-nbd-relay.1").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
