@@ -23,3 +23,35 @@ pub(crate) fn listening(addr: &str) {
         hook(addr);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::Peer;
+
+    #[test]
+    fn a_destination_says_where_it_listens_before_it_accepts() {
+        static SEEN: Mutex<Vec<String>> = Mutex::new(Vec::new());
+        on_listening(|addr| SEEN.lock().unwrap().push(addr.to_owned()));
+        // Port 0: the hook gets the port the kernel chose, not the one asked.
+        let waiting =
+            std::thread::spawn(|| crate::net::accept_one("127.0.0.1:0", Peer::Source, None, None));
+        let started = Instant::now();
+        let addr = loop {
+            if let Some(a) = SEEN.lock().unwrap().last().cloned() {
+                break a;
+            }
+            assert!(started.elapsed() < Duration::from_secs(10), "no hook call");
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        assert!(
+            addr.starts_with("127.0.0.1:") && !addr.ends_with(":0"),
+            "{addr}"
+        );
+        let _client = std::net::TcpStream::connect(&addr).expect("it listens already");
+        assert!(waiting.join().unwrap().is_ok());
+    }
+}
