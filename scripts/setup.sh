@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything kemari's build, tests, demo and benchmarks need on a fresh
 # Debian 12 machine (run as root). Idempotent: only what is missing is installed.
+#   scripts/setup.sh             # build, tests, demo, benchmarks
+#   scripts/setup.sh --package   # also cargo-deb (scripts/package.sh)
 set -euo pipefail
 
 packages=(
@@ -38,6 +40,12 @@ rustup component list --installed | grep -q '^clippy' || rustup component add cl
 if ! cargo deny --version >/dev/null 2>&1; then
   echo "setup: installing cargo-deny (a few minutes, once)"
   nice -n 19 cargo install --locked cargo-deny
+fi
+# The Debian package (scripts/package.sh, `scripts/setup.sh --package`):
+# cargo-deb, built once and kept in ~/.cargo/bin; not for the tests.
+if [[ "${1:-}" == --package ]] && ! cargo deb --version >/dev/null 2>&1; then
+  echo "setup: installing cargo-deb (a few minutes, once)"
+  nice -n 19 cargo install --locked cargo-deb
 fi
 echo "setup: done"
 python3 -m pytest --version >/dev/null 2>&1 || python3 -m pip install -q pytest

@@ -6,8 +6,10 @@
 pub use kemari_api as api;
 pub mod cli;
 pub mod controller;
+pub mod ctl;
 pub mod events;
 pub mod identity;
 pub mod metrics;
+pub mod notify;
 pub mod operation;
 pub mod sys;

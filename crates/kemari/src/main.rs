@@ -13,6 +13,8 @@ fn main() -> ExitCode {
         eprintln!("kemari: error: {e}");
         return ExitCode::from(2);
     }
+    // Type=notify units: a VMM that waits for its VM is ready once it listens.
+    kemari::notify::ready_when_listening();
     match kemari::controller::run(&args) {
         Ok(code) => code,
         Err(e) => {

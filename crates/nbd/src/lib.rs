@@ -6,9 +6,11 @@
 
 pub mod allow;
 pub mod backend;
+pub mod cli;
 pub mod control;
 pub mod ext;
 pub mod loadgen;
+pub mod notify;
 pub mod proxy;
 pub mod relay;
 pub mod server;

@@ -11,6 +11,7 @@
 //! - [`stub`]: the PVH stub kernel (`fixtures/pvh-stub.S`);
 //! - [`net`]: free ports, TAP devices and bridges, the TCP echo checker, the
 //!   test guest's `GET /reboot`;
+//! - [`notify`]: a test-owned `NOTIFY_SOCKET` (systemd's readiness);
 //! - [`scenario`]: the test guest counting, writing its disk and echoing TCP,
 //!   and the checks that it went on across an operation.
 //!
@@ -22,6 +23,7 @@ pub mod bins;
 pub mod dirs;
 pub mod etcd;
 pub mod net;
+pub mod notify;
 pub mod procs;
 pub mod relay;
 pub mod scenario;
@@ -31,9 +33,10 @@ pub use bins::{guest_elf, kemari, kemarictl};
 pub use dirs::{log_without_escapes, read_text, scratch, write_key, TempDir};
 pub use etcd::EtcdCluster;
 pub use net::{
-    ask_guest_reboot, free_port, wait_listening, wait_port, AnnounceCapture, Bridge, EchoChecker,
-    TapNet,
+    ask_guest_reboot, free_port, listening, wait_listening, wait_port, AnnounceCapture, Bridge,
+    EchoChecker, TapNet,
 };
+pub use notify::NotifySocket;
 pub use procs::{
     assert_every_thread_filtered, assert_quiet_on_closed_stdout, assert_verbose_log_filter_refused,
     run, run_with_timeout, sh, thread_seccomp, tool, wait_exit, wait_for, KillOnDrop,

@@ -42,26 +42,29 @@ pub fn wait_port(port: u16) {
     }
 }
 
-/// Waits up to 10 s until a socket listens on TCP `port`, without
+/// Whether a socket listens on TCP `port` now (IPv4), seen without
 /// connecting to it (a kemari waiting for a migration or a primary accepts
 /// exactly one connection: a probe would be it).
+pub fn listening(port: u16) -> bool {
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    table.lines().skip(1).any(|l| {
+        let mut f = l.split_whitespace();
+        let local = f.nth(1).unwrap_or_default();
+        let state = f.nth(1).unwrap_or_default();
+        state == "0A"
+            && local
+                .rsplit(':')
+                .next()
+                .and_then(|p| u16::from_str_radix(p, 16).ok())
+                == Some(port)
+    })
+}
+
+/// Waits up to 10 s until a socket listens on TCP `port`, without
+/// connecting to it ([`listening`]).
 pub fn wait_listening(port: u16) {
     let t = Instant::now();
-    let listening = || {
-        let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
-        table.lines().skip(1).any(|l| {
-            let mut f = l.split_whitespace();
-            let local = f.nth(1).unwrap_or_default();
-            let state = f.nth(1).unwrap_or_default();
-            state == "0A"
-                && local
-                    .rsplit(':')
-                    .next()
-                    .and_then(|p| u16::from_str_radix(p, 16).ok())
-                    == Some(port)
-        })
-    };
-    while !listening() {
+    while !listening(port) {
         assert!(
             t.elapsed() < Duration::from_secs(10),
             "nothing listens on port {port}"

@@ -12,7 +12,8 @@
 //! - [`modes`]: live, local, warm;
 //! - [`cancel`], [`progress`]: cancelling before the commit point, and
 //!   progress the API reads while the hand-over runs;
-//! - [`error`]: the one error type, worded for the operator.
+//! - [`error`]: the one error type, worded for the operator;
+//! - [`listening`]: who is told that a destination listens.
 //!
 //! docs/migration-protocol.md describes the exchanges.
 
@@ -23,6 +24,7 @@ pub mod error;
 pub mod faults;
 pub mod key;
 pub mod link;
+pub mod listening;
 pub mod message;
 pub mod modes;
 pub mod net;

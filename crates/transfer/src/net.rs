@@ -56,6 +56,10 @@ pub fn accept_one(
         source,
     })?;
     tracing::info!(listen = addr, "waiting for the {peer}");
+    match listener.local_addr() {
+        Ok(bound) => crate::listening::listening(&bound.to_string()),
+        Err(_) => crate::listening::listening(addr),
+    }
     let (stream, from) = listener
         .accept()
         .map_err(|e| TransferError::io(peer, "accepting", None, e))?;

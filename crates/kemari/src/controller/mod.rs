@@ -340,6 +340,7 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         "started",
         json!({ "how": startup::how(args), "state": machine.state(), "pid": std::process::id() }),
     );
+    crate::notify::ready(&format!("VM {} ({})", machine.state(), startup::how(args)));
     let mut controller = Controller {
         slot: Slot::Here(machine),
         ft_gate: None,

@@ -137,6 +137,7 @@ pub fn migrate_in(
             source,
         })?;
     tracing::info!(socket = %socket.display(), "waiting for a zero-copy migration");
+    crate::listening::listening(&socket.display().to_string());
     let (stream, _) = listener
         .accept()
         .map_err(|e| TransferError::io(Peer::Source, "accepting", None, e))?;

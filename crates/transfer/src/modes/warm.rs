@@ -340,6 +340,7 @@ pub fn prepare(dir: &Path) -> Result<Successor, TransferError> {
         prepared_us = started.elapsed().as_micros() as u64,
         "successor prepared: waiting for the state"
     );
+    crate::listening::listening(&socket.display().to_string());
     Ok(Successor {
         target: Target::Prepared {
             vm: Some(Box::new(vm)),
