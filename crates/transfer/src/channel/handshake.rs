@@ -106,7 +106,7 @@ pub enum Protection {
     /// BLAKE3 keyed tags with the session key.
     Tagged([u8; 32]),
     /// Noise transport encryption (AES-256-GCM).
-    Encrypted(std::sync::Arc<snow::StatelessTransportState>),
+    Encrypted(std::sync::Arc<super::transport::NoiseCiphers>),
 }
 
 fn hello(nonce: &[u8; 32], protection: u8) -> [u8; HELLO_LEN] {
@@ -221,6 +221,12 @@ fn noise(
     .map_err(failed)
 }
 
+/// The transport ciphers of a finished handshake.
+fn transport(mut hs: snow::HandshakeState, initiator: bool) -> Protection {
+    let ciphers = super::transport::NoiseCiphers::new(hs.dangerously_get_raw_split(), initiator);
+    Protection::Encrypted(std::sync::Arc::new(ciphers))
+}
+
 fn write_noise(stream: &mut impl Write, msg: &[u8]) -> std::io::Result<()> {
     let mut out = Vec::with_capacity(2 + msg.len());
     out.extend_from_slice(&(msg.len() as u16).to_le_bytes());
@@ -299,10 +305,7 @@ pub(super) fn initiate<S: Read + Write>(
             let reply = read_noise(stream).map_err(closed)?;
             hs.read_message(&reply, &mut msg)
                 .map_err(|_| TransferError::KeyMismatch { peer })?;
-            let transport = hs
-                .into_stateless_transport_mode()
-                .map_err(|e| TransferError::Memory(format!("the Noise handshake: {e}")))?;
-            Ok(Protection::Encrypted(std::sync::Arc::new(transport)))
+            Ok(transport(hs, true))
         }
     }
 }
@@ -359,10 +362,7 @@ pub(super) fn accept<S: Read + Write>(
                 .map_err(|e| TransferError::Memory(format!("the Noise handshake: {e}")))?;
             stream.write_all(&[0]).map_err(closed)?;
             write_noise(stream, &msg[..n]).map_err(closed)?;
-            let transport = hs
-                .into_stateless_transport_mode()
-                .map_err(|e| TransferError::Memory(format!("the Noise handshake: {e}")))?;
-            Ok(Protection::Encrypted(std::sync::Arc::new(transport)))
+            Ok(transport(hs, false))
         }
     }
 }

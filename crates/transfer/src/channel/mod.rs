@@ -13,6 +13,7 @@
 mod fds;
 mod handshake;
 mod sealed;
+mod transport;
 
 pub use fds::{FdRead, FdWrite, MAX_FDS};
 use handshake::Protection;
@@ -259,8 +260,7 @@ impl<S> Channel<S> {
         };
         self.wire.clear();
         for &(kind, payload) in frames {
-            sealed::seal(t, &mut self.sealed_sent, kind, payload, &mut self.wire)
-                .map_err(|e| TransferError::Memory(format!("encrypting a frame: {e}")))?;
+            sealed::seal(t, &mut self.sealed_sent, kind, payload, &mut self.wire);
         }
         Ok(())
     }

@@ -7,13 +7,10 @@
 use std::fs::File;
 use std::io::Read;
 
-use snow::StatelessTransportState;
-
 use super::fds::{read_exact_with_fds, FdRead};
+use super::transport::{NoiseCiphers, TAG};
 use crate::message::Kind;
 
-/// AES-GCM's tag.
-const TAG: usize = 16;
 /// Largest Noise message.
 const MAX_MESSAGE: usize = 65535;
 /// Plaintext per Noise message.
@@ -39,46 +36,44 @@ impl From<std::io::Error> for OpenError {
 }
 
 /// Appends the sealed messages of frame `(kind, payload)` to `out`; `nonce`
-/// is this direction's next message counter.
+/// is this direction's next message counter. Each message is encrypted
+/// where it is built in `out`.
 pub(super) fn seal(
-    t: &StatelessTransportState,
+    t: &NoiseCiphers,
     nonce: &mut u64,
     kind: Kind,
     payload: &[u8],
     out: &mut Vec<u8>,
-) -> Result<(), snow::Error> {
+) {
     let first = payload.len().min(CHUNK - HEAD);
-    let mut head = Vec::with_capacity(HEAD + first);
-    head.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    head.push(kind as u8);
-    head.extend_from_slice(&payload[..first]);
-    seal_one(t, nonce, &head, out)?;
+    let mut head = [0u8; HEAD];
+    head[..4].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+    head[4] = kind as u8;
+    seal_one(t, nonce, &[&head, &payload[..first]], out);
     for piece in payload[first..].chunks(CHUNK) {
-        seal_one(t, nonce, piece, out)?;
+        seal_one(t, nonce, &[piece], out);
     }
-    Ok(())
 }
 
-fn seal_one(
-    t: &StatelessTransportState,
-    nonce: &mut u64,
-    plain: &[u8],
-    out: &mut Vec<u8>,
-) -> Result<(), snow::Error> {
+/// Appends `[len u16][ciphertext of parts][tag]`.
+fn seal_one(t: &NoiseCiphers, nonce: &mut u64, parts: &[&[u8]], out: &mut Vec<u8>) {
+    let plain: usize = parts.iter().map(|p| p.len()).sum();
+    out.extend_from_slice(&((plain + TAG) as u16).to_le_bytes());
     let at = out.len();
-    out.resize(at + 2 + plain.len() + TAG, 0);
-    let n = t.write_message(*nonce, plain, &mut out[at + 2..])?;
-    out[at..at + 2].copy_from_slice(&(n as u16).to_le_bytes());
-    out.truncate(at + 2 + n);
+    for p in parts {
+        out.extend_from_slice(p);
+    }
+    let tag = t.seal_in_place(*nonce, &mut out[at..]);
+    out.extend_from_slice(&tag);
     *nonce += 1;
-    Ok(())
 }
 
 /// Reads and opens one frame into `buf` (its payload); returns its kind
 /// byte. Fds that came with its first bytes go to `fds`; no payload over
-/// `max` bytes is accepted, nor allocated for.
+/// `max` bytes is accepted, nor allocated for. Messages after the first are
+/// read into `buf` where their plaintext belongs and opened there.
 pub(super) fn open<S: FdRead>(
-    t: &StatelessTransportState,
+    t: &NoiseCiphers,
     nonce: &mut u64,
     stream: &mut S,
     fds: &mut Vec<File>,
@@ -94,38 +89,42 @@ pub(super) fn open<S: FdRead>(
             "a first message of {first} bytes"
         )));
     }
-    buf.resize(first - TAG, 0);
     let n = t
-        .read_message(*nonce, &scratch[..first], buf)
+        .open_in_place(*nonce, &mut scratch[..first])
         .map_err(|_| OpenError::Tag)?;
     *nonce += 1;
-    let total = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
-    let kind = buf[4];
+    let total = u32::from_le_bytes([scratch[0], scratch[1], scratch[2], scratch[3]]) as usize;
+    let kind = scratch[4];
     if total > max {
         return Err(OpenError::Malformed(format!("a frame of {total} bytes")));
     }
-    buf.truncate(n);
-    buf.drain(..HEAD);
-    while buf.len() < total {
+    let mut at = n - HEAD;
+    if at > total {
+        return Err(OpenError::Malformed("a frame longer than it said".into()));
+    }
+    // Room for the payload and one message's tag; a buffer reused from the
+    // last frame is not filled again.
+    if buf.len() < total + TAG {
+        buf.resize(total + TAG, 0);
+    }
+    buf[..at].copy_from_slice(&scratch[HEAD..n]);
+    while at < total {
         let mut len = [0u8; 2];
         stream.read_exact(&mut len)?;
-        let size = read_message(stream, u16::from_le_bytes(len), scratch)?;
-        let at = buf.len();
-        if size < TAG || at + size - TAG > total {
+        let size = usize::from(u16::from_le_bytes(len));
+        if size <= TAG || at + size - TAG > total {
             return Err(OpenError::Malformed(
                 "a message past its frame's end".into(),
             ));
         }
-        buf.resize(at + size - TAG, 0);
-        let n = t
-            .read_message(*nonce, &scratch[..size], &mut buf[at..])
+        let message = &mut buf[at..at + size];
+        stream.read_exact(message)?;
+        at += t
+            .open_in_place(*nonce, message)
             .map_err(|_| OpenError::Tag)?;
         *nonce += 1;
-        buf.truncate(at + n);
     }
-    if buf.len() != total {
-        return Err(OpenError::Malformed("a frame longer than it said".into()));
-    }
+    buf.truncate(total);
     Ok(kind)
 }
 
