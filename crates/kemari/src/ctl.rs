@@ -80,6 +80,11 @@ pub enum Command {
         /// Pause the guest after this many rounds whatever remains (default 30).
         #[arg(long)]
         max_rounds: Option<u32>,
+        /// Cap the rounds sent while the guest runs at this many MiB/s (as
+        /// libvirt's `migrate-setspeed`); the pages sent with the guest
+        /// paused are not held back. Default: no cap.
+        #[arg(long, value_name = "MIB_S", value_parser = clap::value_parser!(u64).range(1..))]
+        max_bandwidth: Option<u64>,
         /// An authenticated but unencrypted link, for a trusted, dedicated
         /// one (the destination must be started with --plaintext-link).
         #[arg(long)]

@@ -189,6 +189,48 @@ fn heavy_dirtier_converges_or_stops_at_the_round_limit() {
     check_continuity(&src.console, &dst, echo, &disk);
 }
 
+/// `--max-bandwidth` caps the rounds sent while the guest runs: the
+/// bandwidth the source measured over them stays within the cap (its 2 MiB
+/// burst included), where loopback alone runs at hundreds of MB/s. A busy
+/// machine can only lower the rate, never raise it.
+#[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
+fn a_bandwidth_cap_holds_the_rounds_to_it() {
+    let _turn = one_at_a_time();
+    let dir = scratch("lm-cap");
+    let br = Bridge::create("b", 28);
+    let disk = disk_image(&dir);
+    let key = key_file(&dir, KEY);
+    let (mut src, echo) = start(&dir, &br, &disk, "dirty=1000,32");
+    let to = format!("127.0.0.1:{}", port(3) + 2000);
+    let dst = destination(&dir, &br, &to, &key, &[]);
+    std::thread::sleep(Duration::from_millis(300));
+    let cap_mib_s = 16.0;
+    let out = migrate(&src.api, &to, &key, &["--max-bandwidth", "16"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["status"], "completed", "{report}");
+    let rate = report["rate_mb_s"].as_f64().expect("rate_mb_s") * 1e6 / f64::from(1u32 << 20);
+    let mib = report["bytes_sent"].as_f64().expect("bytes_sent") / f64::from(1u32 << 20);
+    eprintln!("capped at {cap_mib_s} MiB/s: {rate:.2} MiB/s over {mib:.0} MiB");
+    assert!(mib > 16.0, "too little sent to tell a cap: {report}");
+    // The burst may put 2 MiB ahead of the cap once.
+    let allowed = cap_mib_s * (1.0 + 2.0 / mib) * 1.02;
+    assert!(
+        rate <= allowed,
+        "{rate:.2} MiB/s over a {cap_mib_s} MiB/s cap: {report}"
+    );
+    assert!(src.child.0.wait().unwrap().success());
+    check_continuity(&src.console, &dst, echo, &disk);
+}
+
 #[test]
 #[cfg_attr(
     any(no_kvm, no_tap),

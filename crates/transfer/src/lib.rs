@@ -33,6 +33,7 @@ pub mod precopy;
 pub mod progress;
 pub mod source;
 pub mod sys;
+pub mod throttle;
 
 pub use cancel::{Cancel, CancelOutcome};
 pub use error::{Peer, TransferError};

@@ -26,6 +26,7 @@ use crate::link::RoundLink;
 use crate::pages::{ranges_of_extents, will_visit, PageFrame, PAGE};
 use crate::progress::ProgressCell;
 use crate::sys;
+use crate::throttle::Throttle;
 
 /// Pages round 1 sends between two harvests of the dirty tracker (8 MiB).
 const ROUND1_HARVEST_PAGES: usize = 2048;
@@ -36,6 +37,8 @@ const ROUND1_HARVEST_PAGES: usize = 2048;
 pub struct PageSender<'m> {
     memory: &'m GuestMemoryMmap,
     frame: PageFrame,
+    /// The bandwidth cap of the rounds the guest runs through, if any.
+    throttle: Option<Throttle>,
     /// Pages sent so far.
     pub pages: u64,
 }
@@ -46,8 +49,17 @@ impl<'m> PageSender<'m> {
         PageSender {
             memory,
             frame: PageFrame::new(),
+            throttle: None,
             pages: 0,
         }
+    }
+
+    /// Caps the bandwidth of the frames sent by [`page`](Self::page) and
+    /// [`flush`](Self::flush) (the rounds while the guest runs; not what
+    /// [`take_payload`](Self::take_payload) gives to the pause).
+    pub fn with_throttle(mut self, throttle: Option<Throttle>) -> Self {
+        self.throttle = throttle;
+        self
     }
 
     /// Queues page `pfn` of round `round`; `skip_zero` drops zero pages
@@ -81,7 +93,11 @@ impl<'m> PageSender<'m> {
             return Ok(());
         }
         let n = self.frame.count() as u64;
-        link.send_pages(self.frame.payload(round))?;
+        let payload = self.frame.payload(round);
+        if let Some(t) = &mut self.throttle {
+            t.wait(payload.len() as u64);
+        }
+        link.send_pages(payload)?;
         self.frame.clear();
         self.pages += n;
         Ok(())

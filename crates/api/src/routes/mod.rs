@@ -329,6 +329,7 @@ mod tests {
                 key_file: "/k".into(),
                 max_downtime_ms: None,
                 max_rounds: None,
+                max_bandwidth_mib_s: None,
                 plaintext: false,
             }
         );
@@ -374,6 +375,7 @@ mod tests {
                 key_file: "/k".into(),
                 max_downtime_ms: Some(300),
                 max_rounds: None,
+                max_bandwidth_mib_s: Some(100),
                 plaintext: true,
             },
             ApiRequest::MigrationStatus,

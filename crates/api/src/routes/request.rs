@@ -59,6 +59,9 @@ pub enum ApiRequest {
         /// Round limit.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         max_rounds: Option<u32>,
+        /// Bandwidth cap of the rounds while the guest runs, MiB/s.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max_bandwidth_mib_s: Option<u64>,
         /// An authenticated but unencrypted link (a trusted, dedicated
         /// link; the destination must be started with `--plaintext-link`).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]

@@ -154,6 +154,7 @@ pub const ROUTES: &[Route] = &[
             required("key_file", Path),
             optional("max_downtime_ms", Integer),
             optional("max_rounds", Integer),
+            optional("max_bandwidth_mib_s", Integer),
             optional("plaintext", Boolean),
         ],
         "live migration over TCP to the kemari started with --incoming to",

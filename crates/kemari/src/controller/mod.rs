@@ -707,6 +707,7 @@ impl Controller {
                 key_file,
                 max_downtime_ms,
                 max_rounds,
+                max_bandwidth_mib_s,
                 plaintext,
             } => {
                 let key = match transfer::key::read_key(&key_file) {
@@ -720,11 +721,21 @@ impl Controller {
                 if let Some(r) = max_rounds {
                     rule.max_rounds = r.max(1);
                 }
+                if max_bandwidth_mib_s == Some(0) {
+                    return (
+                        Err(ActionError::BadRequest(
+                            "max_bandwidth_mib_s must be at least 1 (leave it out for no cap)"
+                                .into(),
+                        )),
+                        false,
+                    );
+                }
                 Op::Migrate {
                     to,
                     key,
                     plaintext,
                     rule,
+                    throttle: max_bandwidth_mib_s.map(transfer::throttle::Throttle::mib_per_s),
                 }
             }
             ApiRequest::MigrateLocal { socket } => Op::MigrateLocal { socket },

@@ -35,6 +35,8 @@ pub enum Op {
         plaintext: bool,
         /// When to stop pre-copying.
         rule: DowntimeEstimate,
+        /// The bandwidth cap of the rounds while the guest runs.
+        throttle: Option<transfer::throttle::Throttle>,
     },
     /// Zero-copy migration to the kemari listening on `socket`.
     MigrateLocal {
@@ -156,12 +158,14 @@ fn run(op: Op, mut machine: Machine, started: &Started, shared: &Shared) -> Done
             key,
             plaintext,
             rule,
+            throttle,
         } => {
             match live::migrate_out(
                 &mut machine,
                 &to,
                 transfer::channel::Auth::psk(&key, plaintext),
                 rule,
+                throttle,
                 &started.cancel,
                 &started.progress,
             ) {

@@ -18,13 +18,15 @@ use crate::net::{self, MIGRATION_SOCKET_BUFFER};
 use crate::precopy::{self, DowntimeEstimate, PageSender};
 use crate::progress::{Progress, ProgressCell};
 use crate::source::{self, Delivery, LastPages};
+use crate::throttle::Throttle;
 
 /// How long either end waits for the other at any step.
 const STEP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// Source side: live-migrates `machine` to the kemari listening at `to`
 /// (`key`: [`Auth::psk`], encrypted unless a trusted link's opt-out),
-/// reporting to `progress`. On success the caller ends without resuming;
+/// the rounds before the pause capped by `throttle` if given, reporting to
+/// `progress`. On success the caller ends without resuming;
 /// on failure or cancel the machine runs again (if it ran) and the error
 /// says why.
 pub fn migrate_out(
@@ -32,12 +34,13 @@ pub fn migrate_out(
     to: &str,
     key: Auth<'_>,
     rule: DowntimeEstimate,
+    throttle: Option<Throttle>,
     cancel: &Cancel,
     progress: &ProgressCell,
 ) -> Result<Progress, TransferError> {
     let was_running = machine.state() == RunState::Running;
     progress.start(to);
-    let result = migrate_out_inner(machine, to, key, rule, cancel, progress);
+    let result = migrate_out_inner(machine, to, key, rule, throttle, cancel, progress);
     let result = cancel.explain(result, progress.snapshot().phase.as_str());
     match &result {
         Ok(()) => progress.finish("completed", None),
@@ -68,6 +71,7 @@ fn migrate_out_inner(
     to: &str,
     key: Auth<'_>,
     mut rule: DowntimeEstimate,
+    throttle: Option<Throttle>,
     cancel: &Cancel,
     progress: &ProgressCell,
 ) -> Result<(), TransferError> {
@@ -84,8 +88,16 @@ fn migrate_out_inner(
     ch.note_timeout(Some(STEP_TIMEOUT));
     source::offer(&mut ch, Mode::Live, machine, &[], progress)?;
     let memory = machine.guest_memory().clone();
-    let mut sender = PageSender::new(&memory);
+    if let Some(t) = &throttle {
+        tracing::info!(
+            mib_s = t.bytes_per_s() as f64 / f64::from(1u32 << 20),
+            "pre-copy rounds capped"
+        );
+    }
+    let mut sender = PageSender::new(&memory).with_throttle(throttle);
     let pre = precopy::run(machine, &mut ch, &mut sender, &mut rule, cancel, progress)?;
+    // The pages that go with the guest paused are not held back.
+    sender = sender.with_throttle(None);
     let handed = source::pause_and_hand_over(
         &mut ch,
         machine,
