@@ -227,6 +227,7 @@ fn kill_primary_and_check(dir: &Path, pair: Pair, disk: &Path) {
     }
     primary.child.0.kill().unwrap();
     let killed = Instant::now();
+
     let _ = primary.child.0.wait();
     // The standby runs the VM within the timeout + 1 s.
     wait_for(
@@ -244,6 +245,10 @@ fn kill_primary_and_check(dir: &Path, pair: Pair, disk: &Path) {
     );
     assert_eq!(status["failovers"], 1);
     let _ = dir;
+    eprintln!(
+        "longest TCP echo stall (the failover included): {:?}",
+        echo.longest_stall()
+    );
     check_continuity_blocks(&primary.console, &standby, echo, disk, FT_BLOCKS);
 }
 
@@ -266,16 +271,23 @@ fn primary_killed_at_random_moments_standby_takes_over() {
         // write-protected again), the others with the default.
         let keep = if run % 2 == 1 { "0" } else { "64" };
         let pair = protected_pair(&dir, &net, &disk, &["--keep-writable-pages", keep]);
-        std::thread::sleep(random_delay(1500));
-        let st = ft_status(&pair.primary);
-        let skipped = st["unchanged_pages_skipped"].as_u64().unwrap();
+        let skipped = |pair: &Pair| {
+            let st = ft_status(&pair.primary);
+            (st["unchanged_pages_skipped"].as_u64().unwrap(), st)
+        };
         if keep == "0" {
-            assert_eq!(skipped, 0, "nothing is kept writable: {st}");
+            std::thread::sleep(random_delay(1500));
+            let (n, st) = skipped(&pair);
+            assert_eq!(n, 0, "nothing is kept writable: {st}");
         } else {
-            assert!(
-                skipped > 0,
-                "the echo service's pages are kept writable: {st}"
+            // How soon a kept page is carried unchanged depends on what the
+            // guest rewrote between syncs: on a busy host, seconds.
+            wait_for(
+                "a page kept writable and carried unchanged (the echo service's)",
+                Duration::from_secs(60),
+                || skipped(&pair).0 > 0,
             );
+            std::thread::sleep(random_delay(1500));
         }
         eprintln!("run {}/{runs} (keep-writable-pages {keep})", run + 1);
         kill_primary_and_check(&dir, pair, &disk);
