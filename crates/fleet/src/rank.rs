@@ -7,7 +7,8 @@
 //!    migration key (same key id) with a free standby slot;
 //! 2. the host that just lost the VM (its last failover's `from`) comes
 //!    last: whatever killed the VM there may strike again;
-//! 3. more free slots first, then more free memory, then the name.
+//! 3. more free slots first, then the name (free memory is shown, not
+//!    ranked on: it moves all the time, and agents would disagree).
 
 use crate::record::{HostRecord, VmRecord};
 
@@ -26,7 +27,6 @@ pub fn candidates<'h>(hosts: &'h [HostRecord], vm: &VmRecord) -> Vec<&'h HostRec
         (Some(a.name.as_str()) == lost_on)
             .cmp(&(Some(b.name.as_str()) == lost_on))
             .then(b.free_slots().cmp(&a.free_slots()))
-            .then(b.free_memory_bytes.cmp(&a.free_memory_bytes))
             .then(a.name.cmp(&b.name))
     });
     eligible

@@ -112,14 +112,17 @@ struct Agent {
     shown: http::Shown,
     /// Standbys started here, by VM id.
     launched: HashMap<String, Launched>,
+    /// Standbys started here that took over: VMs now, reaped when they end.
+    adopted: HashMap<String, std::process::Child>,
     /// `ft start`s running, by VM id.
     protecting: HashMap<String, Protecting>,
     /// Since when a VM elsewhere has waited for a standby (as seen here).
     waiting: HashMap<String, Instant>,
     /// When each local record was last written.
     written: HashMap<String, Instant>,
-    /// Since when a VM whose primary ran here has been gone.
-    gone: HashMap<String, Instant>,
+    /// VMs that ran here as primaries, and since when each has been gone
+    /// (None: it runs).
+    ran_here: HashMap<String, Option<Instant>>,
 }
 
 /// Runs the agent until it fails to start (the error) or forever.
@@ -159,10 +162,11 @@ pub async fn run(cfg: AgentConfig) -> Result<(), FleetError> {
         http_addr,
         shown,
         launched: HashMap::new(),
+        adopted: HashMap::new(),
         protecting: HashMap::new(),
         waiting: HashMap::new(),
         written: HashMap::new(),
-        gone: HashMap::new(),
+        ran_here: HashMap::new(),
         cfg,
     };
     agent.register().await?;
@@ -233,6 +237,7 @@ impl Agent {
     }
 
     async fn round(&mut self) -> Result<(), FleetError> {
+        tracing::trace!("fleet agent: round");
         self.keep_lease().await?;
         let dir = self.cfg.vm_dir.clone();
         let locals = tokio::task::spawn_blocking(move || local::scan(&dir))
@@ -244,6 +249,21 @@ impl Agent {
         for l in &locals {
             here.insert(l.id.clone());
             self.local_vm(l, &snap).await?;
+        }
+        // Primaries that ended (a clean end removes the socket too).
+        let running: HashSet<&String> = locals
+            .iter()
+            .filter(|l| !matches!(l.seen, Seen::Gone))
+            .map(|l| &l.id)
+            .collect();
+        let ended: Vec<String> = self
+            .ran_here
+            .keys()
+            .filter(|id| !running.contains(id) && !self.adopted.contains_key(*id))
+            .cloned()
+            .collect();
+        for id in ended {
+            self.vm_gone(&id, &snap).await?;
         }
         self.finish_protections().await?;
         self.claim_for_others(&snap, &here).await?;
@@ -262,6 +282,17 @@ impl Agent {
                 ended.push(id.clone());
             }
         }
+        let mut reaped = Vec::new();
+        for (id, c) in &mut self.adopted {
+            if let Ok(Some(st)) = c.try_wait() {
+                tracing::info!(vm = id, status = %st, "fleet agent: a VM started here as a standby ended");
+                reaped.push(id.clone());
+            }
+        }
+        for id in reaped {
+            self.adopted.remove(&id);
+            let _ = std::fs::remove_file(launch::pid_file(&self.cfg.vm_dir, &id));
+        }
         for id in ended {
             self.launched.remove(&id);
             let _ = std::fs::remove_file(launch::pid_file(&self.cfg.vm_dir, &id));
@@ -277,8 +308,9 @@ impl Agent {
     async fn local_vm(&mut self, l: &Local, snap: &Snapshot) -> Result<(), FleetError> {
         match &l.seen {
             Seen::Gone => {
-                if !self.launched.contains_key(&l.id) {
-                    self.vm_gone(&l.id, &l.socket, snap).await?;
+                // A copy killed here left its socket.
+                if !self.launched.contains_key(&l.id) && !self.adopted.contains_key(&l.id) {
+                    let _ = std::fs::remove_file(&l.socket);
                 }
                 Ok(())
             }
@@ -288,7 +320,7 @@ impl Agent {
             }
             Seen::Ft(ft) if ft.is_standby() => self.standby_here(&l.id, ft, snap).await,
             Seen::Ft(ft) => {
-                self.gone.remove(&l.id);
+                self.ran_here.insert(l.id.clone(), None);
                 self.primary_here(&l.id, &l.socket, ft, snap).await
             }
         }
@@ -347,8 +379,9 @@ impl Agent {
         snap: &Snapshot,
     ) -> Result<(), FleetError> {
         // A standby that failed over is an ordinary VM now.
-        if self.launched.remove(id).is_some() {
-            let _ = std::fs::remove_file(launch::pid_file(&self.cfg.vm_dir, id));
+        if let Some(l) = self.launched.remove(id) {
+            self.adopted.insert(id.to_owned(), l.child);
+            self.register().await?;
         }
         let claim = snap.claims.get(id);
         // A claim naming this host is the one it held as the standby.
@@ -494,26 +527,23 @@ impl Agent {
         Ok(())
     }
 
-    /// A VM whose socket is here but whose process is gone. Its record,
-    /// if it still names this host, says `down` once no copy holds its
+    /// A VM that ran here as primary and no longer does. Its record, if
+    /// it still names this host, says `down` once no copy has held its
     /// fence key for two TTLs (a standby that took over would have
-    /// rewritten it).
-    async fn vm_gone(
-        &mut self,
-        id: &str,
-        socket: &Path,
-        snap: &Snapshot,
-    ) -> Result<(), FleetError> {
-        let Some(rec) = snap.vms.get(id) else {
-            let _ = std::fs::remove_file(socket);
-            return Ok(());
+    /// rewritten the record).
+    async fn vm_gone(&mut self, id: &str, snap: &Snapshot) -> Result<(), FleetError> {
+        let rec = match snap.vms.get(id) {
+            Some(r) if r.value.primary == self.cfg.host && r.value.state != "down" => r,
+            _ => {
+                self.ran_here.remove(id);
+                return Ok(());
+            }
         };
-        if rec.value.primary != self.cfg.host || rec.value.state == "down" {
-            let _ = std::fs::remove_file(socket);
-            self.gone.remove(id);
-            return Ok(());
-        }
-        let since = *self.gone.entry(id.to_owned()).or_insert_with(Instant::now);
+        let since = *self
+            .ran_here
+            .entry(id.to_owned())
+            .or_default()
+            .get_or_insert_with(Instant::now);
         if since.elapsed() < 2 * self.cfg.spec.ttl || self.store.fence_held(id).await? {
             return Ok(());
         }
@@ -530,8 +560,7 @@ impl Agent {
                 "fleet agent: the VM ran here and no copy runs it now: down"
             );
         }
-        let _ = std::fs::remove_file(socket);
-        self.gone.remove(id);
+        self.ran_here.remove(id);
         Ok(())
     }
 
@@ -561,8 +590,15 @@ impl Agent {
                 .or_insert_with(Instant::now)
                 .elapsed();
             let Some(rank) = crate::rank::position(&hosts, v, &self.cfg.host) else {
+                tracing::debug!(vm = id, "fleet agent: this host may not protect the VM");
                 continue;
             };
+            tracing::debug!(
+                vm = id,
+                rank,
+                waited_ms = waited.as_millis() as u64,
+                "fleet agent: the VM needs a standby"
+            );
             if waited < CLAIM_PATIENCE * rank as u32 {
                 continue;
             }

@@ -56,7 +56,7 @@ struct Args {
     #[arg(long)]
     kemari: Option<PathBuf>,
     /// Log filter (error, warn, info, debug, trace, or a tracing filter).
-    #[arg(long, default_value = "info")]
+    #[arg(long, env = kemari_logging::ENV, default_value = "info")]
     log_level: String,
 }
 
