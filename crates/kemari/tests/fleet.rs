@@ -276,6 +276,7 @@ fn a_killed_primary_is_re_protected_on_the_third_host_twice() {
         Duration::from_secs(30),
     );
     let table = String::from_utf8_lossy(&out.stdout);
+    eprintln!("kemarictl fleet:\n{table}");
     assert!(table.starts_with("VM "), "{table}");
     let line = table
         .lines()
