@@ -63,10 +63,17 @@ impl std::fmt::Debug for Store {
 }
 
 impl Store {
-    /// Connects to the cluster of `spec` (TLS as the fence does).
+    /// Connects to the cluster of `spec` (TLS as the fence does); each
+    /// call may take a third of the lease's TTL (an agent must renew its
+    /// lease in time).
     pub async fn connect(spec: &EtcdSpec) -> Result<Store, FleetError> {
-        let endpoints = spec.endpoints.join(",");
         let rpc = (spec.ttl / 3).clamp(Duration::from_millis(500), Duration::from_secs(5));
+        Self::connect_with(spec, rpc).await
+    }
+
+    /// [`connect`](Self::connect), each call taking up to `rpc`.
+    pub async fn connect_with(spec: &EtcdSpec, rpc: Duration) -> Result<Store, FleetError> {
+        let endpoints = spec.endpoints.join(",");
         let fail = |why: String| FleetError::Etcd {
             endpoints: endpoints.clone(),
             why,
@@ -306,10 +313,13 @@ pub fn block_on<F: std::future::Future>(f: F) -> Result<F::Output, FleetError> {
     Ok(rt.block_on(f))
 }
 
+/// How long a one-shot reader (`kemarictl fleet`) waits for etcd.
+const READ_PATIENCE: Duration = Duration::from_secs(10);
+
 /// Reads the registry of `spec` once (blocking).
 pub fn read_once(spec: &EtcdSpec) -> Result<Snapshot, FleetError> {
     block_on(async {
-        let store = Store::connect(spec).await?;
+        let store = Store::connect_with(spec, READ_PATIENCE).await?;
         store.snapshot().await
     })?
 }

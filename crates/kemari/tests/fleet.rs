@@ -373,7 +373,55 @@ fn the_fleet_page_renders_in_headless_chromium() {
         "no protected-green cell in the screenshot"
     );
 
+    // A host whose agent dies leaves the registry within its lease's TTL
+    // (its standby process lives on; only the registration goes).
+    let mut hosts = hosts;
+    hosts.remove(1)._agent.crash();
+    wait_for("h1 to leave the registry", Duration::from_secs(30), || {
+        fleet(&etcd)["hosts"]
+            .as_array()
+            .is_some_and(|h| h.len() == 1 && h[0]["name"] == "h0")
+    });
+
     assert!(ctl(&primary.api, &["shutdown"]).status.success());
     let _ = primary.child.0.wait();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn kemarictl_fleet_says_when_etcd_cannot_be_reached() {
+    // Nothing listens on a port just freed.
+    let port = free_port();
+    let out = run_with_timeout(
+        Command::new(bin("kemarictl")).args([
+            "fleet",
+            "--etcd",
+            &format!("etcd://127.0.0.1:{port}/kemari/vms"),
+        ]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&format!("etcd at 127.0.0.1:{port}")), "{err}");
+    let out = run_with_timeout(
+        Command::new(bin("kemarictl")).args(["fleet", "--etcd", "http://x:1"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("is not an etcd fence"),
+        "{out:?}"
+    );
+    // Every other command still needs a socket, and says so.
+    let out = run_with_timeout(
+        Command::new(bin("kemarictl"))
+            .env_remove("KEMARI_API_SOCKET")
+            .arg("info"),
+        Duration::from_secs(60),
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--api-socket"),
+        "{out:?}"
+    );
 }
