@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, PutOptions, Txn, TxnOp,
+    WatchOptions, WatchStream,
 };
 use ft::fence::etcd::EtcdSpec;
 use serde::de::DeserializeOwned;
@@ -152,6 +153,19 @@ impl Store {
             }
         }
         Ok(snap)
+    }
+
+    /// Watches everything under `PREFIX/_fleet/`: the stream yields on
+    /// each change.
+    pub async fn watch(&self) -> Result<WatchStream, FleetError> {
+        let mut client = self.client.clone();
+        timeout(
+            self.rpc,
+            client.watch(self.keys.root(), Some(WatchOptions::new().with_prefix())),
+        )
+        .await
+        .map_err(|_| self.fail("watching the registry", "no answer"))?
+        .map_err(|e| self.fail("watching the registry", e))
     }
 
     /// Whether the fence key of VM `id` is held (some copy runs it).

@@ -1,6 +1,7 @@
 //! The host agent (`kemari-agent`): one per host.
 //!
-//! Every poll (half a second) it
+//! Every poll (half a second), and at once when the registry changes (an
+//! etcd watch), it
 //! 1. keeps its host registered (`PREFIX/_fleet/hosts/NAME`, bound to its
 //!    lease: a dead host disappears within the TTL);
 //! 2. asks each kemari whose API socket lies in its VM folder for its
@@ -39,6 +40,8 @@ use crate::{now_unix, FleetError};
 
 /// How often the agent looks.
 pub const POLL: Duration = Duration::from_millis(500);
+/// The shortest time between two rounds.
+const MIN_GAP: Duration = Duration::from_millis(100);
 /// How long a VM waits for the host ranked before this one, per rank.
 pub const CLAIM_PATIENCE: Duration = Duration::from_secs(5);
 /// A VM record is rewritten at least this often while it runs (its epoch
@@ -177,11 +180,38 @@ pub async fn run(cfg: AgentConfig) -> Result<(), FleetError> {
         slots = agent.cfg.slots,
         "fleet agent: registered"
     );
+    // A change in the registry (a claim, its standby's address, a record)
+    // starts the next round at once; the local VMMs are asked every POLL.
+    let mut watch = None;
     loop {
         if let Err(e) = agent.round().await {
             tracing::warn!(error = %e, "fleet agent: this round failed; trying again");
         }
-        tokio::time::sleep(POLL).await;
+        if watch.is_none() {
+            watch = match agent.store.watch().await {
+                Ok(w) => Some(w),
+                Err(e) => {
+                    tracing::debug!(error = %e, "fleet agent: cannot watch the registry; polling");
+                    None
+                }
+            };
+        }
+        let rest = tokio::time::sleep(POLL);
+        match &mut watch {
+            Some(stream) => {
+                tokio::select! {
+                    _ = rest => {}
+                    changed = stream.message() => {
+                        if !matches!(changed, Ok(Some(_))) {
+                            watch = None;
+                        }
+                        // Changes come in bursts (a round writes too).
+                        tokio::time::sleep(MIN_GAP).await;
+                    }
+                }
+            }
+            None => rest.await,
+        }
     }
 }
 
