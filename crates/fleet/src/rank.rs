@@ -4,7 +4,8 @@
 //!
 //! Rules, in order:
 //! 1. never the VM's primary host, and only hosts holding the primary's
-//!    migration key (same key id) with a free standby slot;
+//!    migration key (same key id) with a free standby slot and at least
+//!    the guest's memory free;
 //! 2. the host that just lost the VM (its last failover's `from`) comes
 //!    last: whatever killed the VM there may strike again;
 //! 3. more free slots first, then the name (free memory is shown, not
@@ -21,7 +22,12 @@ pub fn candidates<'h>(hosts: &'h [HostRecord], vm: &VmRecord) -> Vec<&'h HostRec
     let lost_on = vm.last_failover.as_ref().map(|f| f.from.as_str());
     let mut eligible: Vec<&HostRecord> = hosts
         .iter()
-        .filter(|h| h.name != vm.primary && h.key_id == primary.key_id && h.free_slots() > 0)
+        .filter(|h| {
+            h.name != vm.primary
+                && h.key_id == primary.key_id
+                && h.free_slots() > 0
+                && vm.memory_bytes.is_none_or(|m| h.free_memory_bytes >= m)
+        })
         .collect();
     eligible.sort_by(|a, b| {
         (Some(a.name.as_str()) == lost_on)
@@ -64,6 +70,7 @@ mod tests {
             state: "failed_over".into(),
             epoch: 0,
             syncs_per_s: 0.0,
+            memory_bytes: None,
             since_unix: 0,
             failovers: 0,
             last_failover: lost_on.map(|f| Failover {
@@ -96,6 +103,12 @@ mod tests {
         assert_eq!(position(&hosts, &vm("h0", None), "h0"), None);
         // An unregistered primary: nobody (its key is unknown).
         assert!(names(&hosts, &vm("gone", None)).is_empty());
+        // A guest larger than a host's free memory does not go there.
+        let mut big = vm("h0", None);
+        big.memory_bytes = Some(2 << 30);
+        assert!(names(&hosts, &big).is_empty());
+        big.memory_bytes = Some(1 << 30);
+        assert_eq!(names(&hosts, &big), ["h3"]);
     }
 
     #[test]

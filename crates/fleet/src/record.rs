@@ -74,6 +74,9 @@ pub struct VmRecord {
     pub epoch: u64,
     /// Synchronizations per second.
     pub syncs_per_s: f64,
+    /// The guest's memory: a standby's host needs this much free.
+    #[serde(default)]
+    pub memory_bytes: Option<u64>,
     /// Runs on `primary` since (Unix seconds).
     pub since_unix: u64,
     /// Failovers seen by the registry.

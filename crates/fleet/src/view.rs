@@ -261,6 +261,7 @@ mod tests {
             state: state.into(),
             epoch: 42,
             syncs_per_s: 12.34,
+            memory_bytes: Some(1 << 30),
             since_unix: 1_764_140_947,
             failovers: 1,
             last_failover: Some(Failover {

@@ -49,6 +49,8 @@ pub struct FtView {
     pub failovers: u64,
     /// Its last failover's time, ms.
     pub failover_ms: Option<u64>,
+    /// The guest's memory (`GET /vm`), for a VM that runs.
+    pub memory_bytes: Option<u64>,
 }
 
 impl FtView {
@@ -62,6 +64,7 @@ impl FtView {
             syncs_per_s: v["syncs_per_s"].as_f64().unwrap_or(0.0),
             failovers: v["failovers"].as_u64().unwrap_or(0),
             failover_ms: v["failover_ms"].as_u64(),
+            memory_bytes: None,
         })
     }
 
@@ -105,7 +108,14 @@ fn ask(socket: &Path) -> Seen {
     use kemari_api::client::{request_with_timeout, ClientError};
     match request_with_timeout(socket, "GET", "/vm/ft", None, ASK_TIMEOUT) {
         Ok(v) => match FtView::parse(&v) {
-            Some(f) => Seen::Ft(f),
+            Some(mut f) => {
+                if !f.is_standby() {
+                    f.memory_bytes = request_with_timeout(socket, "GET", "/vm", None, ASK_TIMEOUT)
+                        .ok()
+                        .and_then(|i| i["memory_bytes"].as_u64());
+                }
+                Seen::Ft(f)
+            }
             None => Seen::Silent(format!("unexpected answer: {v}")),
         },
         Err(ClientError::Connect { source, .. })

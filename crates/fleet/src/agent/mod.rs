@@ -486,6 +486,7 @@ impl Agent {
             state: ft.state.clone(),
             epoch: ft.epoch,
             syncs_per_s: ft.syncs_per_s,
+            memory_bytes: ft.memory_bytes.or(old.and_then(|o| o.memory_bytes)),
             since_unix: since,
             failovers,
             last_failover,
