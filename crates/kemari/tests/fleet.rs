@@ -295,6 +295,40 @@ fn a_killed_primary_is_re_protected_on_the_third_host_twice() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+#[test]
+#[cfg_attr(
+    any(no_etcd, no_etcdctl, no_openssl),
+    ignore = "needs etcd + etcdctl (Debian etcd-server, etcd-client) and openssl"
+)]
+fn kemarictl_fleet_reads_a_registry_over_tls() {
+    let dir = scratch("fleet-tls");
+    let etcd = EtcdCluster::start_tls(&dir, 1);
+    let fence = etcd.fence(PREFIX, TTL_S);
+    let record = r#"{"id":"tls-vm","primary":"h7","standby":"h8","state":"protected","epoch":5,"syncs_per_s":1.0,"since_unix":1,"updated_unix":1}"#;
+    assert!(etcd
+        .ctl(&["put", &format!("{PREFIX}/_fleet/vms/tls-vm"), record])
+        .is_some());
+    let out = run_with_timeout(
+        Command::new(bin("kemarictl")).args(["fleet", "--etcd", &fence]),
+        Duration::from_secs(60),
+    );
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    let cells: Vec<&str> = table
+        .lines()
+        .find(|l| l.starts_with("tls-vm"))
+        .unwrap_or_else(|| panic!("{table}"))
+        .split_whitespace()
+        .collect();
+    // No agent of h7 is registered: the table says so.
+    assert_eq!(
+        &cells[..5],
+        ["tls-vm", "h7", "h8", "host-lost", "5"],
+        "{table}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Runs headless Chromium on `url` with `args`; its stdout.
 fn chromium(args: &[&str], url: &str) -> Vec<u8> {
     let out = run_with_timeout(
@@ -411,6 +445,28 @@ fn kemarictl_fleet_says_when_etcd_cannot_be_reached() {
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("is not an etcd fence"),
         "{out:?}"
+    );
+    // The agent names what it is missing, in its terms.
+    let out = run_with_timeout(
+        Command::new(bin("kemari-agent")).args([
+            "--etcd",
+            &format!("etcd://127.0.0.1:{port}"),
+            "--host-name",
+            "h0",
+            "--address",
+            "127.0.0.1",
+            "--vm-dir",
+            "/tmp",
+            "--key-file",
+            "/nonexistent/kemari-key",
+        ]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("migration key file /nonexistent/kemari-key"),
+        "{err}"
     );
     // Every other command still needs a socket, and says so.
     let out = run_with_timeout(
