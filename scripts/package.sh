@@ -38,10 +38,10 @@ if dpkg -s kemari >/dev/null 2>&1; then
 fi
 trap 'dpkg -r kemari >/dev/null 2>&1 || true' EXIT
 dpkg -i "$deb"
-for bin in kemari kemarictl kemari-nbd; do
+for bin in kemari kemarictl kemari-agent kemari-nbd; do
   /usr/bin/$bin --version
 done
-for page in kemari kemarictl kemari-nbd kemarictl-migrate kemari-nbd-proxy; do
+for page in kemari kemarictl kemari-agent kemari-nbd kemarictl-migrate kemarictl-fleet kemari-nbd-proxy; do
   man -w "$page" >/dev/null
 done
 page=$(man kemari 2>/dev/null)

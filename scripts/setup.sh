@@ -17,6 +17,7 @@ packages=(
   protobuf-compiler                    # protoc: the etcd client's gRPC code (etcd-client crate)
   etcd-server etcd-client              # the etcd fence's tests: a 3-member cluster, etcdctl
   resource-agents libxml2-utils        # ocf-tester, ocf-shellfuncs, xmllint: the Pacemaker agent's test
+  chromium                             # the fleet page's test: headless screenshot and DOM
 )
 missing=()
 for p in "${packages[@]}"; do

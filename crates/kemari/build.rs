@@ -10,5 +10,6 @@ fn main() {
         Need::Tool("etcdctl"),
         Need::Tool("ocf-tester"),
         Need::Tool("openssl"),
+        Need::Tool("chromium"),
     ]);
 }

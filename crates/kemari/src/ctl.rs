@@ -10,9 +10,10 @@ use clap::{Parser, Subcommand};
 #[derive(Debug, Parser)]
 #[command(name = "kemarictl", version)]
 pub struct Cli {
-    /// The VMM's API socket (kemari --api-socket).
+    /// The VMM's API socket (kemari --api-socket); every command but
+    /// `fleet` needs it.
     #[arg(long, short = 's', env = "KEMARI_API_SOCKET")]
-    pub api_socket: PathBuf,
+    pub api_socket: Option<PathBuf>,
     /// Start a long operation and return at once (its id and state) instead
     /// of following it to its end.
     #[arg(long, global = true)]
@@ -113,6 +114,18 @@ pub enum Command {
     /// Follow the VM's events (started, paused, resumed, shutdown, reset,
     /// crashed, operation_*, ft_*): one JSON line each, until the VMM ends.
     Events,
+    /// The fleet, read from etcd (kemari-agent's registry): every VM, its
+    /// primary and standby hosts, state, epoch, sync rate, since when, last
+    /// failover. Needs no API socket.
+    Fleet {
+        /// The etcd cluster and prefix, as the VMs' --ft-fence
+        /// (etcd://HOST:PORT[,HOST:PORT…][/PREFIX][?…]).
+        #[arg(long, env = "KEMARI_ETCD")]
+        etcd: String,
+        /// JSON (VMs and hosts) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]

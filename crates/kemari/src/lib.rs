@@ -4,6 +4,7 @@
 //! [`api`].
 
 pub use kemari_api as api;
+pub mod agent_cli;
 pub mod cli;
 pub mod controller;
 pub mod ctl;

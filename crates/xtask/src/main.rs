@@ -1,12 +1,13 @@
 //! Build-time tasks, never shipped (scripts/package.sh runs them):
 //!
 //! ```text
-//! cargo run -p xtask -- man DIR          # DIR/*.1: kemari, kemarictl, kemari-nbd and their subcommands
+//! cargo run -p xtask -- man DIR          # DIR/*.1: kemari, kemarictl, kemari-agent, kemari-nbd and their subcommands
 //! cargo run -p xtask -- completions DIR  # DIR/{bash,zsh,fish}/: their shell completions
 //! ```
 //!
 //! Both are rendered from the binaries' own clap definitions
-//! (`kemari::cli::Args`, `kemari::ctl::Cli`, `kemari_nbd::cli::Cli`), so
+//! (`kemari::cli::Args`, `kemari::ctl::Cli`, `kemari::agent_cli::Args`,
+//! `kemari_nbd::cli::Cli`), so
 //! they say what the flags are, never what they were.
 
 mod man;
@@ -50,10 +51,11 @@ pub struct WriteError {
 }
 
 /// The shipped binaries' command lines.
-fn commands() -> [clap::Command; 3] {
+fn commands() -> [clap::Command; 4] {
     [
         kemari::cli::Args::command(),
         kemari::ctl::Cli::command(),
+        kemari::agent_cli::Args::command(),
         kemari_nbd::cli::Cli::command(),
     ]
 }

@@ -48,7 +48,16 @@ fn extra_sections(name: &str) -> Vec<(&'static str, Vec<String>)> {
             ),
             see_also(&["kemarictl", "kemari-nbd"]),
         ],
-        "kemarictl" => vec![see_also(&["kemari", "kemari-nbd"])],
+        "kemarictl" => vec![see_also(&["kemari", "kemari-agent", "kemari-nbd"])],
+        "kemari-agent" => vec![
+            (
+                "ENVIRONMENT",
+                vec![
+                    "KEMARI_ETCD: --etcd. KEMARI_LOG: the log filter (--log-level).".into(),
+                ],
+            ),
+            see_also(&["kemari", "kemarictl"]),
+        ],
         "kemari-nbd" => vec![
             (
                 "ENVIRONMENT",
@@ -147,6 +156,8 @@ mod tests {
         assert!(page("kemarictl-migrate").contains("--max-downtime-ms"));
         assert!(page("kemarictl-ft-start").contains("--peer"));
         assert!(page("kemari-nbd-proxy").contains("--upstream"));
+        assert!(page("kemari-agent").contains("--standby-args"));
+        assert!(page("kemarictl-fleet").contains("--etcd"));
         // Hidden subcommands (benchmark helpers) get none.
         assert!(!dir.join("kemari-nbd-relay.1").exists());
         std::fs::remove_dir_all(&dir).unwrap();

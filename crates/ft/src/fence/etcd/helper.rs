@@ -342,7 +342,7 @@ impl<'a> Etcd<'a> {
 }
 
 /// The TLS configuration of `tls`, its files read now.
-fn tls_options(tls: &EtcdTls) -> Result<TlsOptions, String> {
+pub fn tls_options(tls: &EtcdTls) -> Result<TlsOptions, String> {
     let read = |p: &std::path::Path| {
         std::fs::read(p).map_err(|e| format!("TLS file {}: {e}", p.display()))
     };

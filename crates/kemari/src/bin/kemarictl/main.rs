@@ -90,6 +90,7 @@ fn action(command: Command) -> ApiRequest {
             command: Some(OperationCommand::Cancel),
         } => ApiRequest::OperationCancel,
         Command::Events => ApiRequest::Events,
+        Command::Fleet { .. } => unreachable!("`fleet` asks etcd, not a VMM (main)"),
     }
 }
 
@@ -142,8 +143,43 @@ fn follow_events(socket: &std::path::Path) -> ExitCode {
     }
 }
 
+/// `kemarictl fleet`: the registry as a table or JSON.
+fn fleet(etcd: &str, json: bool) -> ExitCode {
+    let shown = ft::fence::etcd::EtcdSpec::parse(etcd)
+        .map_err(|e| format!("--etcd: {e}"))
+        .and_then(|spec| fleet::store::read_once(&spec).map_err(|e| e.to_string()))
+        .map(|snap| fleet::view::fleet(&snap))
+        .map(|f| {
+            if json {
+                serde_json::to_string_pretty(&f).unwrap_or_default()
+            } else {
+                fleet::view::table(&f).trim_end().to_owned()
+            }
+        });
+    match shown {
+        Ok(text) => match kemari_logging::stdout::line(&text) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kemarictl: cannot write the fleet: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Err(e) => {
+            eprintln!("kemarictl: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Command::Fleet { etcd, json } = &cli.command {
+        return fleet(etcd, *json);
+    }
+    let Some(api_socket) = cli.api_socket.clone() else {
+        eprintln!("kemarictl: give the VMM's API socket (--api-socket PATH, or KEMARI_API_SOCKET)");
+        return ExitCode::from(2);
+    };
     let follow_op = matches!(
         cli.command,
         Command::Operation {
@@ -152,12 +188,12 @@ fn main() -> ExitCode {
     );
     let request = action(cli.command);
     if request == ApiRequest::Events {
-        return follow_events(&cli.api_socket);
+        return follow_events(&api_socket);
     }
     let answer = if (request.is_operation() && !cli.detach) || follow_op {
-        run_following(&cli.api_socket, &request)
+        run_following(&api_socket, &request)
     } else {
-        call(&cli.api_socket, &request).map_err(|e| e.to_string())
+        call(&api_socket, &request).map_err(|e| e.to_string())
     };
     match answer {
         Ok(v) => {
