@@ -6,6 +6,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::helper_process::fork_helper;
 use super::FenceError;
 
 /// Runs the STONITH-style fence command (`sh -c`), waiting up to `patience`;
@@ -56,28 +57,7 @@ impl FenceCommand {
     /// Forks the helper for `command`. Call it while the process has one
     /// thread (the child runs Rust code after the fork).
     pub fn start(command: &str) -> std::io::Result<FenceCommand> {
-        let (ours, theirs) = UnixStream::pair()?;
-        let parent = std::process::id() as libc::pid_t;
-        // SAFETY: the caller has one thread, so the child's copy of the
-        // address space holds no lock another thread took; it never returns
-        // from this function (it ends in _exit).
-        let pid = unsafe { libc::fork() };
-        if pid < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        if pid == 0 {
-            drop(ours);
-            // SAFETY: prctl and getppid take no memory of ours.
-            let orphan = unsafe {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                libc::getppid() != parent
-            };
-            if !orphan {
-                serve_fence_requests(command, theirs);
-            }
-            // SAFETY: ends the helper without running the parent's exit code.
-            unsafe { libc::_exit(0) };
-        }
+        let ours = fork_helper(|theirs| serve_fence_requests(command, theirs))?;
         Ok(FenceCommand {
             command: command.to_owned(),
             helper: Arc::new(Mutex::new(ours)),

@@ -16,6 +16,7 @@
 pub mod command;
 pub mod etcd;
 pub mod file;
+mod helper_process;
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;

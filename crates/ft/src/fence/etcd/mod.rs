@@ -35,6 +35,7 @@ use vmm::output::OutputFence;
 use self::deadline::LeaseDeadline;
 pub use self::spec::EtcdSpec;
 use self::wire::{Purpose, Report, Request};
+use super::helper_process::fork_helper;
 use super::FenceError;
 
 /// The VMM's end of its etcd helper process, ready to take the key of one
@@ -54,28 +55,7 @@ impl EtcdFence {
     /// `stop` ends a wait for the key (a SIGTERM to a waiting standby).
     pub fn start(spec: &EtcdSpec, id: &str, stop: Arc<AtomicBool>) -> std::io::Result<EtcdFence> {
         let key = spec.key(id);
-        let (ours, theirs) = UnixStream::pair()?;
-        let parent = std::process::id() as libc::pid_t;
-        // SAFETY: the caller has one thread, so the child's copy of the
-        // address space holds no lock another thread took; it never returns
-        // from this function (it ends in _exit).
-        let pid = unsafe { libc::fork() };
-        if pid < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        if pid == 0 {
-            drop(ours);
-            // SAFETY: prctl and getppid take no memory of ours.
-            let orphan = unsafe {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-                libc::getppid() != parent
-            };
-            if !orphan {
-                helper::serve(spec, &key, theirs);
-            }
-            // SAFETY: ends the helper without running the parent's exit code.
-            unsafe { libc::_exit(0) };
-        }
+        let ours = fork_helper(|theirs| helper::serve(spec, &key, theirs))?;
         Ok(EtcdFence {
             spec: spec.clone(),
             key,
