@@ -445,7 +445,7 @@ esac
 if [ -n "${JSON:-}" ]; then
     params=$(python3 -c "import json,sys; print(json.dumps({'mode': sys.argv[1], 'secs': int(sys.argv[2]), 'rounds': int(sys.argv[3]), 'wan_secs': int(sys.argv[4]), 'loop_cases': sys.argv[5].split('|'), 'loop_size_mb': int(sys.argv[6])}))" \
         "$MODE" "$SECS" "$ROUNDS" "$WAN_SECS" "$LOOP_CASES" "$LOOP_SIZE_MB")
-    cmd="SECS=$SECS ROUNDS=$ROUNDS WAN_SECS=$WAN_SECS crates/nbd/bench/run.sh $MODE"
+    cmd="JSON=$JSON SECS=$SECS ROUNDS=$ROUNDS WAN_SECS=$WAN_SECS crates/nbd/bench/run.sh $MODE"
     if [ "$JSON" = - ]; then
         python3 "$HERE/to_json.py" "$WORK" - "$cmd" "$STARTED" "$params" $LOOP_NAMES >&3
     else
