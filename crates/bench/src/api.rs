@@ -19,6 +19,8 @@ use kemari::api::client::{request_to_end, request_with_timeout};
 use kemari::api::latency::{probe, ProbeOptions};
 
 use crate::procs::{wait_listening, Scratch, Vmm};
+use crate::report::{Report, Table};
+use serde_json::json;
 
 /// Options of `kemari-bench api`.
 #[derive(Debug, Args)]
@@ -62,13 +64,30 @@ fn ms(d: Duration) -> f64 {
 }
 
 /// Runs both measurements and prints their tables.
-pub fn run(args: &ApiBenchArgs, kemari: &Path) -> Result<(), String> {
+pub fn run(args: &ApiBenchArgs, kemari: &Path, report: &mut Report) -> Result<(), String> {
+    report.param("idle", args.idle);
+    report.param("slow", args.slow);
+    report.param("requests", args.requests);
+    report.param("memory", args.memory.as_str());
+    report.param("in_use_mib", args.in_use_mib);
     let mut scratch = Scratch::create(&args.work_dir, 0).map_err(|e| e.to_string())?;
-    idle_and_slow(args, kemari, &scratch)?;
-    during_migration(args, kemari, &mut scratch)
+    let mut table = Table::new(
+        "control API answer times, ms",
+        &["request", "while", "p50", "p99", "max", "answers"],
+    );
+    let idle = idle_and_slow(args, kemari, &scratch, &mut table)?;
+    report.run(idle);
+    let result = during_migration(args, kemari, &mut scratch, &mut table, report);
+    report.table(table);
+    result
 }
 
-fn idle_and_slow(args: &ApiBenchArgs, kemari: &Path, scratch: &Scratch) -> Result<(), String> {
+fn idle_and_slow(
+    args: &ApiBenchArgs,
+    kemari: &Path,
+    scratch: &Scratch,
+    table: &mut Table,
+) -> Result<serde_json::Value, String> {
     let sock = scratch.path("idle.sock");
     let mut cmd = kemari_cmd(kemari);
     cmd.arg("--kernel")
@@ -96,6 +115,18 @@ fn idle_and_slow(args: &ApiBenchArgs, kemari: &Path, scratch: &Scratch) -> Resul
         &ProbeOptions::new(args.idle, args.slow, args.requests),
     )
     .map_err(|e| e.to_string())?;
+    table.row(vec![
+        "GET /vm".into(),
+        format!(
+            "{} idle connections, {} slow client(s)",
+            report.idle_opened, args.slow
+        )
+        .into(),
+        ms(report.p50).into(),
+        ms(report.p99).into(),
+        ms(report.max).into(),
+        report.answered.into(),
+    ]);
     println!(
         "GET /vm behind {} idle connections and {} client(s) at 1 byte/s: p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms ({} answered, {} failed)",
         report.idle_opened,
@@ -108,13 +139,18 @@ fn idle_and_slow(args: &ApiBenchArgs, kemari: &Path, scratch: &Scratch) -> Resul
     );
     let _ = request_with_timeout(&sock, "PUT", "/vm/shutdown", None, Duration::from_secs(5));
     vmm.wait_exit(Duration::from_secs(10));
-    Ok(())
+    let mut raw = serde_json::to_value(&report).unwrap_or_default();
+    raw["request"] = "GET /vm".into();
+    raw["while"] = "idle connections and slow clients".into();
+    Ok(raw)
 }
 
 fn during_migration(
     args: &ApiBenchArgs,
     kemari: &Path,
     scratch: &mut Scratch,
+    table: &mut Table,
+    report: &mut Report,
 ) -> Result<(), String> {
     let size = vmm::config::parse_size(&args.memory).map_err(|e| e.to_string())?;
     let memfile = scratch.shm_file("api-src");
@@ -191,16 +227,35 @@ fn during_migration(
         info.push(t.elapsed());
         std::thread::sleep(Duration::from_millis(10));
     }
-    let report = migration
+    let migrated = migration
         .join()
         .map_err(|_| "the migration thread panicked".to_string())??;
+    let total_ms = migrated["total_ms"].as_f64().unwrap_or(0.0);
     for (what, mut v) in [("GET /vm/migration", progress), ("GET /vm", info)] {
+        report.run(json!({
+            "request": what,
+            "while": "live migration",
+            "migration_total_ms": total_ms,
+            "ms": v.iter().map(|d| ms(*d)).collect::<Vec<_>>(),
+        }));
         v.sort_unstable();
+        table.row(vec![
+            what.into(),
+            format!(
+                "live migration of {} ({} MiB in use, {total_ms:.0} ms)",
+                args.memory, args.in_use_mib
+            )
+            .into(),
+            ms(percentile(&v, 0.5)).into(),
+            ms(percentile(&v, 0.99)).into(),
+            ms(v.last().copied().unwrap_or_default()).into(),
+            v.len().into(),
+        ]);
         println!(
             "{what} during a live migration of {} ({} MiB in use, total {:.0} ms): p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms ({} answers)",
             args.memory,
             args.in_use_mib,
-            report["total_ms"].as_f64().unwrap_or(0.0),
+            total_ms,
             ms(percentile(&v, 0.5)),
             ms(percentile(&v, 0.99)),
             ms(v.last().copied().unwrap_or_default()),

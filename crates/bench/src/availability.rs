@@ -10,7 +10,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::cell::RefCell;
+
+use serde_json::json;
+
 use super::ops::{self, Env, Op, OpError, QemuLocalMode, Sample, Workload};
+use super::report::{Report, Table};
 
 /// What to measure.
 #[derive(Debug, Clone)]
@@ -155,7 +160,7 @@ fn ms(d: Duration) -> f64 {
 }
 
 /// Runs the benchmark and prints its tables.
-pub fn run(opts: &Options) -> Result<(), AvailabilityError> {
+pub fn run(opts: &Options, report: &mut Report) -> Result<(), AvailabilityError> {
     if opts.memory.is_empty() || opts.ops.is_empty() {
         return Err(AvailabilityError::Empty("no memory size or operation"));
     }
@@ -179,6 +184,17 @@ pub fn run(opts: &Options) -> Result<(), AvailabilityError> {
     if rates.is_empty() {
         rates.push(0);
     }
+    report.param("memory", opts.memory.clone());
+    report.param("rates", rates.clone());
+    report.param(
+        "ops",
+        opts.ops.iter().map(|o| o.label()).collect::<Vec<_>>(),
+    );
+    report.param("runs", opts.runs);
+    report.param("period_ms", opts.period.as_millis() as u64);
+    report.param("working_set_mib", opts.working_set_mib);
+    report.param("in_use_mib", opts.env.in_use_mib);
+    report.param("plaintext_link", opts.env.plaintext_link);
     let mut cells = Vec::new();
     for &op in &opts.ops {
         let op_rates: &[u64] = if op.takes_dirty_rates() { &rates } else { &[0] };
@@ -238,6 +254,32 @@ pub fn run(opts: &Options) -> Result<(), AvailabilityError> {
                     attempt = measure(&opts.env, cell.op, mem, &w, seq, local_mode);
                 }
             }
+            let mut raw = json!({
+                "run": run,
+                "op": op_id(cell.op),
+                "operation": label(cell.op, local_mode),
+                "memory": mem,
+                "dirty_rate": cell.rate,
+            });
+            match &attempt {
+                Ok(s) => {
+                    raw["downtime_ms"] = ms(s.downtime).into();
+                    raw["resolution_ms"] = ms(s.resolution).into();
+                    raw["total_ms"] = ms(s.total).into();
+                    raw["mid_line"] = s.mid_line.into();
+                    raw["reported_downtime_ms"] = s.reported_downtime_ms.into();
+                    raw["bytes"] = s.bytes.into();
+                    raw["dirty_seen"] = s.dirty_seen.into();
+                    raw["phases_ms"] = s
+                        .phases
+                        .iter()
+                        .map(|(n, d)| json!([n, ms(*d)]))
+                        .collect::<Vec<_>>()
+                        .into();
+                }
+                Err(e) => raw["error"] = e.to_string().into(),
+            }
+            report.run(raw);
             match attempt {
                 Ok(s) => {
                     eprintln!(
@@ -287,8 +329,63 @@ pub fn run(opts: &Options) -> Result<(), AvailabilityError> {
         }
     }
     print_tables(opts, &rates, &results, local_mode, refused.as_deref());
-    print_goals(opts, &rates, &results, local_mode);
+    report.table(summary_table(opts, &rates, &results, local_mode));
+    for line in print_goals(opts, &rates, &results, local_mode) {
+        report.note(line);
+    }
     Ok(())
+}
+
+/// The operation's name on the command line (`zero-copy`, `qemu-local-copy`).
+fn op_id(op: Op) -> String {
+    use clap::ValueEnum;
+    op.to_possible_value()
+        .map_or_else(|| format!("{op:?}"), |v| v.get_name().to_owned())
+}
+
+/// The medians of every cell, one row per cell (the `--json` summary).
+fn summary_table(opts: &Options, rates: &[u64], r: &Results, local_mode: QemuLocalMode) -> Table {
+    let mut t = Table::new(
+        "whole-VM operations: guest-visible downtime and total time, ms (median)",
+        &[
+            "op",
+            "operation",
+            "dirty/s",
+            "memory",
+            "downtime",
+            "total",
+            "reported downtime",
+            "MB sent",
+            "runs",
+            "failed",
+        ],
+    );
+    for &op in &opts.ops {
+        let op_rates: &[u64] = if op.takes_dirty_rates() { rates } else { &[0] };
+        for &rate in op_rates {
+            for (mem, name) in opts.memory.iter().enumerate() {
+                let c = Cell { op, rate, mem };
+                let n = r.samples.get(&c).map_or(0, Vec::len);
+                let failed = r.failures.get(&c).map_or(0, Vec::len);
+                if n == 0 && failed == 0 {
+                    continue;
+                }
+                t.row(vec![
+                    op_id(op).into(),
+                    label(op, local_mode).into(),
+                    rate.into(),
+                    name.as_str().into(),
+                    r.downtime(c).map(ms).into(),
+                    r.total(c).map(ms).into(),
+                    r.reported(c).into(),
+                    r.bytes(c).map(|b| b as f64 / 1e6).into(),
+                    n.into(),
+                    failed.into(),
+                ]);
+            }
+        }
+    }
+    t
 }
 
 /// Pause between two measurements.
@@ -482,7 +579,18 @@ fn verdict(text: &str, goal: f64, at_least: bool) -> &'static str {
     }
 }
 
-fn print_goals(opts: &Options, rates: &[u64], r: &Results, local_mode: QemuLocalMode) {
+fn print_goals(
+    opts: &Options,
+    rates: &[u64],
+    r: &Results,
+    local_mode: QemuLocalMode,
+) -> Vec<String> {
+    let goals = RefCell::new(Vec::new());
+    // Prints a goal line and keeps it for the `--json` notes.
+    let say = |text: String| {
+        println!("  {text}");
+        goals.borrow_mut().push(text);
+    };
     let period = opts.period;
     let (small, large) = (0, opts.memory.len() - 1);
     let has = |op: Op| opts.ops.contains(&op);
@@ -504,7 +612,7 @@ fn print_goals(opts: &Options, rates: &[u64], r: &Results, local_mode: QemuLocal
             (Some(n), Some(d)) => format!(" ({:.2} / {:.2} ms)", ms(n), ms(d)),
             _ => String::new(),
         };
-        println!("  {what}: {text}{figures}, goal {cmp} {goal}x: {v}");
+        say(format!("{what}: {text}{figures}, goal {cmp} {goal}x: {v}"));
     };
     if large > small {
         let (ms_, ml) = (&opts.memory[small], &opts.memory[large]);
@@ -593,10 +701,10 @@ fn print_goals(opts: &Options, rates: &[u64], r: &Results, local_mode: QemuLocal
                     }
                     _ => String::new(),
                 };
-                println!(
-                    "  kemari pre-copy vs qemu copying migration: bytes, {name}, dirty {rate}/s: {text}{figures}, goal <= 1.1x: {}",
+                say(format!(
+                    "kemari pre-copy vs qemu copying migration: bytes, {name}, dirty {rate}/s: {text}{figures}, goal <= 1.1x: {}",
                     verdict(&text, 1.1, false)
-                );
+                ));
             }
         }
     }
@@ -645,6 +753,7 @@ fn print_goals(opts: &Options, rates: &[u64], r: &Results, local_mode: QemuLocal
             }
         }
     }
+    goals.into_inner()
 }
 
 #[cfg(test)]

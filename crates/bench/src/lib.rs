@@ -9,6 +9,7 @@
 //! - [`console`]: guest console lines timestamped on the host, downtime;
 //! - [`procs`]: child processes and scratch files, cleaned up on drop;
 //! - [`qmp`]: a small QMP client for QEMU;
+//! - [`report`]: the `--json` results every bench can write;
 //! - [`state_codec`]: encode and decode of a saved VM state.
 
 /// QEMU's `-cpu` for the side-by-side runs: the host CPU without
@@ -26,4 +27,5 @@ pub mod memory_image;
 pub mod ops;
 pub mod procs;
 pub mod qmp;
+pub mod report;
 pub mod state_codec;

@@ -15,6 +15,8 @@
 //! `kemari-bench state-codec`: encode and decode of a real saved VM state
 //! (`kemari_bench::state_codec`); `kemari-bench memory-image`: a snapshot's
 //! memory image restored with and without its checksums.
+//!
+//! Every subcommand takes `--json FILE|-` (`kemari_bench::report`).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -22,6 +24,8 @@ use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
+use kemari_bench::report::{Report, Sink, Table};
+use serde_json::json;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -32,6 +36,10 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Bench,
+    /// Also write the results as JSON to FILE (`-`: to standard output, the
+    /// text then goes to standard error); `scripts/bench-report` reads them.
+    #[arg(long, global = true, value_name = "FILE|-")]
+    json: Option<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -87,18 +95,51 @@ enum Bench {
 }
 
 fn main() -> ExitCode {
-    match Cli::parse().command {
+    let cli = Cli::parse();
+    let sink = match Sink::open(cli.json.as_deref()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kemari-bench: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let mut report = Report::new(cli.command.name());
+    let result = run(cli.command, &mut report);
+    if let Err(e) = result {
+        eprintln!("kemari-bench: {e}");
+        return ExitCode::from(1);
+    }
+    match sink.write(&report) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kemari-bench: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+impl Bench {
+    /// The subcommand's name, as typed.
+    fn name(&self) -> &'static str {
+        match self {
+            Bench::Boot { .. } => "boot",
+            Bench::DirtyHarvest { .. } => "dirty-harvest",
+            Bench::Availability(_) => "availability",
+            Bench::Ft(_) => "ft",
+            Bench::Api(_) => "api",
+            Bench::StateCodec(_) => "state-codec",
+            Bench::MemoryImage(_) => "memory-image",
+        }
+    }
+}
+
+fn run(bench: Bench, report: &mut Report) -> Result<(), String> {
+    match bench {
         Bench::DirtyHarvest {
             memory,
             pages,
             rounds,
-        } => match dirty::harvest_bench(&memory, pages, rounds.max(1)) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("kemari-bench: {e}");
-                ExitCode::from(1)
-            }
-        },
+        } => dirty::harvest_bench(&memory, pages, rounds.max(1), report),
         Bench::Boot {
             kernel,
             cmdline,
@@ -108,51 +149,27 @@ fn main() -> ExitCode {
             qemu,
         } => {
             let kemari = kemari.unwrap_or_else(|| sibling("kemari"));
-            match boot_bench(&kernel, &cmdline, &memory, runs.max(1), &kemari, &qemu) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("kemari-bench: {e}");
-                    ExitCode::from(1)
-                }
-            }
+            boot_bench(
+                &kernel,
+                &cmdline,
+                &memory,
+                runs.max(1),
+                &kemari,
+                &qemu,
+                report,
+            )
         }
-        Bench::Ft(args) => match kemari_bench::ft::run(&args, sibling("kemari")) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("kemari-bench: {e}");
-                ExitCode::from(1)
-            }
-        },
-        Bench::Api(args) => match kemari_bench::api::run(&args, &sibling("kemari")) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("kemari-bench: {e}");
-                ExitCode::from(1)
-            }
-        },
-        Bench::StateCodec(args) => match kemari_bench::state_codec::run(&args) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("kemari-bench: {e}");
-                ExitCode::from(1)
-            }
-        },
-        Bench::MemoryImage(args) => match kemari_bench::memory_image::run(&args) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("kemari-bench: {e}");
-                ExitCode::from(1)
-            }
-        },
+        Bench::Ft(args) => kemari_bench::ft::run(&args, sibling("kemari"), report),
+        Bench::Api(args) => kemari_bench::api::run(&args, &sibling("kemari"), report),
+        Bench::StateCodec(args) => {
+            kemari_bench::state_codec::run(&args, report).map_err(|e| e.to_string())
+        }
+        Bench::MemoryImage(args) => {
+            kemari_bench::memory_image::run(&args, report).map_err(|e| e.to_string())
+        }
         Bench::Availability(args) => {
             let opts = args.options(sibling("kemari"));
-            match kemari_bench::availability::run(&opts) {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("kemari-bench: {e}");
-                    ExitCode::from(1)
-                }
-            }
+            kemari_bench::availability::run(&opts, report).map_err(|e| e.to_string())
         }
     }
 }
@@ -247,7 +264,15 @@ fn boot_bench(
     runs: usize,
     kemari: &Path,
     qemu: &str,
+    report: &mut Report,
 ) -> Result<(), String> {
+    report.param("kernel", kernel.display().to_string());
+    report.param("memory", memory.to_vec());
+    report.param("runs", runs);
+    let mut table = Table::new(
+        format!("process start to first guest output line, ms (median of {runs} runs)"),
+        &["memory", "kemari", "qemu-microvm", "qemu/kemari"],
+    );
     println!("boot: process start -> first guest output line (median of {runs} runs, ms)");
     println!("kernel: {}", kernel.display());
     println!(
@@ -259,14 +284,23 @@ fn boot_bench(
         let mut k = Vec::new();
         let mut q = Vec::new();
         // Interleave the two so that machine noise hits both alike.
-        for _ in 0..runs {
-            k.push(time_to_first_line(kemari_cmd(
-                kemari, kernel, cmdline, mem,
-            ))?);
-            q.push(time_to_first_line(qemu_cmd(qemu, kernel, cmdline, mem))?);
+        for run in 0..runs {
+            let tk = time_to_first_line(kemari_cmd(kemari, kernel, cmdline, mem))?;
+            let tq = time_to_first_line(qemu_cmd(qemu, kernel, cmdline, mem))?;
+            for (vmm, t) in [("kemari", tk), ("qemu-microvm", tq)] {
+                report.run(json!({ "memory": mem, "run": run, "vmm": vmm, "ms": ms(t) }));
+            }
+            k.push(tk);
+            q.push(tq);
         }
         let (k, q) = (median(k), median(q));
         kemari_medians.push(k);
+        table.row(vec![
+            mem.as_str().into(),
+            ms(k).into(),
+            ms(q).into(),
+            (q.as_secs_f64() / k.as_secs_f64()).into(),
+        ]);
         println!(
             "{:>8} {:>10.1} {:>14.1} {:>11.1}x",
             mem,
@@ -275,13 +309,16 @@ fn boot_bench(
             q.as_secs_f64() / k.as_secs_f64()
         );
     }
+    report.table(table);
     if let (Some(first), Some(last)) = (kemari_medians.first(), kemari_medians.last()) {
-        println!(
+        let line = format!(
             "kemari {} vs {}: {:.2}x",
             memory.last().map(String::as_str).unwrap_or(""),
             memory.first().map(String::as_str).unwrap_or(""),
             last.as_secs_f64() / first.as_secs_f64()
         );
+        println!("{line}");
+        report.note(line);
     }
     Ok(())
 }
@@ -298,6 +335,9 @@ mod dirty {
     use vmm::memory::{GuestMemoryFile, MemoryBacking};
     use vmm::vstate::vcpu::Vcpu;
     use vmm::vstate::vm::Vm;
+
+    use kemari_bench::report::{Report, Table};
+    use serde_json::json;
 
     const PORT: u16 = 0x510;
     const WARMUP: usize = 20;
@@ -401,7 +441,15 @@ mod dirty {
         d.as_secs_f64() * 1e6
     }
 
-    pub fn harvest_bench(memory: &[String], pages: u16, rounds: usize) -> Result<(), String> {
+    pub fn harvest_bench(
+        memory: &[String],
+        pages: u16,
+        rounds: usize,
+        report: &mut Report,
+    ) -> Result<(), String> {
+        report.param("memory", memory.to_vec());
+        report.param("pages", pages);
+        report.param("rounds", rounds);
         let sizes = memory
             .iter()
             .map(|m| parse_size(m).map(|b| (m.as_str(), b)))
@@ -437,9 +485,26 @@ mod dirty {
             }
         }
         let mut rows = Vec::new();
+        let mut table = Table::new(
+            format!("one harvest with {pages} dirty pages, µs (median of {rounds})"),
+            &["memory", "ring", "bitmap", "bitmap/ring"],
+        );
         for (i, &(name, _)) in sizes.iter().enumerate() {
+            for rig in &rigs[2 * i..2 * i + 2] {
+                report.run(json!({
+                    "memory": name,
+                    "kind": format!("{:?}", rig.kind).to_lowercase(),
+                    "us": rig.times.iter().map(|t| us(*t)).collect::<Vec<_>>(),
+                }));
+            }
             let ring = rigs[2 * i].median();
             let bitmap = rigs[2 * i + 1].median();
+            table.row(vec![
+                name.into(),
+                us(ring).into(),
+                us(bitmap).into(),
+                (bitmap.as_secs_f64() / ring.as_secs_f64()).into(),
+            ]);
             println!(
                 "{:>8} {:>10.2} {:>10.2} {:>11.1}x",
                 name,
@@ -449,20 +514,27 @@ mod dirty {
             );
             rows.push((name, ring, bitmap));
         }
+        report.table(table);
         if let (Some(first), Some(last)) = (rows.first(), rows.last()) {
             let flat = last.1.as_secs_f64() / first.1.as_secs_f64();
             let gain = last.2.as_secs_f64() / last.1.as_secs_f64();
-            println!(
-                "ring {} vs {}: {flat:.2}x (goal: <= 1.2x) {}",
-                last.0,
-                first.0,
-                if flat <= 1.2 { "MET" } else { "NOT MET" }
-            );
-            println!(
-                "bitmap/ring at {}: {gain:.1}x (goal: >= 10x) {}",
-                last.0,
-                if gain >= 10.0 { "MET" } else { "NOT MET" }
-            );
+            let lines = [
+                format!(
+                    "ring {} vs {}: {flat:.2}x (goal: <= 1.2x) {}",
+                    last.0,
+                    first.0,
+                    if flat <= 1.2 { "MET" } else { "NOT MET" }
+                ),
+                format!(
+                    "bitmap/ring at {}: {gain:.1}x (goal: >= 10x) {}",
+                    last.0,
+                    if gain >= 10.0 { "MET" } else { "NOT MET" }
+                ),
+            ];
+            for line in lines {
+                println!("{line}");
+                report.note(line);
+            }
         }
         Ok(())
     }

@@ -12,6 +12,9 @@ use std::time::{Duration, Instant};
 use vmm::memory::{GuestMemoryFile, MemoryBacking};
 use vmm::persist::{image_index, memory_image};
 
+use crate::report::{Report, Table};
+use serde_json::json;
+
 /// `kemari-bench memory-image`.
 #[derive(Debug, clap::Args)]
 pub struct MemoryImageArgs {
@@ -59,13 +62,25 @@ fn io(path: &std::path::Path) -> impl Fn(std::io::Error) -> MemoryImageError + '
     }
 }
 
+/// Extents, then the unchecked, checked and CRC-alone times of every run.
+type Measured = (usize, Vec<Duration>, Vec<Duration>, Vec<Duration>);
+
 fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
 }
 
 /// Writes a full image per size, then times checked and unchecked restores.
-pub fn run(args: &MemoryImageArgs) -> Result<(), MemoryImageError> {
+pub fn run(args: &MemoryImageArgs, report: &mut Report) -> Result<(), MemoryImageError> {
+    report.param("memory", args.memory.clone());
+    report.param("runs", args.runs.max(1));
+    let mut table = Table::new(
+        format!(
+            "memory image restore, every page in use, image in the page cache, ms (median of {} runs)",
+            args.runs.max(1)
+        ),
+        &["memory", "extents", "unchecked", "checked", "checked/unchecked", "CRC-32 alone"],
+    );
     println!(
         "memory image restore, every page in use, image in the page cache: median of {} runs, ms",
         args.runs.max(1)
@@ -82,6 +97,23 @@ pub fn run(args: &MemoryImageArgs) -> Result<(), MemoryImageError> {
         let _ = std::fs::remove_dir_all(&dir);
         let (extents, plain, checked, crc) = result?;
         let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        let all = |v: &[Duration]| v.iter().map(|d| ms(*d)).collect::<Vec<_>>();
+        report.run(json!({
+            "memory": text,
+            "extents": extents,
+            "unchecked_ms": all(&plain),
+            "checked_ms": all(&checked),
+            "crc_ms": all(&crc),
+        }));
+        let (plain, checked, crc) = (median(plain), median(checked), median(crc));
+        table.row(vec![
+            text.as_str().into(),
+            extents.into(),
+            ms(plain).into(),
+            ms(checked).into(),
+            (checked.as_secs_f64() / plain.as_secs_f64()).into(),
+            ms(crc).into(),
+        ]);
         println!(
             "  {text:>6} {extents:>10} {:>11.1} {:>11.1} {:>18.3} {:>14.1}",
             ms(plain),
@@ -90,6 +122,7 @@ pub fn run(args: &MemoryImageArgs) -> Result<(), MemoryImageError> {
             ms(crc)
         );
     }
+    report.table(table);
     Ok(())
 }
 
@@ -98,7 +131,7 @@ fn measure(
     image: &std::path::Path,
     index: &std::path::Path,
     runs: usize,
-) -> Result<(usize, Duration, Duration, Duration), MemoryImageError> {
+) -> Result<Measured, MemoryImageError> {
     let mem = GuestMemoryFile::create(size, &MemoryBacking::Memfd)?;
     // Every page different and non-zero.
     let mut chunk = vec![0u8; 1 << 20];
@@ -146,5 +179,5 @@ fn measure(
         }
         crc.push(spent);
     }
-    Ok((extents.len(), median(plain), median(checked), median(crc)))
+    Ok((extents.len(), plain, checked, crc))
 }

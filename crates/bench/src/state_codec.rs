@@ -17,6 +17,9 @@ use vmm::machine::Machine;
 use vmm::persist::format;
 use vmm::vstate::VmEventSink;
 
+use crate::report::{Report, Table};
+use serde_json::json;
+
 /// `kemari-bench state-codec`.
 #[derive(Debug, clap::Args)]
 pub struct StateCodecArgs {
@@ -61,10 +64,21 @@ fn median(mut v: Vec<Duration>) -> Duration {
 
 /// Boots one VM per vCPU count, saves it, and prints the state's size and
 /// the median encode and decode times.
-pub fn run(args: &StateCodecArgs) -> Result<(), StateCodecError> {
+pub fn run(args: &StateCodecArgs, report: &mut Report) -> Result<(), StateCodecError> {
     if !args.guest.exists() {
         return Err(StateCodecError::NoGuest(args.guest.clone()));
     }
+    report.param("vcpus", args.vcpus.clone());
+    report.param("rounds", args.rounds);
+    report.param("format_version", format::FORMAT_VERSION);
+    let mut table = Table::new(
+        format!(
+            "state container v{}: encode and decode of a saved test guest (256M, one disk), µs (median of {})",
+            format::FORMAT_VERSION,
+            args.rounds
+        ),
+        &["vcpus", "bytes", "encode", "decode", "first encode", "first decode"],
+    );
     println!(
         "state container format v{}: encode and decode of a saved test guest (256M, one disk), median of {} µs",
         format::FORMAT_VERSION,
@@ -122,14 +136,32 @@ pub fn run(args: &StateCodecArgs) -> Result<(), StateCodecError> {
             dec.push(t.elapsed());
         }
         let us = |d: Duration| d.as_secs_f64() * 1e6;
+        report.run(json!({
+            "vcpus": vcpus,
+            "bytes": bytes.len(),
+            "first_encode_us": us(cold_encode),
+            "first_decode_us": us(cold_decode),
+            "encode_us": enc.iter().map(|d| us(*d)).collect::<Vec<_>>(),
+            "decode_us": dec.iter().map(|d| us(*d)).collect::<Vec<_>>(),
+        }));
+        let (enc, dec) = (median(enc), median(dec));
+        table.row(vec![
+            vcpus.into(),
+            bytes.len().into(),
+            us(enc).into(),
+            us(dec).into(),
+            us(cold_encode).into(),
+            us(cold_decode).into(),
+        ]);
         println!(
             "  {vcpus:>5} {:>10} {:>10.1} {:>10.1}   first in this VM's turn: {:.1} / {:.1}",
             bytes.len(),
-            us(median(enc)),
-            us(median(dec)),
+            us(enc),
+            us(dec),
             us(cold_encode),
             us(cold_decode)
         );
     }
+    report.table(table);
     Ok(())
 }

@@ -27,7 +27,9 @@
 # ("RW BS QD CONNS|..." to run fewer cases), WAN_SECS (per Table 4
 # case, default 30), WORK (scratch dir, default /tmp/knbd-bench), BIN, BASELINE_BIN (an older
 # kemari-nbd build to add as a fourth loopback column), TABLE4_CASES (default "off on pre"),
-# RELOCATION (0 skips the relocation test).
+# RELOCATION (0 skips the relocation test), JSON (write the results as JSON to
+# this file, "-" for standard output with the text on standard error; the
+# envelope of kemari-bench --json, read by scripts/bench-report).
 set -euo pipefail
 if [ "${NICE:--10}" != 0 ] && [ -z "${KNBD_BENCH_NICED:-}" ]; then
     export KNBD_BENCH_NICED=1
@@ -37,6 +39,9 @@ fi
 HERE=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$HERE/../../.." && pwd)
 MODE=${1:-all}
+STARTED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+export KNBD_LOAD_START=${KNBD_LOAD_START:-$(cut -d' ' -f1-3 /proc/loadavg)}
+if [ "${JSON:-}" = - ]; then exec 3>&1 1>&2; fi
 SECS=${SECS:-4}
 ROUNDS=${ROUNDS:-3}
 WAN_SECS=${WAN_SECS:-30}
@@ -61,6 +66,8 @@ need() { command -v "$1" >/dev/null || { log "missing tool: $1"; exit 2; }; }
 for t in fio nbdkit qemu-nbd nbdcopy qemu-io mkfs.ext4 python3; do need "$t"; done
 if [ ! -x "$BIN" ]; then (cd "$ROOT" && cargo build --release -p kemari-nbd); fi
 mkdir -p "$WORK"
+rm -f "$WORK/proxy.jsonl" "$WORK/wan.jsonl" "$WORK/loop-runs.txt"
+LOOP_NAMES=""
 
 wait_port() { # [netns] port
     local ns=$1 port=$2 i
@@ -154,6 +161,7 @@ loopback() {
     local names=""
     for p in $ports; do names+="$p=${NAME[$p]} "; done
     python3 "$HERE/loop_table.py" "$raw" $names
+    LOOP_NAMES=$names
     [ "${PROXY:-1}" = 1 ] || { stop_all; return 0; }
     log "== proxy fully cached (after cut-over) vs direct target"
     rm -rf "$WORK/loopcache"
@@ -178,6 +186,7 @@ loopback() {
         b=$(printf '%s\n' "${res[@]}" | median_of $P4)
         printf '%-26s %14s %14s %8s\n' "$1 bs=$2 qd=$3" "$a" "$b" \
             "$(python3 -c "print(f'{${b%%/*}/max(1,${a%%/*}):.3f}')")"
+        python3 -c "import json; print(json.dumps({'case': '$2 $1 QD$3', 'target_iops': ${a%%/*}, 'target_mb_s': ${a#*/}, 'proxy_iops': ${b%%/*}, 'proxy_mb_s': ${b#*/}, 'ratio': ${b%%/*} / max(1, ${a%%/*})}))" >> "$WORK/proxy.jsonl"
     done
     stop_all
 }
@@ -287,6 +296,7 @@ wan() {
         --rw=read --bs=1M --iodepth=16 --runtime=10 --time_based --offset=256M --size=512M \
         --output-format=json 2>/dev/null | "$SUM" read)
     log "remote (no proxy): 4k randread QD1 ${remote% *} IOPS, QD16 ${remote16% *} IOPS; 1M seq read QD16 ${seqwan#* } MB/s"
+    echo "{\"job\": \"remote\", \"qd1_iops\": ${remote% *}, \"qd16_iops\": ${remote16% *}, \"seq_mb_s\": ${seqwan#* }}" >> "$WORK/wan.jsonl"
 
     # The paper's workload reads files: random 4 KiB reads of the files' blocks.
     for i in $(seq 1 6); do debugfs -R "blocks /f$i" "$img" 2>/dev/null; done > "$WORK/blocks.txt"
@@ -303,7 +313,7 @@ wan() {
         wait $sp 2>/dev/null || true
         pct=$(status_field "$cache.ctl" cached_percent)
         stop_pid "$pid"
-        python3 - "$name" "$pct" "$r" "$WORK/$name.bytes" <<'PY'
+        python3 - "$name" "$pct" "$r" "$WORK/$name.bytes" "$WORK/wan.jsonl" <<'PY'
 import json, sys
 name, pct, r = sys.argv[1], float(sys.argv[2]), json.loads(sys.argv[3])
 t = r["timeline"]
@@ -317,6 +327,11 @@ util = (w[-1][1] - w[0][1]) / max(1e-9, w[-1][0] - w[0][0]) if len(w) > 1 else 0
 print(f"{name:<14} {r['ops_per_sec']:>10.0f} {last:>12.0f} {pct:>10.1f}   knee {knee:>3} s, "
       f"fetched {util/1e6:5.2f} MB/s until then = {util*8/1e8*100:5.1f}% of 100 Mbit/s")
 print(f"{'':<14} per-second: {' '.join(str(x) for x in t)}")
+with open(sys.argv[5], "a") as f:
+    f.write(json.dumps({"job": "table4", "case": name, "ops_per_sec": r["ops_per_sec"], "last10": last,
+                        "cached_percent": pct, "knee_s": knee, "link_util_pct": util * 8 / 1e8 * 100,
+                        "timeline_ops": t,
+                        "fetched": [[round(x[0] - s[0][0], 2), x[1]] for x in s] if s else []}) + "\n")
 PY
     }
     if [ -n "${ONLY_BGCOPY_ON:-}" ]; then
@@ -339,8 +354,8 @@ PY
     [[ $cases == *" off "* ]] && table4_case "bgcopy off" "$WORK/c-off" --no-background
     [[ $cases == *" on "* ]] && table4_case "bgcopy on" "$WORK/c-on"
     [[ $cases == *" pre "* ]] && table4_case "precached" "$WORK/c-pre"
-    python3 - "$WORK/precopy.bytes" <<'EOF'
-import sys
+    python3 - "$WORK/precopy.bytes" "$WORK/wan.jsonl" <<'EOF'
+import json, sys
 s = [tuple(map(float, l.split()[:2])) for l in open(sys.argv[1]) if l.strip()]
 t0, t1 = s[0][0], s[-1][0]
 mid = [x for x in s if t0 + 2 <= x[0] <= t1 - 2] or s
@@ -349,6 +364,10 @@ whole = (s[-1][1] - s[0][1]) / max(1e-9, t1 - t0)
 print(f"background copy of 1 GiB over the WAN: {t1 - t0:.1f} s, {s[-1][1]/2**20:.0f} MiB fetched; "
       f"bytes over time, excluding the first and last 2 s: {rate/1e6:.2f} MB/s = "
       f"{rate*8/1e8*100:.1f}% of the 100 Mbit/s line rate (whole copy: {whole*8/1e8*100:.1f}%)")
+with open(sys.argv[2], "a") as f:
+    f.write(json.dumps({"job": "background_copy", "secs": t1 - t0, "mib": s[-1][1] / 2**20,
+                        "util_pct": rate * 8 / 1e8 * 100, "whole_util_pct": whole * 8 / 1e8 * 100,
+                        "fetched": [[round(x[0] - t0, 2), x[1]] for x in s]}) + "\n")
 EOF
     # Bound for Table 4's average: the client's reads cannot all be local
     # before its working set has crossed the link.
@@ -397,7 +416,8 @@ print(s['ondemand_bytes']+s['background_bytes'])")
     for p in "${PIDS[@]}"; do [ "$p" = "$pid" ] || kill "$p" 2>/dev/null || true; done
     ip netns exec $NS_DST nbdcopy "$uri" "$WORK/after.img"
     # fio's region: take it from the proxy (fio verified it), everything else must match exactly.
-    python3 - "$WORK/expect.img" "$WORK/after.img" <<'EOF'
+    local checked=0
+    python3 - "$WORK/expect.img" "$WORK/after.img" <<'EOF' || checked=$?
 import sys
 a = open(sys.argv[1], 'rb'); b = open(sys.argv[2], 'rb')
 lo, hi = 512 << 20, (512 + 32) << 20
@@ -410,7 +430,9 @@ while True:
 print("relocation check:", "OK: every byte outside fio's verified region matches" if bad == 0 else f"FAIL: {bad} MiB differ")
 sys.exit(1 if bad else 0)
 EOF
+    echo "{\"job\": \"relocation\", \"ok\": $([ "$checked" = 0 ] && echo true || echo false), \"killed_at_blocks\": $before, \"persisted_blocks\": $persisted, \"after_restart_blocks\": $after, \"fetched_after_restart\": $total_fetched}" >> "$WORK/wan.jsonl"
     stop_pid "$pid"
+    [ "$checked" = 0 ]
 }
 
 case $MODE in
@@ -419,3 +441,15 @@ case $MODE in
     all) loopback; wan ;;
     *) log "usage: $0 [loopback|wan|all]"; exit 2 ;;
 esac
+
+if [ -n "${JSON:-}" ]; then
+    params=$(python3 -c "import json,sys; print(json.dumps({'mode': sys.argv[1], 'secs': int(sys.argv[2]), 'rounds': int(sys.argv[3]), 'wan_secs': int(sys.argv[4]), 'loop_cases': sys.argv[5].split('|'), 'loop_size_mb': int(sys.argv[6])}))" \
+        "$MODE" "$SECS" "$ROUNDS" "$WAN_SECS" "$LOOP_CASES" "$LOOP_SIZE_MB")
+    cmd="JSON=$JSON SECS=$SECS ROUNDS=$ROUNDS WAN_SECS=$WAN_SECS crates/nbd/bench/run.sh $MODE"
+    if [ "$JSON" = - ]; then
+        python3 "$HERE/to_json.py" "$WORK" - "$cmd" "$STARTED" "$params" $LOOP_NAMES >&3
+    else
+        python3 "$HERE/to_json.py" "$WORK" "$JSON" "$cmd" "$STARTED" "$params" $LOOP_NAMES
+        log "results: $JSON"
+    fi
+fi

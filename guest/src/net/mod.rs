@@ -21,7 +21,7 @@ use crate::virtio::net::VirtioNet;
 pub const ECHO_PORT: u16 = 7;
 pub const HTTP_PORT: u16 = 80;
 /// Concurrent connections per TCP service.
-const TCP_ECHO_SOCKETS: usize = 4;
+const TCP_ECHO_SOCKETS: usize = 8;
 const HTTP_SOCKETS: usize = 8;
 const TCP_BUFFER: usize = 128 * 1024;
 
