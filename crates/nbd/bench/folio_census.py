@@ -10,7 +10,7 @@ flags from /proc/kpageflags (KPF_COMPOUND_HEAD = bit 15, KPF_COMPOUND_TAIL
 = bit 16). A folio is a compound head or a page that is neither head nor
 tail. Needs root (frame numbers are hidden from other users).
 
-docs/benchmarks.md ("Proxy writes and the page cache") used this to show
+the benchmark notebook (`git show fd35298:docs/benchmarks.md`, "Proxy writes and the page cache") used this to show
 that a file written 4 KiB at a time sits in one-page folios.
 """
 import ctypes

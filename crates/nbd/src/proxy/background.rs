@@ -81,7 +81,7 @@ struct Window {
 /// file: the page cache keeps it in folios of the write's size, and later
 /// 1 MiB client transfers through the proxy cost as much as through the
 /// target only if the cache file's folios are that large
-/// (docs/benchmarks.md, "Proxy writes and the page cache").
+/// (the benchmark notebook (`git show fd35298:docs/benchmarks.md`), "Proxy writes and the page cache").
 const COALESCE: usize = 1 << 20;
 /// ... but data is written once it has waited this long (checked as the
 /// next extent arrives, or at once when none is in flight), so that clients
