@@ -97,6 +97,11 @@ pub trait BlockBackend: Send {
     }
     /// Identity of the backend for saved state ("file:/path", "nbd://...").
     fn id(&self) -> String;
+    /// What the backend's warm cache did, if it has one
+    /// ([`crate::devices::cached_backend`]).
+    fn cache_counters(&self) -> Option<crate::devices::disk_cache::CacheCounters> {
+        None
+    }
 }
 
 fn check_range(size: u64, off: u64, len: u64) -> io::Result<()> {
