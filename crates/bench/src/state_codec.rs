@@ -92,6 +92,7 @@ pub fn run(args: &StateCodecArgs) -> Result<(), StateCodecError> {
             disks: vec![DiskConfig {
                 path: disk.clone(),
                 read_only: false,
+                cache_bytes: None,
             }],
             nets: Vec::new(),
             id: None,

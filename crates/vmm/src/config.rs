@@ -136,7 +136,14 @@ pub struct DiskConfig {
     /// Refuse guest writes (they complete with an I/O error).
     #[serde(default)]
     pub read_only: bool,
+    /// Size of the disk's warm read cache in bytes (NBD disks only; off
+    /// when absent): see `devices::cached_backend`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_bytes: Option<u64>,
 }
+
+/// Smallest warm disk cache (`cache=`): one 2 MiB run of blocks.
+pub const MIN_DISK_CACHE: u64 = 2 << 20;
 
 /// A virtio-net device on a TAP interface.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -225,6 +232,22 @@ impl MachineConfig {
             if let Some(mac) = &n.mac {
                 parse_mac(mac)?;
             }
+        }
+        for d in &self.disks {
+            let Some(cache) = d.cache_bytes else { continue };
+            let path = d.path.to_string_lossy();
+            let reason = if !crate::devices::block_backend::is_nbd_url(&path) {
+                "cache= is for NBD disks (nbd://…); an image file is cached by the host's page cache"
+            } else if cache < MIN_DISK_CACHE {
+                "cache= must be at least 2M"
+            } else {
+                continue;
+            };
+            return Err(ConfigError::DeviceOption {
+                kind: "disk",
+                value: format!("{path},cache={}", format_size(cache)),
+                reason: reason.into(),
+            });
         }
         Ok(())
     }

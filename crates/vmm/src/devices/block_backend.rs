@@ -57,6 +57,13 @@ pub enum BlockBackendError {
         #[source]
         source: nbd_client::client::ClientError,
     },
+    /// The disk's warm cache cannot be made (its memfd).
+    #[error("cannot make the disk's cache")]
+    Cache {
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
     /// The image is not a regular file or block device.
     #[error("disk image {path} is not a regular file")]
     NotAFile {
