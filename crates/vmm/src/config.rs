@@ -419,6 +419,35 @@ mod tests {
     }
 
     #[test]
+    fn a_disk_cache_is_for_nbd_disks_and_at_least_2m() {
+        let with = |path: &str, cache: u64| MachineConfig {
+            disks: vec![DiskConfig {
+                path: path.into(),
+                read_only: false,
+                cache_bytes: Some(cache),
+            }],
+            ..base()
+        };
+        assert!(with("nbd://h/d", 512 << 20).validate().is_ok());
+        let err = with("/a.img", 512 << 20)
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cache= is for NBD disks"), "{err}");
+        let err = with("nbd://h/d", 1 << 20)
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("at least 2M"), "{err}");
+        // Absent from saved configurations that have none (older kemari).
+        let mut none = with("nbd://h/d", 0).disks.remove(0);
+        none.cache_bytes = None;
+        assert!(!serde_json::to_string(&none).unwrap().contains("cache"));
+        let d: DiskConfig = serde_json::from_str(r#"{"path":"/a"}"#).unwrap();
+        assert_eq!(d.cache_bytes, None);
+    }
+
+    #[test]
     fn validation() {
         assert!(base().validate().is_ok());
         let mut c = base();
