@@ -39,14 +39,17 @@ pub enum Order {
 /// One `disk=` job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DiskJob {
-    /// `disk=write,<blocks>,seq|rand[,flush][,burst=<n>/<ms>]`: with
+    /// `disk=write,<blocks>,seq|rand[,flush][,burst=<n>/<ms>][,next]`: with
     /// `burst`, `n` blocks are written every `ms` milliseconds (the way an
     /// OS writes its file cache back), otherwise as fast as the disk goes.
+    /// With `next`, sequence numbers continue after the highest one the
+    /// boot's last verify read (a new generation of the data each boot).
     Write {
         blocks: u64,
         order: Order,
         flush: bool,
         burst: Option<Burst>,
+        next: bool,
     },
     /// `disk=verify,<blocks>`: checks blocks 0..blocks.
     Verify { blocks: u64 },
@@ -154,7 +157,7 @@ pub fn parse(cmdline: &str) -> Result<Config, CmdlineError<'_>> {
             }
             "disk" => {
                 const WANT: &str =
-                    "expected write,<blocks>,seq|rand[,flush][,burst=<n>/<ms>] or verify,<blocks>";
+                    "expected write,<blocks>,seq|rand[,flush][,burst=<n>/<ms>][,next] or verify,<blocks>";
                 let job = parse_disk(value).ok_or(err(WANT))?;
                 push(&mut cfg.disk_jobs, job).ok_or(err("too many disk jobs"))?;
             }
@@ -248,9 +251,11 @@ fn parse_disk(value: &str) -> Option<DiskJob> {
             };
             let mut flush = false;
             let mut burst = None;
+            let mut next = false;
             for opt in parts.by_ref() {
                 match opt {
                     "flush" if !flush => flush = true,
+                    "next" if !next => next = true,
                     _ if burst.is_none() => {
                         let (n, ms) = opt.strip_prefix("burst=")?.split_once('/')?;
                         burst = Some(Burst {
@@ -266,6 +271,7 @@ fn parse_disk(value: &str) -> Option<DiskJob> {
                 order,
                 flush,
                 burst,
+                next,
             }
         }
         "verify" => DiskJob::Verify { blocks },
@@ -372,6 +378,7 @@ mod tests {
                     order: Order::Random,
                     flush: true,
                     burst: None,
+                    next: false,
                 },
                 DiskJob::Verify { blocks: 10000 }
             ]
@@ -411,6 +418,7 @@ mod tests {
             "disk=write,10,sideways",
             "disk=write,10,seq,flush,extra",
             "disk=write,10,seq,flush,flush",
+            "disk=write,10,seq,next,next",
             "disk=write,10,seq,burst=0/10",
             "disk=write,10,seq,burst=4/0",
             "disk=write,10,seq,burst=4",
@@ -436,6 +444,21 @@ mod tests {
     }
 
     #[test]
+    fn a_write_may_continue_the_sequence() {
+        let cfg = parse("disk=verify,8 disk=write,8,seq,flush,next").unwrap();
+        assert_eq!(
+            cfg.disk_jobs().nth(1),
+            Some(DiskJob::Write {
+                blocks: 8,
+                order: Order::Sequential,
+                flush: true,
+                burst: None,
+                next: true,
+            })
+        );
+    }
+
+    #[test]
     fn paced_writes() {
         let cfg =
             parse("disk=write,100,seq,burst=16/250 disk=write,5,rand,burst=1/1,flush").unwrap();
@@ -450,6 +473,7 @@ mod tests {
                         blocks: 16,
                         period_ms: 250
                     }),
+                    next: false,
                 },
                 DiskJob::Write {
                     blocks: 5,
@@ -459,6 +483,7 @@ mod tests {
                         blocks: 1,
                         period_ms: 1
                     }),
+                    next: false,
                 },
             ]
         );

@@ -106,6 +106,7 @@ pub fn run(args: &StateCodecArgs, report: &mut Report) -> Result<(), StateCodecE
             disks: vec![DiskConfig {
                 path: disk.clone(),
                 read_only: false,
+                cache_bytes: None,
             }],
             nets: Vec::new(),
             id: None,

@@ -48,6 +48,8 @@ pub struct Args {
     pub serial: Option<String>,
     /// A virtio-blk disk: PATH, path=PATH[,ro], or an NBD URL
     /// (nbd://HOST[:PORT]/EXPORT, nbd+unix:///EXPORT?socket=PATH). Repeatable.
+    /// An NBD disk takes `,cache=SIZE`: a warm read cache of SIZE in kemari,
+    /// kept across the guest's reboots (off by default).
     #[arg(long = "disk")]
     pub disks: Vec<String>,
     /// A virtio-net device: tap=NAME[,mac=MAC]. Repeat for more.
@@ -585,10 +587,12 @@ fn option_error(kind: &'static str, value: &str, reason: &str) -> CliError {
     })
 }
 
-/// Parses `PATH`, `path=PATH`, `path=PATH,ro` or `PATH,ro`.
+/// Parses `PATH`, `path=PATH`, `path=PATH,ro` or `PATH,ro`, each with an
+/// optional `cache=SIZE`.
 pub fn parse_disk(s: &str) -> Result<DiskConfig, CliError> {
     let mut path = None;
     let mut read_only = false;
+    let mut cache_bytes = None;
     for (i, part) in s.split(',').enumerate() {
         // An NBD URL may itself hold '=' (nbd+unix:///export?socket=PATH).
         if i == 0 && vmm::devices::block_backend::is_nbd_url(part) {
@@ -604,6 +608,14 @@ pub fn parse_disk(s: &str) -> Result<DiskConfig, CliError> {
                     _ => return Err(option_error("disk", s, "ro takes on/off")),
                 }
             }
+            Some(("cache", v)) => {
+                cache_bytes = match v {
+                    "off" | "0" => None,
+                    _ => Some(vmm::config::parse_size(v).map_err(|_| {
+                        option_error("disk", s, "cache takes a size like 512M, or off")
+                    })?),
+                }
+            }
             None if part == "ro" || part == "readonly" => read_only = true,
             None if i == 0 => path = Some(part),
             _ => return Err(option_error("disk", s, &format!("unknown option {part:?}"))),
@@ -615,6 +627,7 @@ pub fn parse_disk(s: &str) -> Result<DiskConfig, CliError> {
     Ok(DiskConfig {
         path: path.into(),
         read_only,
+        cache_bytes,
     })
 }
 
@@ -672,7 +685,8 @@ mod tests {
             parse_disk("/a.img").unwrap(),
             DiskConfig {
                 path: "/a.img".into(),
-                read_only: false
+                read_only: false,
+                cache_bytes: None,
             }
         );
         assert!(parse_disk("path=/a.img,ro").unwrap().read_only);
@@ -682,9 +696,16 @@ mod tests {
             parse_disk("nbd+unix:///d?socket=/s,ro").unwrap(),
             DiskConfig {
                 path: "nbd+unix:///d?socket=/s".into(),
-                read_only: true
+                read_only: true,
+                cache_bytes: None,
             }
         );
+        assert_eq!(
+            parse_disk("nbd://h:1/d,cache=512M").unwrap().cache_bytes,
+            Some(512 << 20)
+        );
+        assert_eq!(parse_disk("nbd://h/d,cache=off").unwrap().cache_bytes, None);
+        assert!(parse_disk("nbd://h/d,cache=lots").is_err());
         assert!(parse_disk("/a,bogus=1").is_err());
         assert_eq!(
             parse_net("tap=t0,mac=52:54:00:00:00:01")

@@ -136,7 +136,14 @@ pub struct DiskConfig {
     /// Refuse guest writes (they complete with an I/O error).
     #[serde(default)]
     pub read_only: bool,
+    /// Size of the disk's warm read cache in bytes (NBD disks only; off
+    /// when absent): see `devices::cached_backend`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_bytes: Option<u64>,
 }
+
+/// Smallest warm disk cache (`cache=`): one 2 MiB run of blocks.
+pub const MIN_DISK_CACHE: u64 = 2 << 20;
 
 /// A virtio-net device on a TAP interface.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -225,6 +232,22 @@ impl MachineConfig {
             if let Some(mac) = &n.mac {
                 parse_mac(mac)?;
             }
+        }
+        for d in &self.disks {
+            let Some(cache) = d.cache_bytes else { continue };
+            let path = d.path.to_string_lossy();
+            let reason = if !crate::devices::block_backend::is_nbd_url(&path) {
+                "cache= is for NBD disks (nbd://…); an image file is cached by the host's page cache"
+            } else if cache < MIN_DISK_CACHE {
+                "cache= must be at least 2M"
+            } else {
+                continue;
+            };
+            return Err(ConfigError::DeviceOption {
+                kind: "disk",
+                value: format!("{path},cache={}", format_size(cache)),
+                reason: reason.into(),
+            });
         }
         Ok(())
     }
@@ -393,6 +416,35 @@ mod tests {
         assert_eq!(c.nets[1].mac.as_deref(), Some("52:54:00:00:00:09"));
         c.nets[0].tap = "tap-elsewhere".into();
         assert_eq!(c.nets[0].mac_address(), default_mac("tap-a"));
+    }
+
+    #[test]
+    fn a_disk_cache_is_for_nbd_disks_and_at_least_2m() {
+        let with = |path: &str, cache: u64| MachineConfig {
+            disks: vec![DiskConfig {
+                path: path.into(),
+                read_only: false,
+                cache_bytes: Some(cache),
+            }],
+            ..base()
+        };
+        assert!(with("nbd://h/d", 512 << 20).validate().is_ok());
+        let err = with("/a.img", 512 << 20)
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cache= is for NBD disks"), "{err}");
+        let err = with("nbd://h/d", 1 << 20)
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("at least 2M"), "{err}");
+        // Absent from saved configurations that have none (older kemari).
+        let mut none = with("nbd://h/d", 0).disks.remove(0);
+        none.cache_bytes = None;
+        assert!(!serde_json::to_string(&none).unwrap().contains("cache"));
+        let d: DiskConfig = serde_json::from_str(r#"{"path":"/a"}"#).unwrap();
+        assert_eq!(d.cache_bytes, None);
     }
 
     #[test]

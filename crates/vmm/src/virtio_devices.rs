@@ -10,6 +10,7 @@ use crate::devices::block_backend::{
     is_nbd_url, BlockBackend, BlockBackendError, NbdBackend, RawFileBackend,
 };
 use crate::devices::bus::{Bus, BusDevice, BusError};
+use crate::devices::cached_backend::CachedBackend;
 use crate::devices::event_loop::{EventLoopError, LoopDevice};
 use crate::devices::virtio::block::Block;
 use crate::devices::virtio::mmio::{MmioTransport, MmioTransportState};
@@ -212,18 +213,30 @@ pub fn attach_all(
             path: path.to_string(),
             source,
         };
-        let backend: Box<dyn BlockBackend> = if is_nbd_url(&path) {
+        let mut backend: Box<dyn BlockBackend> = if is_nbd_url(&path) {
             Box::new(NbdBackend::connect(&path, disk.read_only).map_err(err)?)
         } else {
             Box::new(RawFileBackend::open(&disk.path, disk.read_only).map_err(err)?)
         };
         let name = format!("block{i}");
+        if let Some(capacity) = disk.cache_bytes {
+            // A new cache is an empty one: a restored, migrated or
+            // failed-over VM starts cold (docs/warm-cache.md).
+            backend = Box::new(
+                CachedBackend::new(backend, &name, capacity)
+                    .map_err(|source| err(BlockBackendError::Cache { source }))?,
+            );
+        }
         let device: Arc<Mutex<dyn VirtioDevice>> =
             Arc::new(Mutex::new(Block::new(name.clone(), backend)));
         let backend = format!(
-            "{}{}",
+            "{}{}{}",
             disk.path.display(),
-            if disk.read_only { " (read-only)" } else { "" }
+            if disk.read_only { " (read-only)" } else { "" },
+            match disk.cache_bytes {
+                Some(c) => format!(" (cache {})", crate::config::format_size(c)),
+                None => String::new(),
+            }
         );
         let index = attached.len();
         let state = saved_for(&name)?;

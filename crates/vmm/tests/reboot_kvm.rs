@@ -69,6 +69,7 @@ fn config(kernel: PathBuf, disk: PathBuf) -> MachineConfig {
         disks: vec![DiskConfig {
             path: disk,
             read_only: false,
+            cache_bytes: None,
         }],
         nets: Vec::new(),
         id: None,

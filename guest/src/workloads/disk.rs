@@ -47,6 +47,12 @@ pub struct DiskRunner {
     /// next burst starts.
     burst_left: u64,
     next_burst_ms: u64,
+    /// Lowest and highest sequence numbers the current verify read.
+    seq_seen: Option<(u64, u64)>,
+    /// Highest sequence number the last verify read (for `next`).
+    last_seq: Option<u64>,
+    /// First sequence number of the current write.
+    seq_base: u64,
 }
 
 impl DiskRunner {
@@ -65,7 +71,7 @@ impl DiskRunner {
                 exit(ExitCode::DeviceError);
             }
         }
-        let runner = Self {
+        let mut runner = Self {
             jobs: cfg.disk_jobs,
             current: 0,
             slots: [Slot::Idle; DEPTH],
@@ -79,6 +85,9 @@ impl DiskRunner {
             continue_on_error: cfg.disk_errors_continue,
             burst_left: 0,
             next_burst_ms: now_ms,
+            seq_seen: None,
+            last_seq: None,
+            seq_base: 0,
         };
         runner.announce();
         runner
@@ -98,7 +107,12 @@ impl DiskRunner {
         self.jobs.get(self.current).copied().flatten()
     }
 
-    fn announce(&self) {
+    fn announce(&mut self) {
+        self.seq_base = 0;
+        if let Some(DiskJob::Write { next: true, .. }) = self.job() {
+            self.seq_base = self.last_seq.map_or(0, |s| s + 1);
+            say!("disk: write seq from={}", self.seq_base);
+        }
         match self.job() {
             Some(DiskJob::Write {
                 blocks,
@@ -151,7 +165,7 @@ impl DiskRunner {
             let next = match job {
                 DiskJob::Write { order, .. } => {
                     let block = block_at(order == Order::Random, self.issued, blocks);
-                    blockfmt::fill(blk.buffer(slot), block, self.issued);
+                    blockfmt::fill(blk.buffer(slot), block, self.seq_base + self.issued);
                     (Op::Write, Slot::Writing { block })
                 }
                 DiskJob::Verify { .. } => (Op::Read, Slot::Reading { block: self.issued }),
@@ -231,7 +245,13 @@ impl DiskRunner {
         self.completed += 1;
         let state = blockfmt::check(blk.buffer(slot), block);
         let what = match state {
-            BlockState::Valid { .. } => return,
+            BlockState::Valid { seq } => {
+                self.seq_seen = Some(match self.seq_seen {
+                    None => (seq, seq),
+                    Some((lo, hi)) => (lo.min(seq), hi.max(seq)),
+                });
+                return;
+            }
             BlockState::Missing => {
                 self.missing += 1;
                 "missing"
@@ -253,6 +273,10 @@ impl DiskRunner {
                 say!("disk: write done blocks={}", blocks);
             }
             DiskJob::Verify { .. } => {
+                if let Some((lo, hi)) = self.seq_seen.take() {
+                    say!("disk: verify seq min={} max={}", lo, hi);
+                    self.last_seq = Some(hi);
+                }
                 if self.missing + self.corrupt == 0 {
                     say!("disk: verify ok blocks={}", blocks);
                 } else {

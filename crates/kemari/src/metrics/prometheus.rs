@@ -266,6 +266,74 @@ fn machine(r: &mut Registry, m: &vmm::machine::MachineMonitor) {
         "Malformed descriptor chains a device rejected",
         bad,
     );
+    disk_caches(r, &metrics.devices);
+}
+
+/// The warm disk caches (`--disk …,cache=SIZE`), for the disks that have one.
+fn disk_caches(r: &mut Registry, devices: &[vmm::devices::DeviceInfo]) {
+    let cached: Vec<_> = devices
+        .iter()
+        .filter_map(|d| Some((d, d.counters.cache.as_ref()?)))
+        .collect();
+    if cached.is_empty() {
+        return;
+    }
+    let blocks = Family::<Labels, Counter>::default();
+    let bytes = Family::<Labels, Counter>::default();
+    let dropped = Family::<Labels, Counter>::default();
+    let resident = Family::<Labels, Gauge>::default();
+    let capacity = Family::<Labels, Gauge>::default();
+    for (d, c) in cached {
+        let labels = |key: &'static str, value: &str| {
+            vec![
+                ("device", d.name.clone()),
+                ("kind", d.kind.clone()),
+                (key, value.to_owned()),
+            ]
+        };
+        for (result, n, b) in [
+            ("hit", c.hits, c.hit_bytes),
+            ("miss", c.misses, c.miss_bytes),
+        ] {
+            blocks.get_or_create(&labels("result", result)).inc_by(n);
+            bytes.get_or_create(&labels("result", result)).inc_by(b);
+        }
+        for (reason, n) in [("evicted", c.evictions), ("invalidated", c.invalidations)] {
+            dropped.get_or_create(&labels("reason", reason)).inc_by(n);
+        }
+        let plain = vec![("device", d.name.clone()), ("kind", d.kind.clone())];
+        resident
+            .get_or_create(&plain)
+            .set(i64::try_from(c.resident_bytes).unwrap_or(i64::MAX));
+        capacity
+            .get_or_create(&plain)
+            .set(i64::try_from(c.capacity_bytes).unwrap_or(i64::MAX));
+    }
+    r.register(
+        "device_cache_blocks",
+        "4 KiB blocks of guest reads a disk's warm cache served (result hit) or sent to the disk (result miss)",
+        blocks,
+    );
+    r.register(
+        "device_cache_read_bytes",
+        "Bytes of guest reads a disk's warm cache served (result hit) or sent to the disk (result miss)",
+        bytes,
+    );
+    r.register(
+        "device_cache_dropped_blocks",
+        "Blocks a disk's warm cache dropped: evicted for room, or invalidated (discard, write-zeroes, a failed write)",
+        dropped,
+    );
+    r.register(
+        "device_cache_resident_bytes",
+        "Bytes a disk's warm cache holds",
+        resident,
+    );
+    r.register(
+        "device_cache_capacity_bytes",
+        "Size of a disk's warm cache",
+        capacity,
+    );
 }
 
 /// Fault tolerance (`GET /vm/ft`) and its histograms.

@@ -57,6 +57,13 @@ pub enum BlockBackendError {
         #[source]
         source: nbd_client::client::ClientError,
     },
+    /// The disk's warm cache cannot be made (its memfd).
+    #[error("cannot make the disk's cache")]
+    Cache {
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
     /// The image is not a regular file or block device.
     #[error("disk image {path} is not a regular file")]
     NotAFile {
@@ -97,6 +104,11 @@ pub trait BlockBackend: Send {
     }
     /// Identity of the backend for saved state ("file:/path", "nbd://...").
     fn id(&self) -> String;
+    /// What the backend's warm cache did, if it has one
+    /// ([`crate::devices::cached_backend`]).
+    fn cache_counters(&self) -> Option<crate::devices::disk_cache::CacheCounters> {
+        None
+    }
 }
 
 fn check_range(size: u64, off: u64, len: u64) -> io::Result<()> {

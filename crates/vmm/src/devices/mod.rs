@@ -3,7 +3,9 @@
 
 pub mod block_backend;
 pub mod bus;
+pub mod cached_backend;
 pub mod console_buffer;
+pub mod disk_cache;
 pub mod event_loop;
 pub mod legacy;
 pub mod serial_output;

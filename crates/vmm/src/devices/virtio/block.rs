@@ -487,7 +487,10 @@ impl VirtioDevice for Block {
     }
 
     fn counters(&self) -> DeviceCounters {
-        self.counters.clone()
+        DeviceCounters {
+            cache: self.backend.cache_counters(),
+            ..self.counters.clone()
+        }
     }
 
     fn queue_progress(&self) -> Vec<QueueProgress> {

@@ -78,6 +78,9 @@ pub struct DeviceCounters {
     pub errors: u64,
     /// Malformed descriptor chains the device rejected.
     pub bad_descriptors: u64,
+    /// A disk's warm cache (`--disk …,cache=SIZE`), if it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<crate::devices::disk_cache::CacheCounters>,
 }
 
 /// How far a device has got in one queue: saved with the transport's state so
