@@ -10,6 +10,7 @@ pub mod cli;
 pub mod control;
 pub mod ext;
 pub mod loadgen;
+pub mod metrics;
 pub mod notify;
 pub mod proxy;
 pub mod relay;

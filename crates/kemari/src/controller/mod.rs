@@ -279,7 +279,7 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         None => None,
     };
     if let Some(listener) = metrics {
-        listener.serve(shared.clone())?;
+        crate::metrics::listener::serve(listener, shared.clone())?;
     }
     let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT])
         .map_err(ProcessError::Signals)?;
