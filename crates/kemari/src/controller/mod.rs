@@ -30,6 +30,7 @@
 mod ending;
 mod ft_events;
 mod hardening;
+mod progress_events;
 mod queries;
 mod reboot;
 pub(crate) mod shared;
@@ -621,7 +622,8 @@ impl Controller {
         None
     }
 
-    /// `operation_completed`, `_failed` or `_cancelled`.
+    /// `operation_completed`, `_failed` or `_cancelled` (after the last
+    /// `operation_progress`).
     fn publish_operation_end(
         &self,
         id: u64,
@@ -633,6 +635,7 @@ impl Controller {
             "kind": kind,
             "description": kind.map(OpKind::describe),
         });
+        self.shared.progress_gate.close();
         let event = match result {
             Ok(report) => {
                 details["result"] = report.clone();
@@ -817,6 +820,8 @@ impl Controller {
             "operation_started",
             json!({ "operation": id, "kind": kind, "description": kind.describe(), "target": target }),
         );
+        self.shared.progress_gate.open(id);
+        progress_events::watch(&self.shared, id, kind);
         if let Err((e, machine)) = spawned {
             if let Some(m) = machine {
                 self.slot = Slot::Here(m);

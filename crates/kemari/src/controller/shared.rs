@@ -47,6 +47,8 @@ pub struct Shared {
     pub ft_seen: Mutex<FtState>,
     /// In-place guest reboots in this process.
     reboots: AtomicU64,
+    /// Which operation may publish `operation_progress` events.
+    pub progress_gate: super::progress_events::ProgressGate,
 }
 
 impl Shared {
@@ -62,6 +64,7 @@ impl Shared {
             events: EventHub::default(),
             ft_seen: Mutex::new(FtState::Unprotected),
             reboots: AtomicU64::new(0),
+            progress_gate: Default::default(),
         })
     }
 
