@@ -146,6 +146,11 @@ pub enum Cmd {
     Status {
         #[arg(long)]
         control: PathBuf,
+        /// Follow the background copy until the cut-over instead: a bar on
+        /// a terminal (blocks held locally, rates, phase), else one line a
+        /// second.
+        #[arg(long)]
+        watch: bool,
     },
     /// Pause a proxy's background copy.
     Pause {

@@ -18,5 +18,6 @@ pub mod server;
 pub mod shutdown;
 pub mod splice;
 pub mod tls;
+pub mod watch;
 
 pub use nbd_client::{client, page_buf, protocol};

@@ -10,7 +10,7 @@ use kemari_nbd::backend::FileBackend;
 use kemari_nbd::cli::{Cli, Cmd};
 use kemari_nbd::proxy::{Proxy, ProxyConfig};
 use kemari_nbd::server::{serve, Exports, Listener};
-use kemari_nbd::{control, metrics, relay, shutdown};
+use kemari_nbd::{control, metrics, relay, shutdown, watch};
 use nbd_client::client::{parse_url, query_access_counts};
 
 fn parse_size(s: &str) -> Result<u64> {
@@ -114,7 +114,14 @@ fn run(cmd: Cmd) -> Result<()> {
             kemari_nbd::notify::ready("proxy", &listen);
             serve(l, Arc::new(config))?;
         }
-        Cmd::Status { control: c } => print(control::request(&c, "status")?)?,
+        Cmd::Status {
+            control: c,
+            watch: false,
+        } => print(control::request(&c, "status")?)?,
+        Cmd::Status {
+            control: c,
+            watch: true,
+        } => watch::run(&c)?,
         Cmd::Pause { control: c } => print(control::request(&c, "pause")?)?,
         Cmd::Resume { control: c } => print(control::request(&c, "resume")?)?,
         Cmd::Cutover { control: c, wait } => {

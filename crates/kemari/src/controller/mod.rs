@@ -794,11 +794,12 @@ impl Controller {
     fn start_operation(&mut self, op: Op, follow: bool) -> Answer {
         let kind = op.kind();
         let target = op.target();
-        // `GET /vm/migration` shows the running or last live migration.
-        let progress = if kind == OpKind::Migrate {
-            self.shared.migration.clone()
-        } else {
-            Arc::new(ProgressCell::default())
+        // `GET /vm/migration` shows the running or last live migration,
+        // `GET /vm/ft` fault tolerance's initial synchronization.
+        let progress = match kind {
+            OpKind::Migrate => self.shared.migration.clone(),
+            OpKind::FtStart => self.shared.ft.initial.clone(),
+            _ => Arc::new(ProgressCell::default()),
         };
         let started = self
             .shared
