@@ -12,6 +12,8 @@
 //!   `operation_progress` (phase, round, bytes; at each new phase or round
 //!   and every second), then `operation_completed`; a migration to
 //!   nowhere, `operation_started` then `operation_failed`;
+//! - the guest's uptime (`guest_uptime_ms`) goes on across a snapshot
+//!   restore, a zero-copy and a live migration;
 //! - a fault-tolerance standby answers `GET /vm` with its role, pid,
 //!   version, uptime and name, and still refuses actions;
 //! - a guest's triple fault is a `crashed` event, in the events file
@@ -193,6 +195,26 @@ fn guest_args(extra: &[&str]) -> Vec<String> {
     args
 }
 
+/// `GET /vm` of a VM that arrived (restored, migrated) with a guest that
+/// had run `before` ms: its guest uptime went on from there — at least
+/// `before` plus the time this process has run the machine (`uptime_ms`;
+/// 2 ms for the rounding of two readings).
+fn guest_uptime_carried(before: u64, after: &Value) {
+    let guest = after["guest_uptime_ms"].as_u64().expect("guest_uptime_ms");
+    let here = after["uptime_ms"].as_u64().expect("uptime_ms");
+    assert!(
+        guest + 2 >= before + here,
+        "guest uptime {before} ms before: {after}"
+    );
+}
+
+/// The guest's uptime now, ms.
+fn guest_uptime(api: &Path) -> u64 {
+    info(api)["guest_uptime_ms"]
+        .as_u64()
+        .expect("guest_uptime_ms")
+}
+
 fn wait_api(api: &Path) {
     wait_for("the API socket", PATIENCE, || {
         api.exists() && request_with_timeout(api, "GET", "/vm", None, PATIENCE).is_ok()
@@ -244,6 +266,7 @@ fn pause_resume_snapshot_and_shutdown_arrive_in_order_then_the_stream_ends() {
     succeeded(&ctl(&api, &["pause"]));
     succeeded(&ctl(&api, &["resume"]));
     let snap = dir.join("snap");
+    let before_snapshot = guest_uptime(&api);
     succeeded(&ctl(&api, &["snapshot", snap.to_str().unwrap()]));
     succeeded(&ctl(&api, &["shutdown"]));
 
@@ -305,6 +328,25 @@ fn pause_resume_snapshot_and_shutdown_arrive_in_order_then_the_stream_ends() {
     assert_eq!(written[0]["how"], "boot");
     progress_in_order(&written);
     check_stamped(&written, "vm-events-a", Some("events-a"));
+
+    // Restored from the snapshot: the guest's uptime goes on, the
+    // machine's in this process starts again.
+    let restored_api = dir.join("api-restored.sock");
+    let mut restored = spawn_vmm(
+        &["--restore".into(), snap.display().to_string()],
+        &dir.join("console-restored.log"),
+        &restored_api,
+        &[],
+    );
+    wait_api(&restored_api);
+    let mut v = Value::Null;
+    wait_for("the restored VM to run", PATIENCE, || {
+        v = info(&restored_api);
+        v["state"] == "running"
+    });
+    guest_uptime_carried(before_snapshot, &v);
+    succeeded(&ctl(&restored_api, &["shutdown"]));
+    assert!(wait_exit(&mut restored.child.0, "the restored kemari").success());
 }
 
 #[test]
@@ -342,6 +384,7 @@ fn the_id_and_name_survive_a_zero_copy_migration() {
     wait_for("the guest to count", PATIENCE, || {
         !counters(&src.console).is_empty()
     });
+    let before_migration = guest_uptime(&src_api);
     let report = succeeded(&ctl(&src_api, &["migrate-local", sock.to_str().unwrap()]));
     assert!(report["downtime_ms"].is_number(), "{report}");
 
@@ -376,6 +419,7 @@ fn the_id_and_name_survive_a_zero_copy_migration() {
     assert_eq!(v["id"], "0123456789abcdef", "{v}");
     assert_eq!(v["name"], "mover", "{v}");
     assert_eq!(v["state"], "running", "{v}");
+    guest_uptime_carried(before_migration, &v);
     succeeded(&ctl(&dst_api, &["shutdown"]));
     let last = to_the_end(&dst_events);
     assert_eq!(kinds(&last), ["shutdown"], "{last:#?}");
@@ -523,6 +567,7 @@ fn a_live_migration_streams_its_start_progress_and_end_in_order() {
         &[],
     );
     wait_listening(port);
+    let before_migration = guest_uptime(&src_api);
     let report = succeeded(&ctl(
         &src_api,
         &[
@@ -560,7 +605,9 @@ fn a_live_migration_streams_its_start_progress_and_end_in_order() {
     } else {
         eprintln!("the migration took {total_ms} ms: progress events not required");
     }
-    check_stamped(&all, info(&dst_api)["id"].as_str().unwrap(), Some("live"));
+    let arrived = info(&dst_api);
+    guest_uptime_carried(before_migration, &arrived);
+    check_stamped(&all, arrived["id"].as_str().unwrap(), Some("live"));
     assert!(wait_exit(&mut src.child.0, "the source").success());
     assert!(ctl(&dst_api, &["shutdown"]).status.success());
     assert!(wait_exit(&mut dst.child.0, "the destination").success());

@@ -111,6 +111,7 @@ fn info(shared: &Shared) -> Value {
                 "kernel": c.kernel,
                 "cmdline": c.cmdline,
                 "uptime_ms": m.uptime().as_millis() as u64,
+                "guest_uptime_ms": m.guest_uptime().as_millis() as u64,
                 "reboots": shared.reboots(),
                 "operation": operation,
             })
