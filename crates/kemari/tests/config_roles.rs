@@ -67,6 +67,16 @@ fn info(api: &Path) -> Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+fn ctl_json(api: &Path, args: &[&str]) -> Value {
+    let out = ctl(api, args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 fn succeeded(out: std::process::Output) {
     assert!(
         out.status.success(),
@@ -110,6 +120,12 @@ fn every_role_starts_from_a_config_file_alone() {
         ),
     );
     running(&booted, "roles");
+    // `kemarictl config`: the machine and, as `process`, the settings in
+    // effect, from the file.
+    let config = ctl_json(&booted.api, &["config"]);
+    assert_eq!(config["memory_bytes"], 64u64 << 20, "{config}");
+    assert_eq!(config["process"]["role"], "machine", "{config}");
+    assert_eq!(config["process"]["on_crash"], "restart", "{config}");
 
     // Zero-copy migration into a VMM whose file says `incoming_local`.
     let sock = dir.join("incoming.sock");
@@ -163,6 +179,14 @@ fn every_role_starts_from_a_config_file_alone() {
         (v["role"].as_str(), v["name"].as_str()),
         (Some("standby"), Some("roles")),
         "{v}"
+    );
+    let config = ctl_json(&standby.api, &["config"]);
+    assert_eq!(config["process"]["role"], "ft_standby", "{config}");
+    assert_eq!(config["process"]["log_level"], "info", "{config}");
+    assert_eq!(
+        config["process"]["migration_key_file"],
+        key.display().to_string(),
+        "{config}"
     );
     wait_listening(port);
     succeeded(ctl(

@@ -76,6 +76,43 @@ impl Args {
         Ok(self)
     }
 
+    /// The role and process settings in effect (flags and file merged),
+    /// under the config file's keys: what `GET /vm/config` shows as
+    /// `process`, and what a role's file would hold.
+    pub fn process_settings(&self) -> serde_json::Value {
+        let name = |v: Option<clap::builder::PossibleValue>| v.map(|p| p.get_name().to_owned());
+        let role = if self.restore.is_some() {
+            "restore"
+        } else if self.incoming.is_some() {
+            "incoming"
+        } else if self.incoming_local.is_some() {
+            "incoming_local"
+        } else if self.ft_standby.is_some() {
+            "ft_standby"
+        } else {
+            "machine"
+        };
+        serde_json::json!({
+            "role": role,
+            "config": self.config,
+            "restore": self.restore,
+            "await_state": self.await_state,
+            "incoming": self.incoming,
+            "incoming_local": self.incoming_local,
+            "ft_standby": self.ft_standby,
+            "ft_fence": self.ft_fence.as_ref().map(|f| format!("{f:?}")),
+            "ft_fence_cmd": self.ft_fence_cmd,
+            "migration_key_file": self.migration_key_file,
+            "plaintext_link": self.plaintext_link,
+            "start_paused": self.start_paused,
+            "on_reboot": name(self.on_reboot.to_possible_value()),
+            "on_crash": name(self.on_crash.to_possible_value()),
+            "seccomp": name(self.seccomp.to_possible_value()),
+            "log_level": self.log_level,
+            "log_json": self.log_json,
+        })
+    }
+
     /// One role at most; a role's file defines no machine.
     fn check_one_role(&self, file: &FileConfig) -> Result<(), CliError> {
         let roles: Vec<&str> = [
@@ -185,6 +222,20 @@ mod tests {
             (a.on_crash, a.on_reboot),
             (OnCrash::Restart, OnReboot::Exit)
         );
+    }
+
+    #[test]
+    fn the_settings_in_effect_name_the_role() {
+        let a = args(
+            "incoming_local = \"/run/in.sock\"\non_crash = \"restart\"\n",
+            &[],
+        )
+        .unwrap();
+        let v = a.process_settings();
+        assert_eq!(v["role"], "incoming_local");
+        assert_eq!(v["incoming_local"], "/run/in.sock");
+        assert_eq!(v["on_crash"], "restart");
+        assert_eq!(v["on_reboot"], "restart");
     }
 
     #[test]

@@ -219,6 +219,7 @@ struct Controller {
 pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
     let api_socket = args.api_socket_path()?;
     let shared = Shared::new(startup::describe(args));
+    let _ = shared.process.set(args.process_settings());
     // Until the VM is here (a standby, a destination): what the flags say.
     let (id, name) = args.identity()?;
     let fence_id = id.clone();

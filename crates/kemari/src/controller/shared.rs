@@ -49,6 +49,8 @@ pub struct Shared {
     reboots: AtomicU64,
     /// Which operation may publish `operation_progress` events.
     pub progress_gate: super::progress_events::ProgressGate,
+    /// The role and process settings in effect (`GET /vm/config`).
+    pub process: std::sync::OnceLock<serde_json::Value>,
 }
 
 impl Shared {
@@ -65,6 +67,7 @@ impl Shared {
             ft_seen: Mutex::new(FtState::Unprotected),
             reboots: AtomicU64::new(0),
             progress_gate: Default::default(),
+            process: std::sync::OnceLock::new(),
         })
     }
 
