@@ -18,8 +18,9 @@ fn main() -> ExitCode {
     let args = match args.merge_config_roles(&matches) {
         Ok(args) => args,
         Err(e) => {
-            eprintln!("kemari: error: {e}");
-            return ExitCode::from(2);
+            // A configuration error, as the rest of the configuration's.
+            eprintln!("kemari: error: {}", with_causes(&e));
+            return ExitCode::from(1);
         }
     };
     if let Err(e) = kemari_logging::init(&args.log_level, args.log_json) {
