@@ -9,12 +9,14 @@
 //!   [`bind`]: binding its socket without destroying files;
 //! - [`client`]: calls for `kemarictl`, benchmarks and tests;
 //!   [`latency`]: how long a `GET /vm` takes while other clients misbehave;
-//! - [`http`]: the small, fuzzed HTTP/1.1 parser.
+//! - [`http`]: the small, fuzzed HTTP/1.1 parser;
+//! - [`metrics_listener`]: `GET /metrics` over TCP (`--metrics-listen`).
 
 pub mod bind;
 pub mod client;
 pub mod http;
 pub mod latency;
+pub mod metrics_listener;
 pub mod reply;
 pub mod routes;
 pub mod server;

@@ -133,7 +133,7 @@ pub struct FtShared {
     inner: Mutex<Inner>,
     /// Progress of the initial synchronization (the transfer layer's
     /// pre-copy writes it).
-    pub initial: ProgressCell,
+    pub initial: std::sync::Arc<ProgressCell>,
     /// Guest pause per sync, seconds, over the process's life (every
     /// protection; `GET /metrics`).
     pub pause_seconds: Histogram,
@@ -177,7 +177,7 @@ impl Default for FtShared {
                 failover_ms: None,
                 last_error: None,
             }),
-            initial: ProgressCell::default(),
+            initial: Default::default(),
             pause_seconds: Histogram::new(pause_buckets()),
             sync_seconds: Histogram::new(sync_buckets()),
         }

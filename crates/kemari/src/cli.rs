@@ -3,6 +3,8 @@
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
+
+mod roles;
 use vmm::config::{
     parse_memory_size, ConfigError, DiskConfig, MachineConfig, NetConfig, SerialConfig, MAX_VCPUS,
 };
@@ -16,8 +18,11 @@ use vmm::memory::MemoryBacking;
     about = "kemari: a KVM VMM built for availability"
 )]
 pub struct Args {
-    /// Configuration file (TOML or JSON, the fields of MachineConfig, see README).
-    /// Flags given as well override its values.
+    /// Configuration file (TOML or JSON): the machine (MachineConfig's
+    /// fields) or a role (restore, incoming, incoming_local, ft_standby with
+    /// its keys), and the process's settings, under the flags' names with
+    /// `_` for `-` (README, docs/operations.md). Flags given as well
+    /// override its values.
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// Kernel image: a Linux bzImage (booted with ACPI tables describing the
@@ -69,7 +74,7 @@ pub struct Args {
     /// or `kemarictl warm-restart`) instead of booting a kernel. --serial,
     /// --api-socket and --memory-file/--hugepages (for a full snapshot's copy
     /// of memory) may be given; the rest comes from the snapshot.
-    #[arg(long, conflicts_with_all = ["config", "kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "nets"])]
+    #[arg(long, conflicts_with_all = ["kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "nets"])]
     pub restore: Option<PathBuf>,
     /// With --restore DIR: be the VM's prepared successor. Start before the
     /// state exists, while the old kemari still runs the VM: read
@@ -85,20 +90,20 @@ pub struct Args {
     /// With --memory-file PATH (the source VM's own memory file) the KVM VM
     /// and its memory slots are built at start-up, before the source
     /// connects, and an offer of any other memory is refused.
-    #[arg(long, conflicts_with_all = ["config", "kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "nets", "restore"])]
+    #[arg(long, conflicts_with_all = ["kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "nets", "restore"])]
     pub incoming_local: Option<PathBuf>,
     /// Wait on this TCP address (HOST:PORT) for a live migration from another
     /// kemari (`kemarictl migrate --to`) and run the VM. Needs
     /// --migration-key-file; --net tap=NAME may rename TAPs for this host,
     /// --serial and --api-socket may be given.
-    #[arg(long, conflicts_with_all = ["config", "kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "restore", "incoming_local"])]
+    #[arg(long, conflicts_with_all = ["kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "restore", "incoming_local"])]
     pub incoming: Option<String>,
     /// Be the fault-tolerance standby of the VM whose primary will connect to
     /// this TCP address (HOST:PORT; `kemarictl ft start --peer`): receive its
     /// synchronizations and run the VM if the primary is lost. Needs
     /// --migration-key-file; --net tap=NAME, --serial and --api-socket may be
     /// given.
-    #[arg(long, conflicts_with_all = ["config", "kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "restore", "incoming_local", "incoming"])]
+    #[arg(long, conflicts_with_all = ["kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "restore", "incoming_local", "incoming"])]
     pub ft_standby: Option<String>,
     /// Fault-tolerance fence: what only the running copy of the VM holds. A
     /// primary takes it at start; a standby takes it before it runs the VM
@@ -240,6 +245,19 @@ pub enum CliError {
     /// A required setting is absent.
     #[error("missing {0} (give it as a flag or in --config)")]
     Missing(&'static str),
+    /// More than one role (flags and the config file together).
+    #[error("one role at a time: {0} given (flags and --config together); keep one")]
+    Roles(String),
+    /// A role's config file defines a machine.
+    #[error(
+        "a config file for {role} defines no machine (the VM comes from elsewhere): remove {keys}"
+    )]
+    MachineInRoleFile {
+        /// The role.
+        role: String,
+        /// The machine keys found.
+        keys: String,
+    },
     /// A value is invalid.
     #[error(transparent)]
     Invalid(#[from] ConfigError),
@@ -321,6 +339,22 @@ struct FileConfig {
     name: Option<String>,
     events_file: Option<PathBuf>,
     metrics_listen: Option<String>,
+    // The role and process keys (cli/roles.rs), named as the flags.
+    restore: Option<PathBuf>,
+    await_state: Option<bool>,
+    incoming: Option<String>,
+    incoming_local: Option<PathBuf>,
+    ft_standby: Option<String>,
+    ft_fence: Option<String>,
+    ft_fence_cmd: Option<String>,
+    migration_key_file: Option<PathBuf>,
+    plaintext_link: Option<bool>,
+    start_paused: Option<bool>,
+    on_reboot: Option<String>,
+    on_crash: Option<String>,
+    seccomp: Option<String>,
+    log_level: Option<String>,
+    log_json: Option<bool>,
 }
 
 impl Args {

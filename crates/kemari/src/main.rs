@@ -4,11 +4,25 @@ use std::process::ExitCode;
 
 use std::error::Error;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use kemari::cli::Args;
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let matches = Args::command().get_matches();
+    let args = match Args::from_arg_matches(&matches) {
+        Ok(args) => args,
+        Err(e) => e.exit(),
+    };
+    // The config file's role and process keys (logging included) count
+    // from here on.
+    let args = match args.merge_config_roles(&matches) {
+        Ok(args) => args,
+        Err(e) => {
+            // A configuration error, as the rest of the configuration's.
+            eprintln!("kemari: error: {}", with_causes(&e));
+            return ExitCode::from(1);
+        }
+    };
     if let Err(e) = kemari_logging::init(&args.log_level, args.log_json) {
         eprintln!("kemari: error: {e}");
         return ExitCode::from(2);

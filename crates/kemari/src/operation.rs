@@ -236,6 +236,15 @@ impl Operations {
         self.lock().current.as_ref().map(Record::view)
     }
 
+    /// The progress of operation `id` while it runs.
+    pub fn progress(&self, id: u64) -> Option<transfer::Progress> {
+        self.lock()
+            .current
+            .as_ref()
+            .filter(|r| r.id == id && r.status == OpStatus::Running)
+            .map(|r| r.progress.snapshot())
+    }
+
     /// The running operation's kind and id, if one runs.
     pub fn running(&self) -> Option<(OpKind, u64)> {
         self.lock()

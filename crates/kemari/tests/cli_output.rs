@@ -69,3 +69,110 @@ fn logs_into_a_file_carry_no_escape_codes() {
     let text = log_without_escapes(&dir.join("kemari.log"), "waiting");
     assert!(text.contains("INFO"), "{text}");
 }
+
+/// The lines `kemarictl` wrote on stderr for an operation, checked to be
+/// progress lines of `prefix`; its stdout is the JSON report.
+fn progress_lines(out: &std::process::Output, prefix: &str) -> Vec<String> {
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("stdout is not the report ({e}): {err}"));
+    assert!(report.is_object(), "{report}");
+    let lines: Vec<String> = err.lines().map(str::to_owned).collect();
+    assert!(!lines.is_empty(), "no progress lines");
+    for l in &lines {
+        assert!(
+            l.starts_with(prefix),
+            "{l:?} is not a progress line of {prefix}"
+        );
+        assert!(!l.contains('\u{1b}'), "escape codes off a terminal: {l:?}");
+    }
+    lines
+}
+
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+fn off_a_terminal_kemarictl_writes_progress_as_plain_lines() {
+    use kemari_testkit::scenario::*;
+    let _one = one_at_a_time();
+    let dir = scratch("progress-lines");
+    let key = dir.join("key");
+    write_key(
+        &key,
+        "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+    );
+    let port = free_port();
+    let standby = spawn_vmm(
+        &[
+            "--ft-standby".into(),
+            format!("127.0.0.1:{port}"),
+            "--migration-key-file".into(),
+            key.display().to_string(),
+        ],
+        &dir.join("console-standby.log"),
+        &dir.join("api-standby.sock"),
+        &[],
+    );
+    wait_listening(port);
+    let vmm = spawn_vmm(
+        &[
+            "--kernel".into(),
+            guest_elf().display().to_string(),
+            "--memory".into(),
+            "128M".into(),
+            "--cmdline".into(),
+            "counter=20".into(),
+        ],
+        &dir.join("console.log"),
+        &dir.join("api.sock"),
+        &[],
+    );
+    wait_for(
+        "the guest's counter",
+        std::time::Duration::from_secs(30),
+        || counters(&vmm.console).len() >= 2,
+    );
+
+    // A snapshot: its phase, with pages of guest memory gone through.
+    let out = ctl(&vmm.api, &["snapshot", dir.join("snap").to_str().unwrap()]);
+    let lines = progress_lines(&out, "snapshot 1: ");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.starts_with("snapshot 1: paused: saving the state and the memory image")),
+        "{lines:#?}"
+    );
+    let last = lines.last().unwrap();
+    assert!(last.starts_with("snapshot 1: completed: "), "{lines:#?}");
+    // Every page of guest memory gone through.
+    assert!(last.contains("32768/32768 pages (100%)"), "{lines:#?}");
+
+    // Fault tolerance's initial synchronization: its pre-copy rounds.
+    let peer = format!("127.0.0.1:{port}");
+    let out = ctl(
+        &vmm.api,
+        &[
+            "ft",
+            "start",
+            "--peer",
+            &peer,
+            "--key-file",
+            key.to_str().unwrap(),
+        ],
+    );
+    let lines = progress_lines(&out, "ft_start 2: ");
+    assert!(
+        lines.last().unwrap().starts_with("ft_start 2: completed"),
+        "{lines:#?}"
+    );
+    // The pre-copy's pages: the first round's when it was seen running,
+    // else the last round's in the final line.
+    assert!(lines.iter().any(|l| l.contains(" pages (")), "{lines:#?}");
+
+    assert!(ctl(&vmm.api, &["ft", "stop"]).status.success());
+    let mut sb = standby.child;
+    let _ = wait_exit(&mut sb.0, "the standby");
+    assert!(ctl(&vmm.api, &["shutdown"]).status.success());
+    let mut v = vmm.child;
+    assert!(wait_exit(&mut v.0, "kemari").success());
+}

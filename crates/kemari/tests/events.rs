@@ -8,6 +8,12 @@
 //! - `--id`/`--name` show in `GET /vm` and survive a zero-copy migration:
 //!   the destination's `started` event and `GET /vm` carry them; the
 //!   source's stream ends after the migration's `operation_completed`;
+//! - a live migration's source streams `operation_started`, then
+//!   `operation_progress` (phase, round, bytes; at each new phase or round
+//!   and every second), then `operation_completed`; a migration to
+//!   nowhere, `operation_started` then `operation_failed`;
+//! - the guest's uptime (`guest_uptime_ms`) goes on across a snapshot
+//!   restore, a zero-copy and a live migration;
 //! - a fault-tolerance standby answers `GET /vm` with its role, pid,
 //!   version, uptime and name, and still refuses actions;
 //! - a guest's triple fault is a `crashed` event, in the events file
@@ -97,11 +103,50 @@ fn next_of(rx: &Receiver<Option<Value>>, kind: &str) -> Value {
     }
 }
 
+/// The kinds of `events`, without `operation_progress` (how many come
+/// depends on how long an operation takes; [`progress_in_order`] checks
+/// where they stand).
 fn kinds(events: &[Value]) -> Vec<&str> {
     events
         .iter()
         .map(|e| e["event"].as_str().unwrap_or("?"))
+        .filter(|k| *k != "operation_progress")
         .collect()
+}
+
+/// Every `operation_progress` of `events` comes after its operation's
+/// `operation_started` and before its end, its counters never go back;
+/// returns them.
+fn progress_in_order(events: &[Value]) -> Vec<Value> {
+    let mut running: Option<u64> = None;
+    let mut last: Option<&Value> = None;
+    let mut seen = Vec::new();
+    for e in events {
+        match e["event"].as_str().unwrap_or("?") {
+            "operation_started" => running = e["operation"].as_u64(),
+            "operation_completed" | "operation_failed" | "operation_cancelled" => {
+                assert_eq!(running, e["operation"].as_u64(), "{events:#?}");
+                running = None;
+                last = None;
+            }
+            "operation_progress" => {
+                assert!(
+                    running.is_some() && running == e["operation"].as_u64(),
+                    "progress outside its operation: {events:#?}"
+                );
+                assert!(e["phase"].is_string() && e["kind"].is_string(), "{e}");
+                if let Some(l) = last {
+                    for counter in ["round", "bytes_sent", "pages_sent"] {
+                        assert!(e[counter].as_u64() >= l[counter].as_u64(), "{l}\n{e}");
+                    }
+                }
+                last = Some(e);
+                seen.push(e.clone());
+            }
+            _ => {}
+        }
+    }
+    seen
 }
 
 fn info(api: &Path) -> Value {
@@ -148,6 +193,26 @@ fn guest_args(extra: &[&str]) -> Vec<String> {
     ];
     args.extend(extra.iter().map(|s| s.to_string()));
     args
+}
+
+/// `GET /vm` of a VM that arrived (restored, migrated) with a guest that
+/// had run `before` ms: its guest uptime went on from there — at least
+/// `before` plus the time this process has run the machine (`uptime_ms`;
+/// 2 ms for the rounding of two readings).
+fn guest_uptime_carried(before: u64, after: &Value) {
+    let guest = after["guest_uptime_ms"].as_u64().expect("guest_uptime_ms");
+    let here = after["uptime_ms"].as_u64().expect("uptime_ms");
+    assert!(
+        guest + 2 >= before + here,
+        "guest uptime {before} ms before: {after}"
+    );
+}
+
+/// The guest's uptime now, ms.
+fn guest_uptime(api: &Path) -> u64 {
+    info(api)["guest_uptime_ms"]
+        .as_u64()
+        .expect("guest_uptime_ms")
 }
 
 fn wait_api(api: &Path) {
@@ -201,6 +266,7 @@ fn pause_resume_snapshot_and_shutdown_arrive_in_order_then_the_stream_ends() {
     succeeded(&ctl(&api, &["pause"]));
     succeeded(&ctl(&api, &["resume"]));
     let snap = dir.join("snap");
+    let before_snapshot = guest_uptime(&api);
     succeeded(&ctl(&api, &["snapshot", snap.to_str().unwrap()]));
     succeeded(&ctl(&api, &["shutdown"]));
 
@@ -260,7 +326,27 @@ fn pause_resume_snapshot_and_shutdown_arrive_in_order_then_the_stream_ends() {
         ]
     );
     assert_eq!(written[0]["how"], "boot");
+    progress_in_order(&written);
     check_stamped(&written, "vm-events-a", Some("events-a"));
+
+    // Restored from the snapshot: the guest's uptime goes on, the
+    // machine's in this process starts again.
+    let restored_api = dir.join("api-restored.sock");
+    let mut restored = spawn_vmm(
+        &["--restore".into(), snap.display().to_string()],
+        &dir.join("console-restored.log"),
+        &restored_api,
+        &[],
+    );
+    wait_api(&restored_api);
+    let mut v = Value::Null;
+    wait_for("the restored VM to run", PATIENCE, || {
+        v = info(&restored_api);
+        v["state"] == "running"
+    });
+    guest_uptime_carried(before_snapshot, &v);
+    succeeded(&ctl(&restored_api, &["shutdown"]));
+    assert!(wait_exit(&mut restored.child.0, "the restored kemari").success());
 }
 
 #[test]
@@ -298,6 +384,7 @@ fn the_id_and_name_survive_a_zero_copy_migration() {
     wait_for("the guest to count", PATIENCE, || {
         !counters(&src.console).is_empty()
     });
+    let before_migration = guest_uptime(&src_api);
     let report = succeeded(&ctl(&src_api, &["migrate-local", sock.to_str().unwrap()]));
     assert!(report["downtime_ms"].is_number(), "{report}");
 
@@ -314,6 +401,8 @@ fn the_id_and_name_survive_a_zero_copy_migration() {
         ["operation_started", "operation_completed"],
         "{gone:#?}"
     );
+    progress_in_order(&gone);
+    gone.retain(|e| e["event"] != "operation_progress");
     assert_eq!(gone[1]["kind"], "migrate_local");
     check_stamped(&gone, "0123456789abcdef", Some("mover"));
     assert!(wait_exit(&mut src.child.0, "the source").success());
@@ -330,6 +419,7 @@ fn the_id_and_name_survive_a_zero_copy_migration() {
     assert_eq!(v["id"], "0123456789abcdef", "{v}");
     assert_eq!(v["name"], "mover", "{v}");
     assert_eq!(v["state"], "running", "{v}");
+    guest_uptime_carried(before_migration, &v);
     succeeded(&ctl(&dst_api, &["shutdown"]));
     let last = to_the_end(&dst_events);
     assert_eq!(kinds(&last), ["shutdown"], "{last:#?}");
@@ -422,4 +512,103 @@ fn a_triple_fault_is_a_crashed_event_written_before_the_exit() {
         "{id}"
     );
     check_stamped(&written, &id, Some("crasher"));
+}
+
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+fn a_live_migration_streams_its_start_progress_and_end_in_order() {
+    let _one = one_at_a_time();
+    let dir = scratch("events-live");
+    let key = dir.join("key");
+    write_key(
+        &key,
+        "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff",
+    );
+    let src_api = dir.join("api-1.sock");
+    let mut args = guest_args(&["--name", "live"]);
+    // A guest that keeps dirtying memory: several pre-copy rounds.
+    args[5] = "counter=100 dirty=10000,64".into();
+    args[3] = "128M".into();
+    let mut src = spawn_vmm(&args, &dir.join("console-1.log"), &src_api, &[]);
+    wait_api(&src_api);
+    wait_for("the guest to count", PATIENCE, || {
+        !counters(&src.console).is_empty()
+    });
+    let events = subscribe(&src_api);
+
+    // Nobody listens there: the migration fails, the VM runs on.
+    let nowhere = format!("127.0.0.1:{}", free_port());
+    let out = ctl(
+        &src_api,
+        &[
+            "migrate",
+            "--to",
+            &nowhere,
+            "--key-file",
+            key.to_str().unwrap(),
+        ],
+    );
+    assert!(!out.status.success());
+    let failed = next_of(&events, "operation_failed");
+    assert_eq!(failed["kind"], "migrate", "{failed}");
+
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let dst_api = dir.join("api-2.sock");
+    let mut dst = spawn_vmm(
+        &[
+            "--incoming".into(),
+            listen.clone(),
+            "--migration-key-file".into(),
+            key.display().to_string(),
+        ],
+        &dir.join("console-2.log"),
+        &dst_api,
+        &[],
+    );
+    wait_listening(port);
+    let before_migration = guest_uptime(&src_api);
+    let report = succeeded(&ctl(
+        &src_api,
+        &[
+            "migrate",
+            "--to",
+            &listen,
+            "--key-file",
+            key.to_str().unwrap(),
+            "--max-rounds",
+            "4",
+            "--max-downtime-ms",
+            "20",
+        ],
+    ));
+    let all = to_the_end(&events);
+    let progress = progress_in_order(&all);
+    assert_eq!(
+        kinds(&all),
+        ["operation_started", "operation_completed"],
+        "{all:#?}"
+    );
+    let last = all.last().unwrap();
+    assert_eq!(last["event"], "operation_completed", "{all:#?}");
+    assert_eq!(last["kind"], "migrate");
+    // Its progress: at least one event unless the whole migration was
+    // quicker than the progress thread's first look.
+    let total_ms = report["total_ms"].as_f64().unwrap_or(0.0);
+    if total_ms >= 500.0 {
+        assert!(
+            !progress.is_empty(),
+            "no progress in {total_ms} ms: {all:#?}"
+        );
+        assert!(progress.iter().all(|p| p["kind"] == "migrate"));
+        assert!(progress.iter().any(|p| p["bytes_sent"].as_u64() > Some(0)));
+    } else {
+        eprintln!("the migration took {total_ms} ms: progress events not required");
+    }
+    let arrived = info(&dst_api);
+    guest_uptime_carried(before_migration, &arrived);
+    check_stamped(&all, arrived["id"].as_str().unwrap(), Some("live"));
+    assert!(wait_exit(&mut src.child.0, "the source").success());
+    assert!(ctl(&dst_api, &["shutdown"]).status.success());
+    assert!(wait_exit(&mut dst.child.0, "the destination").success());
 }

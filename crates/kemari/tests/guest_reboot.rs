@@ -34,6 +34,17 @@ const SUBNET: u8 = 41;
 const BLOCKS: u64 = 64;
 const BANNER: &str = "kemari-guest: hello";
 
+/// A rebooted guest's uptime counts from the reboot: no more than the
+/// machine's (rebuilt then; 2 ms for the rounding of two readings).
+fn rebooted_uptime(now: &Value) {
+    let guest = now["guest_uptime_ms"].as_u64().expect("guest_uptime_ms");
+    let machine = now["uptime_ms"].as_u64().expect("uptime_ms");
+    assert!(
+        guest <= machine + 2,
+        "a reboot starts the guest's uptime again: {now}"
+    );
+}
+
 fn info(api: &Path) -> Value {
     request_with_timeout(api, "GET", "/vm", None, PATIENCE).expect("GET /vm")
 }
@@ -127,6 +138,7 @@ fn a_guest_reboots_in_place_three_times_with_its_disk_network_and_api() {
         assert_eq!(now["id"], first["id"], "{now}");
         assert_eq!(now["name"], "rebooter", "{now}");
         assert_eq!(now["reboots"].as_u64(), Some(boot as u64 - 1), "{now}");
+        rebooted_uptime(&now);
         assert_eq!(now["state"], "running", "{now}");
         // The blocks the previous boot wrote (and flushed) are read back.
         wait_for("the disk check and writes of this boot", PATIENCE, || {
@@ -249,6 +261,9 @@ fn a_rebooted_guest_warm_restarts_and_its_successor_reboots_it_again() {
     echo_works(&ip);
     let now = info(&new.api);
     assert_eq!(now["reboots"], 1, "{now}");
+    // The guest came with its uptime from the old VMM; its reboot here
+    // started it again.
+    rebooted_uptime(&now);
     assert_eq!(now["pid"].as_u64(), Some(u64::from(new.child.0.id())));
     let out = ctl(&new.api, &["shutdown"]);
     assert!(

@@ -18,7 +18,11 @@
 //! pipe (`kemarictl config | true`, `kemari-nbd status | head -1`), ends the
 //! process quietly by SIGPIPE, as coreutils do, instead of panicking. Only
 //! for command-line output: a server must never die of a client's pipe.
+//!
+//! [`progress`] shows a followed operation: a bar on a terminal, plain
+//! lines otherwise.
 
+pub mod progress;
 pub mod stdout;
 
 use std::io::IsTerminal;

@@ -49,9 +49,25 @@ pub struct Access {
     /// default: everyone).
     #[arg(long = "allow", value_name = "ADDR[/PREFIX]")]
     pub allow: Vec<String>,
+    /// Also serve GET /metrics (Prometheus text format) over TCP on this
+    /// address (`127.0.0.1:9401`); a proxy's --control socket always
+    /// serves it.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_listen: Option<String>,
 }
 
 impl Access {
+    /// Binds `--metrics-listen`, if given.
+    pub fn metrics_listener(
+        &self,
+    ) -> Result<Option<kemari_api::metrics_listener::MetricsListener>> {
+        self.metrics_listen
+            .as_deref()
+            .map(kemari_api::metrics_listener::MetricsListener::bind)
+            .transpose()
+            .map_err(Into::into)
+    }
+
     /// The server's configuration for `exports` on `listen`.
     pub fn config(&self, exports: Exports, listen: &str) -> Result<ServerConfig> {
         let server = match (&self.tls_certificates, &self.tls_psk) {
@@ -105,7 +121,8 @@ pub enum Cmd {
         listen: String,
         #[command(flatten)]
         access: Access,
-        /// Control socket for status/pause/resume/cutover.
+        /// Control socket for status/pause/resume/cutover (JSON lines) and
+        /// GET /metrics (HTTP).
         #[arg(long)]
         control: Option<PathBuf>,
         /// Background copy rate limit, bytes/s (suffixes K, M, G).
@@ -129,6 +146,11 @@ pub enum Cmd {
     Status {
         #[arg(long)]
         control: PathBuf,
+        /// Follow the background copy until the cut-over instead: a bar on
+        /// a terminal (blocks held locally, rates, phase), else one line a
+        /// second.
+        #[arg(long)]
+        watch: bool,
     },
     /// Pause a proxy's background copy.
     Pause {

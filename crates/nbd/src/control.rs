@@ -4,6 +4,11 @@
 //! Requests: `{"cmd":"status"}`, `{"cmd":"pause"}`, `{"cmd":"resume"}`,
 //! `{"cmd":"cutover"}`. Replies: `{"ok":true,"status":{...}}` or
 //! `{"ok":false,"error":"..."}`.
+//!
+//! A connection whose first byte is not `{` speaks HTTP/1.1 instead: one
+//! request, `GET /metrics` (the Prometheus exposition, [`crate::metrics`]),
+//! then the connection closes —
+//! `curl --unix-socket CONTROL http://localhost/metrics`.
 
 use std::io::{self, BufRead, BufReader, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -84,7 +89,10 @@ impl ControlSocket {
 
 fn serve_one(s: UnixStream, proxy: &Proxy) -> io::Result<()> {
     let mut w = s.try_clone()?;
-    let r = BufReader::new(s);
+    let mut r = BufReader::new(s);
+    if r.fill_buf()?.first().is_some_and(|b| *b != b'{') {
+        return serve_http(&mut r, &mut w, proxy);
+    }
     for line in r.lines() {
         let line = line?;
         if line.len() > 4096 {
@@ -95,6 +103,31 @@ fn serve_one(s: UnixStream, proxy: &Proxy) -> io::Result<()> {
         w.write_all(out.as_bytes())?;
     }
     Ok(())
+}
+
+/// Answers one HTTP request: `GET /metrics`, or a refusal.
+fn serve_http(r: &mut impl BufRead, w: &mut impl Write, proxy: &Proxy) -> io::Result<()> {
+    let (status, content_type, body) = match kemari_api::http::read_request(r, 0) {
+        Err(e) => (e.status(), "text/plain", format!("{e}\n")),
+        Ok(req) => {
+            let path = req
+                .path
+                .split_once('?')
+                .map_or(req.path.as_str(), |(p, _)| p);
+            if path != "/metrics" {
+                (
+                    404,
+                    "text/plain",
+                    "only /metrics is served over HTTP here\n".into(),
+                )
+            } else if !req.method.eq_ignore_ascii_case("GET") {
+                (405, "text/plain", "only GET is allowed\n".into())
+            } else {
+                (200, crate::metrics::CONTENT_TYPE, proxy.exposition())
+            }
+        }
+    };
+    kemari_api::http::write_response(w, status, content_type, body.as_bytes())
 }
 
 /// Sends one command to a control socket and returns the JSON reply.

@@ -10,6 +10,7 @@ pub mod cli;
 pub mod control;
 pub mod ext;
 pub mod loadgen;
+pub mod metrics;
 pub mod notify;
 pub mod proxy;
 pub mod relay;
@@ -17,5 +18,6 @@ pub mod server;
 pub mod shutdown;
 pub mod splice;
 pub mod tls;
+pub mod watch;
 
 pub use nbd_client::{client, page_buf, protocol};

@@ -10,7 +10,7 @@ use kemari_nbd::backend::FileBackend;
 use kemari_nbd::cli::{Cli, Cmd};
 use kemari_nbd::proxy::{Proxy, ProxyConfig};
 use kemari_nbd::server::{serve, Exports, Listener};
-use kemari_nbd::{control, relay, shutdown};
+use kemari_nbd::{control, metrics, relay, shutdown, watch};
 use nbd_client::client::{parse_url, query_access_counts};
 
 fn parse_size(s: &str) -> Result<u64> {
@@ -28,6 +28,7 @@ fn parse_size(s: &str) -> Result<u64> {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     kemari_logging::init(&cli.log_level, cli.log_json)?;
+    metrics::init();
     let result = run(cli.cmd);
     // A control socket's owner lives on a thread that never ends.
     shutdown::remove_sockets();
@@ -58,6 +59,10 @@ fn run(cmd: Cmd) -> Result<()> {
             let config = access.config(ex, &listen)?;
             shutdown::exit_on_signals().context("installing the signal handler")?;
             let l = Listener::bind(&listen).with_context(|| format!("--listen {listen}"))?;
+            if let Some(m) = access.metrics_listener()? {
+                let render = || (metrics::CONTENT_TYPE, metrics::exposition("target", None));
+                m.serve(Arc::new(render), || {})?;
+            }
             tracing::info!(%listen, tls = ?config.tls.mode(), "target serving");
             kemari_nbd::notify::ready("target", &listen);
             serve(l, Arc::new(config))?;
@@ -92,16 +97,31 @@ fn run(cmd: Cmd) -> Result<()> {
             let ctl = ctl
                 .map(|c| control::bind(&c).with_context(|| format!("--control {}", c.display())))
                 .transpose()?;
+            let metrics_listener = access.metrics_listener()?;
             let proxy = Arc::new(Proxy::start(cfg)?);
             if let Some(c) = ctl {
                 c.serve(proxy.clone())?;
+            }
+            if let Some(m) = metrics_listener {
+                let p = proxy.clone();
+                m.serve(
+                    Arc::new(move || (metrics::CONTENT_TYPE, p.exposition())),
+                    || {},
+                )?;
             }
             config.exports.add(&export, proxy);
             tracing::info!(%listen, %upstream, tls = ?config.tls.mode(), "proxy serving");
             kemari_nbd::notify::ready("proxy", &listen);
             serve(l, Arc::new(config))?;
         }
-        Cmd::Status { control: c } => print(control::request(&c, "status")?)?,
+        Cmd::Status {
+            control: c,
+            watch: false,
+        } => print(control::request(&c, "status")?)?,
+        Cmd::Status {
+            control: c,
+            watch: true,
+        } => watch::run(&c)?,
         Cmd::Pause { control: c } => print(control::request(&c, "pause")?)?,
         Cmd::Resume { control: c } => print(control::request(&c, "resume")?)?,
         Cmd::Cutover { control: c, wait } => {

@@ -256,3 +256,44 @@ fn background_copy_fetches_ext_used_blocks_first() {
         cached.len()
     );
 }
+
+#[test]
+fn status_watch_follows_the_copy_to_the_cut_over_in_plain_lines() {
+    let d = TempDir::new("px-watch");
+    make_image(&d.path("t.img"), 16 << 20, 5);
+    let (_target, tport) = serve(&[format!("disk={}", d.path("t.img").display())]);
+    let ctl = d.path("ctl.sock");
+    let upstream = format!("nbd://127.0.0.1:{tport}/disk");
+    // Slowed down, so that the watch sees the copy under way.
+    let (_proxy, _pport) = proxy(&upstream, &d.path("cache"), &ctl, &["--rate-limit", "8M"]);
+    let out = run_with_timeout(
+        Command::new(BIN)
+            .args(["status", "--watch", "--control"])
+            .arg(&ctl),
+        Duration::from_secs(120),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<&str> = text.lines().collect();
+    let prefix = format!("proxy of {upstream}: ");
+    assert!(lines.iter().all(|l| l.starts_with(&prefix)), "{text}");
+    assert!(
+        !text.contains('\u{1b}'),
+        "escape codes off a terminal: {text}"
+    );
+    let last = lines.last().expect("at least one line");
+    assert!(
+        last.starts_with(&format!("{prefix}cut-over: 4096/4096 blocks (100%)")),
+        "{text}"
+    );
+    // The copy's blocks never go back.
+    let blocks: Vec<u64> = lines
+        .iter()
+        .filter_map(|l| l.split(": ").nth(2)?.split('/').next()?.parse().ok())
+        .collect();
+    assert!(blocks.windows(2).all(|w| w[0] <= w[1]), "{text}");
+}

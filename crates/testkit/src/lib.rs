@@ -25,6 +25,7 @@ pub mod etcd;
 pub mod net;
 pub mod notify;
 pub mod procs;
+pub mod promtool;
 pub mod relay;
 pub mod scenario;
 pub mod stub;
@@ -42,5 +43,6 @@ pub use procs::{
     run, run_with_timeout, sh, thread_seccomp, tool, wait_exit, wait_for, KillOnDrop,
     ThreadSeccomp,
 };
+pub use promtool::{promtool_check, sample_sum, samples};
 pub use relay::Relay;
 pub use stub::{build_stub, build_stub_mode};

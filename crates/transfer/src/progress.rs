@@ -106,6 +106,15 @@ impl ProgressCell {
         self.pages_sent.store(pages_sent, Ordering::Relaxed);
     }
 
+    /// A one-step operation (a snapshot's memory image) is `done` of
+    /// `total` pages through, `bytes` written.
+    pub fn step(&self, done: u64, total: u64, bytes: u64) {
+        self.round_pages_sent.store(done, Ordering::Relaxed);
+        self.pages_sent.store(done, Ordering::Relaxed);
+        self.bytes_sent.store(bytes, Ordering::Relaxed);
+        self.update(|p| p.round_pages_total = total);
+    }
+
     /// It ended: `status` ("completed", "failed", "cancelled") and, for a
     /// failure, why.
     pub fn finish(&self, status: &str, error: Option<String>) {

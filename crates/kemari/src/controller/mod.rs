@@ -30,6 +30,7 @@
 mod ending;
 mod ft_events;
 mod hardening;
+mod progress_events;
 mod queries;
 mod reboot;
 pub(crate) mod shared;
@@ -218,6 +219,7 @@ struct Controller {
 pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
     let api_socket = args.api_socket_path()?;
     let shared = Shared::new(startup::describe(args));
+    let _ = shared.process.set(args.process_settings());
     // Until the VM is here (a standby, a destination): what the flags say.
     let (id, name) = args.identity()?;
     let fence_id = id.clone();
@@ -279,7 +281,7 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         None => None,
     };
     if let Some(listener) = metrics {
-        listener.serve(shared.clone())?;
+        crate::metrics::listener::serve(listener, shared.clone())?;
     }
     let mut signals = signal_hook::iterator::Signals::new([libc::SIGTERM, libc::SIGINT])
         .map_err(ProcessError::Signals)?;
@@ -621,7 +623,8 @@ impl Controller {
         None
     }
 
-    /// `operation_completed`, `_failed` or `_cancelled`.
+    /// `operation_completed`, `_failed` or `_cancelled` (after the last
+    /// `operation_progress`).
     fn publish_operation_end(
         &self,
         id: u64,
@@ -633,6 +636,7 @@ impl Controller {
             "kind": kind,
             "description": kind.map(OpKind::describe),
         });
+        self.shared.progress_gate.close();
         let event = match result {
             Ok(report) => {
                 details["result"] = report.clone();
@@ -802,11 +806,12 @@ impl Controller {
     fn start_operation(&mut self, op: Op, follow: bool) -> Answer {
         let kind = op.kind();
         let target = op.target();
-        // `GET /vm/migration` shows the running or last live migration.
-        let progress = if kind == OpKind::Migrate {
-            self.shared.migration.clone()
-        } else {
-            Arc::new(ProgressCell::default())
+        // `GET /vm/migration` shows the running or last live migration,
+        // `GET /vm/ft` fault tolerance's initial synchronization.
+        let progress = match kind {
+            OpKind::Migrate => self.shared.migration.clone(),
+            OpKind::FtStart => self.shared.ft.initial.clone(),
+            _ => Arc::new(ProgressCell::default()),
         };
         let started = self
             .shared
@@ -828,6 +833,8 @@ impl Controller {
             "operation_started",
             json!({ "operation": id, "kind": kind, "description": kind.describe(), "target": target }),
         );
+        self.shared.progress_gate.open(id);
+        progress_events::watch(&self.shared, id, kind);
         if let Err((e, machine)) = spawned {
             if let Some(m) = machine {
                 self.slot = Slot::Here(m);

@@ -26,7 +26,7 @@ pub fn answer(
     let json = |v: Value| Some(Ok(Reply::Json(v)));
     match request {
         ApiRequest::Info => json(info(shared)),
-        ApiRequest::Config => Some(with_monitor(shared, |m| to_value(m.config()))),
+        ApiRequest::Config => Some(config(shared)),
         ApiRequest::Devices => Some(with_monitor(shared, |m| to_value(&m.devices()))),
         ApiRequest::Metrics => Some(with_monitor(shared, |m| to_value(&m.metrics()))),
         ApiRequest::FtStatus => json(to_value(&shared.ft.report())),
@@ -83,6 +83,23 @@ fn with_monitor(
     }
 }
 
+/// `GET /vm/config`: the machine's configuration with, as `process`, the
+/// role and process settings in effect; a VMM without its VM (a standby, a
+/// destination) answers with `process` alone.
+fn config(shared: &Shared) -> Result<Reply, ActionError> {
+    let process = shared.process.get().cloned().unwrap_or(Value::Null);
+    Ok(Reply::Json(match shared.monitor() {
+        Some(m) => {
+            let mut v = to_value(m.config());
+            if let Some(obj) = v.as_object_mut() {
+                obj.insert("process".into(), process);
+            }
+            v
+        }
+        None => json!({ "process": process }),
+    }))
+}
+
 /// `GET /vm`: the VM, or — on a standby or a VMM still waiting for its VM
 /// — what this VMM is, so that a monitor always sees its pid, version,
 /// uptime and, if known, the VM's id and name.
@@ -111,6 +128,7 @@ fn info(shared: &Shared) -> Value {
                 "kernel": c.kernel,
                 "cmdline": c.cmdline,
                 "uptime_ms": m.uptime().as_millis() as u64,
+                "guest_uptime_ms": m.guest_uptime().as_millis() as u64,
                 "reboots": shared.reboots(),
                 "operation": operation,
             })

@@ -47,6 +47,10 @@ pub struct Shared {
     pub ft_seen: Mutex<FtState>,
     /// In-place guest reboots in this process.
     reboots: AtomicU64,
+    /// Which operation may publish `operation_progress` events.
+    pub progress_gate: super::progress_events::ProgressGate,
+    /// The role and process settings in effect (`GET /vm/config`).
+    pub process: std::sync::OnceLock<serde_json::Value>,
 }
 
 impl Shared {
@@ -62,6 +66,8 @@ impl Shared {
             events: EventHub::default(),
             ft_seen: Mutex::new(FtState::Unprotected),
             reboots: AtomicU64::new(0),
+            progress_gate: Default::default(),
+            process: std::sync::OnceLock::new(),
         })
     }
 

@@ -234,6 +234,13 @@ fn run(op: Op, mut machine: Machine, started: &Started, shared: &Shared) -> Done
     }
 }
 
+/// A snapshot's memory image so far: pages of guest memory gone through
+/// (the bar) and their bytes.
+fn image_progress(progress: &ProgressCell, done: u64, all: u64) {
+    const PAGE: u64 = 4096;
+    progress.step(done / PAGE, all / PAGE, done);
+}
+
 /// Pauses the machine (if it runs), saves its state and its memory image
 /// into `dir`, then resumes it — or, with `exit`, lets go of its backends
 /// for the VMM to end (suspend to disk). On failure the machine runs on. A
@@ -263,8 +270,10 @@ fn snapshot_full(
         .pause_and_save()
         .map_err(|e| e.to_string())
         .and_then(|state| {
-            snapshot::save_full(dir, &state, machine.memory_file(), force)
-                .map_err(|e| e.to_string())
+            snapshot::save_full(dir, &state, machine.memory_file(), force, &|done, all| {
+                image_progress(progress, done, all)
+            })
+            .map_err(|e| e.to_string())
         });
     let stats = match saved {
         Ok(stats) => stats,

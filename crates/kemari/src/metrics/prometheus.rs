@@ -215,6 +215,11 @@ fn machine(r: &mut Registry, m: &vmm::machine::MachineMonitor) {
         const_gauge(m.uptime().as_secs_f64()),
     );
     r.register(
+        "vm_guest_uptime_seconds",
+        "Time since the guest booted, carried across snapshots, warm restarts, migrations and failovers (reset by a reboot)",
+        const_gauge(m.guest_uptime().as_secs_f64()),
+    );
+    r.register(
         "vm_pauses",
         "Pauses of the VM since the machine was built (or last rebooted)",
         ConstCounter::new(metrics.pauses),

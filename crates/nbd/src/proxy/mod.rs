@@ -15,7 +15,7 @@ pub mod fetch;
 
 use std::io;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -91,6 +91,9 @@ pub struct Shared {
     /// Token bucket for the rate limit: (tokens, last refill).
     pub bucket: Mutex<(f64, Instant)>,
     pub phase: Mutex<&'static str>,
+    /// Client reads served from the cache alone, and those that fetched.
+    pub cache_hits: AtomicU64,
+    pub cache_misses: AtomicU64,
     rates: Mutex<Rates>,
     started: Instant,
 }
@@ -289,6 +292,8 @@ impl Proxy {
             rate_limit: cfg.rate_limit,
             bucket: Mutex::new((0.0, Instant::now())),
             phase: Mutex::new("planning"),
+            cache_hits: AtomicU64::new(0),
+            cache_misses: AtomicU64::new(0),
             rates: Mutex::new(Rates::default()),
             started: Instant::now(),
         });
@@ -315,6 +320,20 @@ impl Proxy {
         Ok(Proxy { shared })
     }
 
+    /// What the proxy adds to `GET /metrics`.
+    pub fn metrics_view(&self) -> crate::metrics::ProxyView {
+        crate::metrics::ProxyView {
+            status: self.shared.status(),
+            cache_hits: self.shared.cache_hits.load(Ordering::Relaxed),
+            cache_misses: self.shared.cache_misses.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The exposition of a proxy's metrics now.
+    pub fn exposition(&self) -> String {
+        crate::metrics::exposition("proxy", Some(&self.metrics_view()))
+    }
+
     pub fn pause(&self, paused: bool) {
         self.shared.paused.store(paused, Ordering::Release);
         info!(paused, "background copy");
@@ -338,8 +357,17 @@ impl Backend for Proxy {
         false
     }
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<()> {
-        self.shared.counters.record(offset, buf.len() as u64, false);
-        self.shared.read_through(buf, offset)
+        let sh = &self.shared;
+        sh.counters.record(offset, buf.len() as u64, false);
+        let hit =
+            sh.cut_over.load(Ordering::Acquire) || sh.cache.range_cached(offset, buf.len() as u64);
+        let tally = if hit {
+            &sh.cache_hits
+        } else {
+            &sh.cache_misses
+        };
+        tally.fetch_add(1, Ordering::Relaxed);
+        sh.read_through(buf, offset)
     }
     fn write_at(&self, data: &[u8], offset: u64, fua: bool) -> io::Result<()> {
         let sh = &self.shared;
@@ -427,6 +455,7 @@ impl Backend for Proxy {
         let ok = local && crate::backend::read_cached_at(sh.cache.file(), buf, offset);
         if ok {
             sh.counters.record(offset, len, false);
+            sh.cache_hits.fetch_add(1, Ordering::Relaxed);
         }
         ok
     }

@@ -63,6 +63,7 @@ fn write_reply<W: Write>(
     req: &Request,
     outcome: &Outcome,
 ) -> io::Result<()> {
+    crate::metrics::record(req.command, req.len, !matches!(outcome, Outcome::Err(..)));
     let is_read = req.command == CMD_READ;
     // Block status is only ever negotiated with structured replies, and
     // answered with structured chunks, errors included.
@@ -494,6 +495,7 @@ where
             let mut rb = ReadBuf::from(std::mem::take(&mut buf));
             let cached = backend.read_cached(rb.fill(req.len as usize, req.offset), req.offset);
             if cached {
+                crate::metrics::record(req.command, req.len, true);
                 write_data(&mut *lock(&w), structured, &req, rb.data())?;
             }
             buf = rb.into_inner();

@@ -3,7 +3,7 @@
 //! kept memory or a [`PreparedVm`]) and the one assembly they share.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::monitor::MachineStatus;
 use super::setup::{Kept, Setup};
@@ -324,7 +324,14 @@ impl Machine {
             if saved.is_some() { "restored" } else { "booted" }
         );
         let vcpu_count = vcpus.len();
+        // A boot (or a reboot) starts the guest's uptime; a restore carries
+        // it on (a state written before it was saved: from here).
+        let before = saved
+            .and_then(|s| s.guest_uptime_ms)
+            .map_or(Duration::ZERO, Duration::from_millis);
+        let guest_uptime = super::GuestUptime::new(before, built_at);
         let core = Arc::new(MachineCore {
+            guest_uptime,
             vcpus: VcpuSet::new(vcpus, start_paused),
             virtio,
             serial,
@@ -343,7 +350,13 @@ impl Machine {
         Ok(Machine {
             event_loop: Some(event_loop),
             fence,
-            status: Arc::new(MachineStatus::new(&core, serial_backend, state, built_at)),
+            status: Arc::new(MachineStatus::new(
+                &core,
+                serial_backend,
+                state,
+                built_at,
+                guest_uptime,
+            )),
             core,
         })
     }

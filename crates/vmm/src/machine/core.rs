@@ -32,6 +32,8 @@ pub struct MachineCore {
     pub(super) msr_indices: std::sync::OnceLock<Arc<Vec<u32>>>,
     /// Each vCPU's CPUID and TSC frequency, read on its first save.
     pub(super) vcpu_constants: Arc<Vec<std::sync::OnceLock<persist::vcpu::VcpuConstants>>>,
+    /// Since the guest booted (saved with the state).
+    pub(super) guest_uptime: super::GuestUptime,
 }
 
 impl MachineCore {
@@ -174,6 +176,7 @@ impl MachineCore {
         Ok(VmState {
             kemari_version: env!("CARGO_PKG_VERSION").to_owned(),
             saved_at_ms: persist::now_ms(),
+            guest_uptime_ms: Some(self.guest_uptime.now_ms()),
             config: MachineConfig::clone(&self.config),
             memory: persist::MemoryState {
                 size: self.memory_file.size(),

@@ -16,6 +16,7 @@
 mod builder;
 mod core;
 mod error;
+mod guest_uptime;
 mod monitor;
 mod prepared;
 mod reboot;
@@ -24,6 +25,7 @@ mod setup;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub use guest_uptime::GuestUptime;
 use monitor::MachineStatus;
 
 pub use self::core::MachineCore;
@@ -323,6 +325,11 @@ impl Machine {
     /// Time since the machine was built.
     pub fn uptime(&self) -> Duration {
         self.status.uptime()
+    }
+
+    /// The guest's uptime: since it booted, across restores and migrations.
+    pub fn guest_uptime(&self) -> Duration {
+        self.core.guest_uptime.now()
     }
 
     /// Stops vCPUs and devices for good.

@@ -99,6 +99,12 @@ impl MachineMonitor {
         self.status.uptime()
     }
 
+    /// The guest's uptime: since it booted, across restores and migrations
+    /// (reset by a reboot).
+    pub fn guest_uptime(&self) -> Duration {
+        self.status.guest_uptime()
+    }
+
     /// Devices with their counters (none once the machine is gone).
     pub fn devices(&self) -> Vec<DeviceInfo> {
         self.status
@@ -130,6 +136,7 @@ pub(super) struct MachineStatus {
     /// Pauses since the machine was built.
     pauses: AtomicU64,
     built_at: Instant,
+    guest_uptime: super::GuestUptime,
     config: Arc<MachineConfig>,
     /// Where the serial console goes ("stdout", "file:PATH"...).
     serial_backend: String,
@@ -145,11 +152,13 @@ impl MachineStatus {
         serial_backend: String,
         state: RunState,
         built_at: Instant,
+        guest_uptime: super::GuestUptime,
     ) -> Self {
         MachineStatus {
             paused: AtomicBool::new(state == RunState::Paused),
             pauses: AtomicU64::new(0),
             built_at,
+            guest_uptime,
             config: core.config.clone(),
             serial_backend,
             core: RwLock::new(Arc::downgrade(core)),
@@ -182,6 +191,10 @@ impl MachineStatus {
 
     pub(super) fn uptime(&self) -> Duration {
         self.built_at.elapsed()
+    }
+
+    pub(super) fn guest_uptime(&self) -> Duration {
+        self.guest_uptime.now()
     }
 
     /// The machine is being dropped: monitors no longer reach its core.

@@ -94,6 +94,7 @@ pub enum FormatError {
 struct HeadOut<'a> {
     kemari_version: &'a str,
     saved_at_ms: u64,
+    guest_uptime_ms: Option<u64>,
     config: &'a MachineConfig,
     memory: &'a MemoryState,
 }
@@ -102,6 +103,10 @@ struct HeadOut<'a> {
 struct HeadIn {
     kemari_version: String,
     saved_at_ms: u64,
+    /// Absent in states written before it was carried; older kemari
+    /// builds ignore it (no format change).
+    #[serde(default)]
+    guest_uptime_ms: Option<u64>,
     config: MachineConfig,
     memory: MemoryState,
 }
@@ -131,6 +136,7 @@ pub fn encode(state: &VmState) -> Result<Vec<u8>, FormatError> {
     let head = serde_json::to_string(&HeadOut {
         kemari_version: &state.kemari_version,
         saved_at_ms: state.saved_at_ms,
+        guest_uptime_ms: state.guest_uptime_ms,
         config: &state.config,
         memory: &state.memory,
     })
@@ -211,6 +217,7 @@ pub fn decode(bytes: &[u8]) -> Result<VmState, FormatError> {
     Ok(VmState {
         kemari_version: head.kemari_version,
         saved_at_ms: head.saved_at_ms,
+        guest_uptime_ms: head.guest_uptime_ms,
         config: head.config,
         memory: head.memory,
         kvm: body.kvm,
@@ -292,6 +299,7 @@ fn placeholder() -> VmState {
     VmState {
         kemari_version: String::new(),
         saved_at_ms: 0,
+        guest_uptime_ms: None,
         config: MachineConfig {
             vcpus: 1,
             memory_bytes: 1 << 20,
@@ -510,6 +518,26 @@ pub(crate) mod tests {
         let back = decode(&b).unwrap();
         assert_eq!(back.vcpus[0].regs.rip, 0x1234_5678);
         assert_eq!(back.config, state.config);
+    }
+
+    #[test]
+    fn the_guest_uptime_travels_and_a_state_without_it_still_reads() {
+        let mut state = sample_state();
+        state.guest_uptime_ms = Some(86_400_123);
+        let back = decode(&encode(&state).unwrap()).unwrap();
+        assert_eq!(back.guest_uptime_ms, Some(86_400_123));
+        // A head written before the field existed.
+        let mut head = serde_json::to_value(HeadOut {
+            kemari_version: "0.1.0",
+            saved_at_ms: 1,
+            guest_uptime_ms: Some(5),
+            config: &state.config,
+            memory: &state.memory,
+        })
+        .unwrap();
+        head.as_object_mut().unwrap().remove("guest_uptime_ms");
+        let old: HeadIn = serde_json::from_value(head).unwrap();
+        assert_eq!(old.guest_uptime_ms, None);
     }
 
     #[test]

@@ -114,6 +114,7 @@ fn write_extents(
     dst: &File,
     size: u64,
     err: &dyn Fn(std::io::Error) -> ImageError,
+    progress: &dyn Fn(u64, u64),
 ) -> Result<(ImageStats, Vec<Extent>), ImageError> {
     let mut stats = ImageStats::default();
     let mut extents = Vec::new();
@@ -147,8 +148,10 @@ fn write_extents(
                 p = q;
             }
             off += n as u64;
+            progress(off, size);
         }
     }
+    progress(size, size);
     stats.extents = extents.len() as u64;
     Ok((stats, extents))
 }
@@ -156,10 +159,21 @@ fn write_extents(
 /// Writes guest memory to a sparse image at `image` (replaced if present)
 /// and its index at `index`, both 0600 and synced.
 pub fn save(mem: &GuestMemoryFile, image: &Path, index: &Path) -> Result<ImageStats, ImageError> {
+    save_reporting(mem, image, index, &|_, _| {})
+}
+
+/// [`save`], telling `progress` how far through guest memory it is (bytes
+/// done, bytes in all) after each chunk it read.
+pub fn save_reporting(
+    mem: &GuestMemoryFile,
+    image: &Path,
+    index: &Path,
+    progress: &dyn Fn(u64, u64),
+) -> Result<ImageStats, ImageError> {
     let err = io_err(image);
     let out = super::create_private(image).map_err(&err)?;
     out.set_len(mem.size()).map_err(&err)?;
-    let (stats, extents) = write_extents(mem.file(), &out, mem.size(), &err)?;
+    let (stats, extents) = write_extents(mem.file(), &out, mem.size(), &err, progress)?;
     out.sync_all().map_err(&err)?;
     super::write_private(index, &image_index::encode(mem.size(), &extents), true)
         .map_err(io_err(index))?;

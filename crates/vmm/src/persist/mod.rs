@@ -175,6 +175,10 @@ pub struct VmState {
     pub kemari_version: String,
     /// Milliseconds since the Unix epoch at save time.
     pub saved_at_ms: u64,
+    /// The guest's uptime at save time, ms (none in a state written
+    /// before kemari carried it: the uptime then counts from the restore).
+    #[serde(default)]
+    pub guest_uptime_ms: Option<u64>,
     /// The machine's configuration.
     pub config: MachineConfig,
     /// Guest memory.

@@ -143,18 +143,25 @@ pub struct SnapshotStats {
 }
 
 /// A full snapshot: memory image and its index, then state. An existing
-/// snapshot in `dir` is refused unless `replace`.
+/// snapshot in `dir` is refused unless `replace`. `progress` hears how far
+/// through guest memory the image is (bytes done, bytes in all).
 pub fn save_full(
     dir: &Path,
     state: &VmState,
     memory: &GuestMemoryFile,
     replace: bool,
+    progress: &dyn Fn(u64, u64),
 ) -> Result<SnapshotStats, SnapshotError> {
     check_target(dir, replace)?;
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     // A stale state file must not pair with the new image if we fail midway.
     let _ = std::fs::remove_file(dir.join(STATE_FILE));
-    let memory = memory_image::save(memory, &dir.join(MEMORY_FILE), &dir.join(EXTENTS_FILE))?;
+    let memory = memory_image::save_reporting(
+        memory,
+        &dir.join(MEMORY_FILE),
+        &dir.join(EXTENTS_FILE),
+        progress,
+    )?;
     let state_bytes = write_state(dir, state)?;
     Ok(SnapshotStats {
         state_bytes,

@@ -1,8 +1,8 @@
 //! `kemarictl`: control a running kemari VMM through its API socket.
 //!
 //! A long operation (migrate, migrate-local, warm-restart, snapshot, ft
-//! start) is followed until it ends — a progress bar on a terminal, nothing
-//! otherwise — and its final report printed as before; `--detach` returns
+//! start) is followed until it ends — a progress bar on a terminal, plain
+//! lines on stderr otherwise — and its final report printed on stdout; `--detach` returns
 //! at once with the operation (`kemarictl operation` shows it later).
 
 mod progress;

@@ -1,65 +1,89 @@
-//! How kemarictl shows a long operation while it follows it: on a terminal,
-//! a bar on stderr (pages of the current round or step, bytes, rate, ETA,
-//! phase) that moves with each line the VMM sends; otherwise nothing, so
-//! that scripts get only the final report on stdout.
+//! How kemarictl shows a long operation while it follows it: each line the
+//! VMM sends (the operation's view, `GET /vm/operation`) becomes a step of
+//! kemari-logging's display — a bar on stderr when it is a terminal (pages
+//! of the current round or step, bytes, rate, ETA, phase), plain lines on
+//! stderr otherwise; stdout gets only the final report.
 
-use std::io::IsTerminal;
-use std::time::Duration;
-
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use kemari_logging::progress::{ProgressDisplay, Step};
 use serde_json::Value;
 
 /// The progress display of one followed operation.
 pub struct View {
-    bar: Option<ProgressBar>,
-    round: Option<u64>,
+    display: ProgressDisplay,
 }
 
 impl View {
-    /// A bar if stderr is a terminal, else a silent view.
+    /// A bar if stderr is a terminal, else lines.
     pub fn new() -> Self {
-        let bar = std::io::stderr().is_terminal().then(|| {
-            let bar = ProgressBar::with_draw_target(Some(0), ProgressDrawTarget::stderr());
-            bar.set_style(
-                ProgressStyle::with_template(
-                    "{prefix:.bold} [{bar:30}] {pos}/{len} pages  {msg}  ETA {eta}",
-                )
-                .unwrap_or_else(|_| ProgressStyle::default_bar())
-                .progress_chars("=> "),
-            );
-            bar.enable_steady_tick(Duration::from_millis(200));
-            bar
-        });
-        View { bar, round: None }
+        View {
+            display: ProgressDisplay::on_stderr(),
+        }
     }
 
     /// Shows one line of the operation's view (`GET /vm/operation`).
     pub fn show(&mut self, line: &Value) {
-        let Some(bar) = &self.bar else { return };
-        let p = &line["progress"];
-        let kind = line["kind"].as_str().unwrap_or("operation");
-        let phase = line["phase"].as_str().unwrap_or_default();
-        let round = p["round"].as_u64();
-        if round != self.round {
-            // A new round: its own length, from zero.
-            self.round = round;
-            bar.reset();
+        if let Some(step) = step(line) {
+            self.display.show(step);
         }
-        bar.set_prefix(format!("{kind} {}", line["id"]));
-        bar.set_length(p["round_pages_total"].as_u64().unwrap_or(0));
-        bar.set_position(p["round_pages_sent"].as_u64().unwrap_or(0));
-        let bytes = p["bytes_sent"].as_u64().unwrap_or(0);
-        let rate = p["rate_mb_s"].as_f64().unwrap_or(0.0);
-        bar.set_message(format!(
-            "{:.1} MiB sent  {rate:.0} MB/s  {phase}",
-            bytes as f64 / (1 << 20) as f64
-        ));
     }
 
     /// The operation ended: the bar goes, the report follows on stdout.
     pub fn done(&mut self) {
-        if let Some(bar) = self.bar.take() {
-            bar.finish_and_clear();
-        }
+        self.display.finish();
+    }
+}
+
+/// The step a view line shows: its phase while it runs, then how it ended
+/// (`completed`, `failed`, `cancelled`) with the last counters.
+fn step(line: &Value) -> Option<Step> {
+    let p = &line["progress"];
+    let phase = line["phase"]
+        .as_str()
+        .filter(|p| !p.is_empty())
+        .or_else(|| line["status"].as_str().filter(|s| *s != "running"))?;
+    let bytes = p["bytes_sent"].as_u64().unwrap_or(0);
+    let mut message = format!("{:.1} MiB sent", bytes as f64 / (1 << 20) as f64);
+    if let Some(rate) = p["rate_mb_s"].as_f64().filter(|r| *r > 0.0) {
+        message.push_str(&format!(" {rate:.0} MB/s"));
+    }
+    Some(Step {
+        prefix: format!(
+            "{} {}",
+            line["kind"].as_str().unwrap_or("operation"),
+            line["id"]
+        ),
+        step: phase.to_owned(),
+        done: p["round_pages_sent"].as_u64().unwrap_or(0),
+        total: p["round_pages_total"].as_u64().unwrap_or(0),
+        unit: "pages",
+        message,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_view_is_its_phase_then_how_it_ended() {
+        let running = json!({
+            "id": 3, "kind": "snapshot", "status": "running",
+            "phase": "paused: saving the state and the memory image",
+            "progress": {"round_pages_sent": 512, "round_pages_total": 16384,
+                         "bytes_sent": 2097152, "rate_mb_s": 0.0},
+        });
+        let s = step(&running).unwrap();
+        assert_eq!(
+            s.line(),
+            "snapshot 3: paused: saving the state and the memory image: 512/16384 pages (3%) 2.0 MiB sent"
+        );
+        let ended = json!({"id": 3, "kind": "snapshot", "status": "completed", "phase": "",
+                           "progress": {"round_pages_sent": 16384, "round_pages_total": 16384}});
+        assert_eq!(
+            step(&ended).unwrap().line(),
+            "snapshot 3: completed: 16384/16384 pages (100%) 0.0 MiB sent"
+        );
+        assert!(step(&json!({"status": "running", "phase": ""})).is_none());
     }
 }
