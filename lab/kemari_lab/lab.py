@@ -48,6 +48,8 @@ class Lab:
         host_cpus: int = 2,
         tag: str | None = None,
         boot_timeout: float = 120,
+        host_append: str = "",
+        kexec_media: bool = False,
     ) -> None:
         if hosts < 1:
             raise LabError("a lab needs at least one virtual host")
@@ -58,6 +60,10 @@ class Lab:
         self.host_memory_mb = host_memory_mb
         self.host_cpus = host_cpus
         self.boot_timeout = boot_timeout
+        self.host_append = host_append
+        # The host kernel and initramfs as read-only disks in each virtual
+        # host (serials klab-kernel, klab-initrd): what a kexec loads.
+        self.kexec_media = kexec_media
         self.hosts: list[VirtualHost] = []
         self._cleanup: int | None = None
         self.images: images.Images | None = None
@@ -84,6 +90,7 @@ class Lab:
         _prune_runs(keep=KEEP_RUNS)
         self._cleanup = cleanup.register(f"lab {self.tag}", self.teardown)
         self.network.create()
+        drives = [(self.images.vmlinuz, "klab-kernel"), (self.images.host_initrd, "klab-initrd")]
         for i in range(self.n_hosts):
             vh = VirtualHost(
                 i,
@@ -93,6 +100,8 @@ class Lab:
                 self.run_dir,
                 memory_mb=self.host_memory_mb,
                 cpus=self.host_cpus,
+                extra_append=self.host_append,
+                drives=drives if self.kexec_media else None,
             )
             self.hosts.append(vh)
             vh.start()
