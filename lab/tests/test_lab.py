@@ -47,7 +47,7 @@ def run_scenario(name: str, vmm: str) -> dict[str, float]:
     first run failed on the platform's guest reset, never for anything else."""
     sc = SCENARIOS[name]
     for attempt in (1, 2):
-        lab = Lab(hosts=sc.hosts)
+        lab = Lab(hosts=sc.hosts, **sc.lab_options)
         try:
             with lab:
                 times = {f"{vh.name}_boot_s": vh.boot_seconds or 0.0 for vh in lab.hosts}
