@@ -31,6 +31,7 @@ from kemari_lab.connection import LongConnection
 from kemari_lab.roaming import roaming_guest
 from kemari_lab.soak import DiskWriter, soak
 from kemari_lab.vhost import VirtualHost
+from kemari_lab import warm_bench
 from kemari_lab.warm_reboot import WarmHost, guest_clock
 from kemari_lab.warm_reboot import lab_options as warm_lab_options
 
@@ -509,6 +510,13 @@ SCENARIOS: dict[str, Scenario] = {
             host_warm_reboot,
             (host_warm_reboot.__doc__ or "").split(":")[0],
             warm_lab_options(region_gib=1),
+        ),
+        Scenario(
+            "host-warm-reboot-bench",
+            1,
+            warm_bench.bench,
+            (warm_bench.bench.__doc__ or "").split(",")[0],
+            warm_bench.lab_options(),
         ),
         Scenario("soak", 2, soak, "kemari and qemu-microvm guests side by side under load; crashes per VMM"),
     )

@@ -55,7 +55,7 @@ class VirtualHost:
         memory_mb: int = 3072,
         cpus: int = 2,
         extra_append: str = "",
-        drives: list[tuple[Path, str]] | None = None,
+        drives: list[tuple[Path, str, bool]] | None = None,
     ) -> None:
         self.index = index
         self.name = f"vh{index}"
@@ -68,7 +68,7 @@ class VirtualHost:
         self.cpus = cpus
         # More kernel command line (a persistent-memory region: memmap=…).
         self.extra_append = extra_append
-        # Read-only raw disks (file, virtio serial): /sys/block/vdX/serial.
+        # Raw disks (file, virtio serial, read-only?): /sys/block/vdX/serial.
         self.drives = drives or []
         self.tap = f"vh{index}"
         self.mac = f"52:54:00:77:00:{10 + index:02x}"
@@ -90,9 +90,10 @@ class VirtualHost:
         if self.extra_append:
             append += f" {self.extra_append}"
         drives: list[str] = []
-        for i, (path, serial) in enumerate(self.drives):
+        for i, (path, serial, readonly) in enumerate(self.drives):
+            ro = ",readonly=on" if readonly else ""
             drives += [
-                "-drive", f"file={path},format=raw,if=none,id=x{i},readonly=on",
+                "-drive", f"file={path},format=raw,if=none,id=x{i}{ro}",
                 "-device", f"virtio-blk-pci,drive=x{i},serial={serial}",
             ]  # fmt: skip
         return [

@@ -58,18 +58,36 @@ class WarmHost:
         self.kexecs = 0
 
     def prepare(self) -> None:
-        """Makes the DAX file system on the region (this once) and copies the
-        next kernel and initramfs out of their disks (kexec -s reads files)."""
+        """Makes the DAX file system on the region (this once) and fetches
+        the next kernel."""
         h = self.host
         h.run("grep -q 'memmap=' /proc/cmdline && [ -b /dev/pmem0 ]")
         h.run(f"{WARM} format && {WARM} mount && grep ' {REGION} ' /proc/mounts", timeout=120)
-        h.run(
+        self.fetch_kernel()
+
+    def fetch_kernel(self) -> None:
+        """Copies the next kernel and initramfs out of their disks into /tmp
+        (kexec -s reads files; /tmp is gone after each kexec)."""
+        self.host.run(
             "mkdir -p /tmp/kexec && for d in /sys/block/vd*; do"
             ' case "$(cat $d/serial)" in klab-kernel) cat /dev/${d##*/} > /tmp/kexec/vmlinuz ;;'
             " klab-initrd) cat /dev/${d##*/} > /tmp/kexec/initrd ;; esac; done;"
             " [ -s /tmp/kexec/vmlinuz ] && [ -s /tmp/kexec/initrd ]",
             timeout=300,
         )
+
+    def timed(self, command: str, timeout: float = 600) -> float:
+        """Runs `command` on the host and returns its duration as the host
+        measured it (/proc/uptime, 10 ms), without the console's overhead."""
+        res = self.host.run(
+            f"a=$(cut -d' ' -f1 /proc/uptime); {command}; s=$?;"
+            f" b=$(cut -d' ' -f1 /proc/uptime); echo KLAB-TIMED $a $b; exit $s",
+            timeout=timeout,
+        )
+        m = re.search(r"KLAB-TIMED ([\d.]+) ([\d.]+)", res.output)
+        if m is None:
+            raise LabError(f"{self.host.name}: no timing from `{command}`: {res.output!r}")
+        return float(m.group(2)) - float(m.group(1))
 
     def spec(self, name: str, index: int, memory_mb: int, vcpus: int = 2) -> GuestSpec:
         """A kemari guest whose memory file and disk live on the region."""
@@ -99,8 +117,8 @@ class WarmHost:
         self.host.run(f"{WARM} load /tmp/kexec/vmlinuz /tmp/kexec/initrd", timeout=300)
         return time.monotonic() - t0
 
-    def write_table(self) -> None:
-        lines = "\n".join(f"{g.spec.name} {g.spec.api_socket} br0:{g.spec.tap} {g.console}" for g in self.guests)
+    def write_table(self, guests: list[Guest]) -> None:
+        lines = "\n".join(f"{g.spec.name} {g.spec.api_socket} br0:{g.spec.tap} {g.console}" for g in guests)
         self.host.run(f"cat > {TABLE} <<'EOF'\n{lines}\nEOF")
 
     def save_consoles(self, suffix: str) -> None:
@@ -108,9 +126,9 @@ class WarmHost:
             text = self.host.run(f"cat {g.console}").output
             (self.host.run_dir / f"{self.host.name}-{g.spec.name}-{suffix}.console").write_text(text)
 
-    def freeze(self) -> dict[str, float]:
-        """Freezes every guest (in parallel); per-VM and whole times."""
-        self.write_table()
+    def freeze(self, guests: list[Guest] | None = None) -> dict[str, float]:
+        """Freezes every guest, or those given (in parallel); per-VM and whole times."""
+        self.write_table(self.guests if guests is None else guests)
         self.save_consoles(f"before-kexec-{self.kexecs + 1}")
         res = self.host.run(f"{WARM} freeze {TABLE}", timeout=300, check=False)
         if not res.ok:
