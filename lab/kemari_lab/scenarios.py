@@ -394,6 +394,11 @@ def fault_tolerance_partition(lab: Lab, vmm: str) -> dict[str, float]:
     it off through the fence before taking over (never two copies)."""
     return fault_tolerance(lab, vmm, failure="partition")
 
+
+# The CI scenario hashes 1 MiB of every 16 of the guest's memory before and
+# after the kexec (all of it took 2 min per hash on TCG; a full hash was
+# equal in the runs of 2026-11-26, docs/warm-reboot.md).
+CHECKSUM_SAMPLE_MB = 16
 RECORDS_NOW_RE = re.compile(r"KLAB-RECORDS-NOW lines=(\d+) synced=(\d+) bad=(\d+)")
 
 
@@ -410,6 +415,7 @@ def host_warm_reboot(lab: Lab, vmm: str) -> dict[str, float]:
     with step("preparing the persistent-memory region"):
         wh.prepare()
     guest = wh.start(wh.spec("warm0", 0, 512))
+    wh.load_in_background()  # the next kernel, while the guest boots
     console = guest.wait_ready()
     guest.check_boot(console)
     times: dict[str, float] = {"guest_ready_s": guest.ready_seconds or 0.0}
@@ -421,7 +427,7 @@ def host_warm_reboot(lab: Lab, vmm: str) -> dict[str, float]:
         if "writer started" not in lab.client_http_get(ip, "/cgi-bin/writer"):
             raise LabError(f"{guest.host.name}: the guest's disk writer did not start")
         disk = DiskWriter(lab, ip, interval=0.5, stall_limit=300)
-        times["kexec_load_s"] = wh.load()
+        wh.wait_loaded()
         before_clock = guest_clock(lab, ip)
         before = conn.check()
         t0 = time.monotonic()
@@ -429,14 +435,14 @@ def host_warm_reboot(lab: Lab, vmm: str) -> dict[str, float]:
             times.update(wh.freeze())
         t_frozen = time.monotonic()
         with step("checksumming the frozen memory"):
-            sums = wh.checksums()
+            sums = wh.checksums(CHECKSUM_SAMPLE_MB)
         t_sums = time.monotonic()
         with step("kexec"):
             times["kexec_to_host_ready_s"] = wh.kexec()
         with step("after the kexec"):
             t_mount = time.monotonic()
             wh.mount()
-            after_sums = wh.checksums()
+            after_sums = wh.checksums(CHECKSUM_SAMPLE_MB)
             if after_sums != sums:
                 raise LabError(f"{guest.host.name}: guest memory changed across the kexec: {sums} -> {after_sums}")
             times["checksum_s"] = (t_sums - t_frozen) + (time.monotonic() - t_mount)

@@ -70,6 +70,7 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
     out: dict[str, float] = {}
     with step("preparing the region and the host's disk"):
         wh.prepare()
+        wh.fetch_kernel()
         h.run(
             "for d in /sys/block/vd*; do [ \"$(cat $d/serial)\" = klab-scratch ] && dev=/dev/${d##*/}; done;"
             " mkfs.ext4 -q -F $dev && mkdir -p /disk && mount $dev /disk",

@@ -27,6 +27,13 @@ REGION_START_GIB = 4
 BASE_HOST_MB = 3072
 WARM = f"host-warm-reboot --region {REGION}"
 TABLE = "/tmp/warm-reboot.table"
+# The next kernel and initramfs, out of their disks (by serial) into /tmp/kexec.
+FETCH = (
+    "mkdir -p /tmp/kexec && for d in /sys/block/vd*; do"
+    ' case "$(cat $d/serial)" in klab-kernel) cat /dev/${d##*/} > /tmp/kexec/vmlinuz ;;'
+    " klab-initrd) cat /dev/${d##*/} > /tmp/kexec/initrd ;; esac; done;"
+    " [ -s /tmp/kexec/vmlinuz ] && [ -s /tmp/kexec/initrd ]"
+)
 STEP_RE = re.compile(r"warm-reboot (frozen|resumed|freeze-all|resume-all)( name=(\S+))?( vms=\d+)? ms=(\d+)")
 
 
@@ -58,23 +65,15 @@ class WarmHost:
         self.kexecs = 0
 
     def prepare(self) -> None:
-        """Makes the DAX file system on the region (this once) and fetches
-        the next kernel."""
+        """Makes the DAX file system on the region (this once)."""
         h = self.host
         h.run("grep -q 'memmap=' /proc/cmdline && [ -b /dev/pmem0 ]")
         h.run(f"{WARM} format && {WARM} mount && grep ' {REGION} ' /proc/mounts", timeout=120)
-        self.fetch_kernel()
 
     def fetch_kernel(self) -> None:
         """Copies the next kernel and initramfs out of their disks into /tmp
         (kexec -s reads files; /tmp is gone after each kexec)."""
-        self.host.run(
-            "mkdir -p /tmp/kexec && for d in /sys/block/vd*; do"
-            ' case "$(cat $d/serial)" in klab-kernel) cat /dev/${d##*/} > /tmp/kexec/vmlinuz ;;'
-            " klab-initrd) cat /dev/${d##*/} > /tmp/kexec/initrd ;; esac; done;"
-            " [ -s /tmp/kexec/vmlinuz ] && [ -s /tmp/kexec/initrd ]",
-            timeout=300,
-        )
+        self.host.run(FETCH, timeout=300)
 
     def timed(self, command: str, timeout: float = 600) -> float:
         """Runs `command` on the host and returns its duration as the host
@@ -117,6 +116,21 @@ class WarmHost:
         self.host.run(f"{WARM} load /tmp/kexec/vmlinuz /tmp/kexec/initrd", timeout=300)
         return time.monotonic() - t0
 
+    def load_in_background(self) -> None:
+        """Fetches and loads the next kernel in the background (while a
+        guest boots); :meth:`wait_loaded` waits for it."""
+        self.host.run(
+            f"( {FETCH} && {WARM} load /tmp/kexec/vmlinuz /tmp/kexec/initrd;"
+            " echo KLAB-LOADED=$? ) > /tmp/kexec-load.log 2>&1 &"
+        )
+
+    def wait_loaded(self, timeout: float = 300) -> None:
+        m = self.host.wait_file_match(
+            "/tmp/kexec-load.log", re.compile(r"KLAB-LOADED=(\d+)"), timeout, "the next kernel to be loaded"
+        )
+        if m.group(1) != "0":
+            raise LabError(f"{self.host.name}: loading the next kernel failed: see /tmp/kexec-load.log")
+
     def write_table(self, guests: list[Guest]) -> None:
         lines = "\n".join(f"{g.spec.name} {g.spec.api_socket} br0:{g.spec.tap} {g.console}" for g in guests)
         self.host.run(f"cat > {TABLE} <<'EOF'\n{lines}\nEOF")
@@ -135,13 +149,22 @@ class WarmHost:
             raise LabError(f"{self.host.name}: host-warm-reboot freeze failed:\n{res.output}")
         return steps(res.output)
 
-    def checksums(self) -> dict[str, str]:
+    def checksums(self, sample_every_mb: int = 1) -> dict[str, str]:
         """sha256 of each frozen guest's memory file (the pages that must
-        come through the kexec unchanged)."""
+        come through the kexec unchanged): all of it, or 1 MiB out of every
+        `sample_every_mb` (hashing 512 MiB takes minutes on TCG)."""
         out = {}
         for g in self.guests:
-            res = self.host.run(f"sha256sum {REGION}/vms/{g.spec.name}/memory", timeout=600)
-            out[g.spec.name] = res.output.split()[0]
+            f = f"{REGION}/vms/{g.spec.name}/memory"
+            if sample_every_mb <= 1:
+                cmd = f"sha256sum {f}"
+            else:
+                last = g.spec.memory_mb - 1
+                cmd = (
+                    f"for i in $(seq 0 {sample_every_mb} {last}); do"
+                    f" dd if={f} bs=1M skip=$i count=1 2>/dev/null; done | sha256sum"
+                )
+            out[g.spec.name] = self.host.run(cmd, timeout=600).output.split()[0]
         return out
 
     def kexec(self, timeout: float = 300) -> float:
