@@ -44,11 +44,12 @@ def _running_after_restore(wh: WarmHost, g: Guest, directory: str) -> float:
     """`kemari --restore DIR` in the background; the host-measured seconds
     until `kemarictl info` says running."""
     s = g.spec
+    log = f"{g.console}.from-disk"  # its own: the console holds earlier exits
     return wh.timed(
-        f"rm -f {s.api_socket}; ( kemari --restore {directory} --api-socket {s.api_socket} >> {g.console} 2>&1;"
-        f" echo KEMARI-EXIT=$? >> {g.console} ) >/dev/null 2>&1 &"
+        f"rm -f {s.api_socket}; ( kemari --restore {directory} --api-socket {s.api_socket} > {log} 2>&1;"
+        f" echo KEMARI-EXIT=$? >> {log} ) >/dev/null 2>&1 &"
         f" until kemarictl -s {s.api_socket} info 2>/dev/null | grep -q '\"state\": *\"running\"'; do"
-        f" grep -q KEMARI-EXIT= {g.console} && exit 1; sleep 0.02; done"
+        f" grep -q KEMARI-EXIT= {log} 2>/dev/null && exit 1; sleep 0.02; done"
     )
 
 
@@ -131,7 +132,7 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
         for g in (s0, b0):
             d = f"/disk/snap-{g.spec.name}"
             out[f"disk_{g.spec.name}_snapshot_exit_s"] = wh.timed(
-                f"kemarictl -s {g.spec.api_socket} snapshot {d} --exit >/dev/null && sync"
+                f"kemarictl -s {g.spec.api_socket} snapshot {d} --exit >/dev/null 2>&1 && sync"
             )
             out[f"disk_{g.spec.name}_image_mb"] = float(
                 h.run(f"du -sm {d} | cut -f1").output.strip() or 0
