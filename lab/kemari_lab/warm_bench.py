@@ -55,7 +55,7 @@ def _running_after_restore(wh: WarmHost, g: Guest, directory: str) -> float:
 
 def _wait_gone(wh: WarmHost, timeout: float = 180) -> None:
     deadline = time.monotonic() + timeout
-    while wh.host.run("pgrep -x kemari", check=False).ok:
+    while wh.host.run("pidof kemari", check=False).ok:  # (busybox has no pgrep)
         if time.monotonic() > deadline:
             raise LabError(f"{wh.host.name}: kemari still runs {timeout:.0f}s after the guests' poweroff")
         time.sleep(1)
