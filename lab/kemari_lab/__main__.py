@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.minutes is not None:
                 os.environ["KEMARI_SOAK_MINUTES"] = str(args.minutes)
             t0 = time.monotonic()
-            with Lab(hosts=sc.hosts) as lab:
+            with Lab(hosts=sc.hosts, **sc.lab_options) as lab:
                 times = {f"{vh.name}_boot_s": vh.boot_seconds or 0.0 for vh in lab.hosts}
                 times.update(sc.run(lab, args.vmm))
             times["total_s"] = time.monotonic() - t0

@@ -7,7 +7,8 @@ Every `interval` seconds it asks the guest for ``GET /cgi-bin/disk?TOKEN``
 reads it back) with a fresh token, and counts the requests acknowledged with
 ``KLAB-DISK-OK TOKEN``. After each request it prints one JSON line: ``acks``,
 ``failures`` (requests that failed, e.g. timed out), ``last_failure``,
-``since_last_ack_s``, ``elapsed_s``, ``error``. It ends, with ``error`` set,
+``since_last_ack_s``, ``max_ack_gap_s`` (the longest wait between two
+acknowledgements so far: the client's stall), ``elapsed_s``, ``error``. It ends, with ``error`` set,
 when the guest answers ``KLAB-DISK-FAIL`` (its disk lost the write) or when no
 request was acknowledged for `stall_limit` seconds; or when stdin closes.
 """
@@ -41,6 +42,7 @@ def main() -> int:
     t0 = time.monotonic()
     last_ack = t0
     acks = failures = 0
+    max_ack_gap = 0.0
     last_failure: str | None = None
     error: str | None = None
     while not stop.is_set():
@@ -51,7 +53,10 @@ def main() -> int:
                 body = r.read().decode(errors="replace")
             if f"KLAB-DISK-OK {token}" in body:
                 acks += 1
-                last_ack = time.monotonic()
+                now = time.monotonic()
+                if acks > 1:
+                    max_ack_gap = max(max_ack_gap, now - last_ack)
+                last_ack = now
             elif "KLAB-DISK-FAIL" in body:
                 error = f"the guest failed to write and read back {token}: {body.strip()!r}"
             else:
@@ -68,6 +73,7 @@ def main() -> int:
             "failures": failures,
             "last_failure": last_failure,
             "since_last_ack_s": round(now - last_ack, 3),
+            "max_ack_gap_s": round(max_ack_gap, 3),
             "elapsed_s": round(now - t0, 3),
             "error": error,
         }

@@ -60,6 +60,8 @@ class GuestSpec:
     verbose: bool = False
     # More kemari flags (`--on-reboot exit` …).
     vmm_args: str = ""
+    # Where the private copy of the disk lives in the virtual host.
+    disk_dir: str = "/tmp"
     ip: str = field(init=False)
     mac: str = field(init=False)
     tap: str = field(init=False)
@@ -78,7 +80,7 @@ class GuestSpec:
 
     @property
     def disk_path(self) -> str:
-        return f"/tmp/{self.name}.disk"
+        return f"{self.disk_dir}/{self.name}.disk"
 
     @property
     def disk_arg(self) -> str:

@@ -7,7 +7,7 @@ Images (under lab/build/images/):
 
 - ``vmlinuz``: the Debian cloud kernel, for virtual hosts and guests alike;
 - ``host-base.cpio``: the virtual host's initramfs (busybox, kvm-amd, virtio,
-  tun, bridge, netem, nbd modules, QEMU, iproute2's ip and nbd-client with
+  tun, bridge, netem, nbd, legacy pmem modules, QEMU, iproute2's ip and nbd-client with
   their libraries, QEMU's firmware);
 - ``guest-initrd.cpio``: the guest's initramfs (busybox, virtio modules, an
   init that mounts the disk, starts services and reports on the console);
@@ -43,6 +43,10 @@ HOST_MODULES = [
     "bridge",
     "sch_netem",
     "nbd",
+    # Legacy persistent memory (memmap=SIZE!OFFSET -> /dev/pmem0), for a
+    # host's Warm-VM Reboot (docs/warm-reboot.md).
+    "nd_e820",
+    "nd_pmem",
 ]
 GUEST_MODULES = [
     "virtio_mmio",
@@ -66,8 +70,11 @@ QEMU_FIRMWARE = [
 # their libraries (name -> the package that has it, see paths.HOST_PACKAGES).
 # iproute2's ip: busybox ip lacks tuntap and bridge options, and this busybox
 # prefers its applets to PATH, so it is called as /sbin/ip. nbd-client
-# connects the kernel's NBD client (/dev/nbdN) to an export.
-HOST_TOOLS = {"ip": "iproute2", "nbd-client": "nbd-client"}
+# connects the kernel's NBD client (/dev/nbdN) to an export. kexec and
+# mkfs.ext4: a host's Warm-VM Reboot (scripts/host-warm-reboot, docs/warm-reboot.md).
+HOST_TOOLS = {"ip": "iproute2", "nbd-client": "nbd-client", "kexec": "kexec-tools", "mkfs.ext4": "e2fsprogs"}
+# The operator's Warm-VM Reboot command, copied into each virtual host.
+WARM_REBOOT_SCRIPT = paths.REPO_DIR / "scripts" / "host-warm-reboot"
 
 GUEST_DISK_SIZE_MB = 32
 # The one file on the guest's ext4 disk, /hello.txt.
@@ -398,7 +405,7 @@ def host_initrd(tree: KernelTree) -> Path:
     disk = build_guest_disk()
     bins = kemari_binaries()
     out = paths.IMAGES_DIR / "host-initrd.cpio"
-    digest = _inputs_digest(base, guest_initrd, disk, tree.vmlinuz, *bins)
+    digest = _inputs_digest(base, guest_initrd, disk, tree.vmlinuz, *bins, WARM_REBOOT_SCRIPT.read_bytes())
     if _fresh(out, digest):
         return out
     log("composing the virtual host initramfs with its payload")
@@ -410,6 +417,7 @@ def host_initrd(tree: KernelTree) -> Path:
         w.add_file("lab/guest/vmlinuz", tree.vmlinuz, 0o644)
         w.add_file("lab/guest/initrd.cpio", guest_initrd, 0o644)
         w.add_file("lab/guest/disk.ext4", disk, 0o644)
+        w.add_file("usr/bin/host-warm-reboot", WARM_REBOOT_SCRIPT, 0o755)
         added: set[str] = set()
         for binary in bins:
             _add_dynamic_binary(w, binary, f"usr/bin/{binary.name}", added)

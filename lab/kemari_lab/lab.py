@@ -48,6 +48,9 @@ class Lab:
         host_cpus: int = 2,
         tag: str | None = None,
         boot_timeout: float = 120,
+        host_append: str = "",
+        kexec_media: bool = False,
+        scratch_disk_gb: int = 0,
     ) -> None:
         if hosts < 1:
             raise LabError("a lab needs at least one virtual host")
@@ -58,6 +61,13 @@ class Lab:
         self.host_memory_mb = host_memory_mb
         self.host_cpus = host_cpus
         self.boot_timeout = boot_timeout
+        self.host_append = host_append
+        # The host kernel and initramfs as read-only disks in each virtual
+        # host (serials klab-kernel, klab-initrd): what a kexec loads.
+        self.kexec_media = kexec_media
+        # A writable disk per virtual host (serial klab-scratch, sparse file
+        # in the run directory): the host's own disk, for suspend-to-disk.
+        self.scratch_disk_gb = scratch_disk_gb
         self.hosts: list[VirtualHost] = []
         self._cleanup: int | None = None
         self.images: images.Images | None = None
@@ -85,6 +95,14 @@ class Lab:
         self._cleanup = cleanup.register(f"lab {self.tag}", self.teardown)
         self.network.create()
         for i in range(self.n_hosts):
+            drives: list[tuple[Path, str, bool]] = []
+            if self.kexec_media:
+                drives += [(self.images.vmlinuz, "klab-kernel", True), (self.images.host_initrd, "klab-initrd", True)]
+            if self.scratch_disk_gb:
+                scratch = self.run_dir / f"vh{i}-scratch.img"
+                with scratch.open("wb") as f:
+                    f.truncate(self.scratch_disk_gb << 30)
+                drives.append((scratch, "klab-scratch", False))
             vh = VirtualHost(
                 i,
                 self.network,
@@ -93,6 +111,8 @@ class Lab:
                 self.run_dir,
                 memory_mb=self.host_memory_mb,
                 cpus=self.host_cpus,
+                extra_append=self.host_append,
+                drives=drives,
             )
             self.hosts.append(vh)
             vh.start()
@@ -104,6 +124,8 @@ class Lab:
         """Kills every virtual host and deletes the namespaces (idempotent)."""
         for vh in self.hosts:
             vh.kill()
+        for scratch in self.run_dir.glob("vh*-scratch.img"):
+            scratch.unlink(missing_ok=True)  # sparse, but large once written
         self.network.destroy()
         if self._cleanup is not None:
             handle, self._cleanup = self._cleanup, None

@@ -135,10 +135,12 @@ class DiskWriter:
     """disk_client.py in the client namespace against one guest; keeps its
     latest JSON line."""
 
-    def __init__(self, lab: Lab, ip: str, interval: float = DISK_INTERVAL_S) -> None:
+    def __init__(self, lab: Lab, ip: str, interval: float = DISK_INTERVAL_S, stall_limit: float = 90) -> None:
         self.ip = ip
         self._stderr = lab.run_dir / f"disk-client-{ip}.stderr"
-        cmd = lab.network.in_client([sys.executable, "-u", str(_DISK_SCRIPT), ip, "--interval", str(interval)])
+        cmd = lab.network.in_client(
+            [sys.executable, "-u", str(_DISK_SCRIPT), ip, "--interval", str(interval), "--stall-limit", str(stall_limit)]
+        )
         with self._stderr.open("ab") as err:
             self._proc = subprocess.Popen(
                 cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, bufsize=1

@@ -54,6 +54,8 @@ class VirtualHost:
         run_dir: Path,
         memory_mb: int = 3072,
         cpus: int = 2,
+        extra_append: str = "",
+        drives: list[tuple[Path, str, bool]] | None = None,
     ) -> None:
         self.index = index
         self.name = f"vh{index}"
@@ -64,6 +66,10 @@ class VirtualHost:
         self.run_dir = run_dir
         self.memory_mb = memory_mb
         self.cpus = cpus
+        # More kernel command line (a persistent-memory region: memmap=…).
+        self.extra_append = extra_append
+        # Raw disks (file, virtio serial, read-only?): /sys/block/vdX/serial.
+        self.drives = drives or []
         self.tap = f"vh{index}"
         self.mac = f"52:54:00:77:00:{10 + index:02x}"
         self.console_log = run_dir / f"{self.name}.console"
@@ -81,6 +87,15 @@ class VirtualHost:
     def qemu_command(self) -> list[str]:
         """The QEMU command line of this virtual host (run inside the lab namespace)."""
         append = f"console=ttyS0 quiet panic=-1 klab.name={self.name} klab.ip={self.ip}/{PREFIX_LEN}"
+        if self.extra_append:
+            append += f" {self.extra_append}"
+        drives: list[str] = []
+        for i, (path, serial, readonly) in enumerate(self.drives):
+            ro = ",readonly=on" if readonly else ""
+            drives += [
+                "-drive", f"file={path},format=raw,if=none,id=x{i}{ro}",
+                "-device", f"virtio-blk-pci,drive=x{i},serial={serial}",
+            ]  # fmt: skip
         return [
             "qemu-system-x86_64",
             "-accel", "tcg",
@@ -95,6 +110,7 @@ class VirtualHost:
             "-append", append,
             "-netdev", f"tap,id=n0,ifname={self.tap},script=no,downscript=no",
             "-device", f"virtio-net-pci,netdev=n0,mac={self.mac},romfile=",
+            *drives,
         ]  # fmt: skip
 
     def start(self) -> None:
@@ -231,6 +247,24 @@ class VirtualHost:
         if check and not result.ok:
             raise LabError(f"{self.name}: command failed with status {result.status}: {command}\n{result.output}")
         return result
+
+    def send(self, command: str) -> int:
+        """Sends a command that does not come back (a kexec: the shell is
+        gone with its kernel); returns the console offset before it, to wait
+        from (:meth:`wait_for`)."""
+        if not self.alive():
+            raise LabError(f"{self.name}: cannot send `{command}`: the virtual host is not running")
+        with self._cmd_lock:
+            self._seq += 1
+            with self._cond:
+                start = len(self._buf)
+            assert self._proc is not None and self._proc.stdin is not None
+            try:
+                self._proc.stdin.write(f"( {command}\n) </dev/null 2>&1\n".encode())
+                self._proc.stdin.flush()
+            except OSError as e:
+                raise LabError(f"{self.name}: cannot send `{command}` to the console: {e}") from e
+        return start
 
     def wait_file_match(self, path: str, pattern: re.Pattern[str], timeout: float, what: str) -> re.Match[str]:
         """Polls a file on the virtual host until its contents match `pattern`."""

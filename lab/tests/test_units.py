@@ -409,3 +409,43 @@ def test_platform_reset_is_told_from_other_failures(tmp_path: Path) -> None:
     (tmp_path / "vh1-qemu1.console").write_text("KLAB-GUEST-READY ip=10.77.0.101/24\nKLAB-VMM-EXIT=0\n")
     found = platform_reset_in(tmp_path)
     assert found is not None and "vh1-qemu1.console" in found
+
+
+WARM_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "host-warm-reboot"
+
+
+def _warm(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    sh = shutil.which("busybox")
+    cmd = ([sh, "sh"] if sh else ["sh"]) + [str(WARM_SCRIPT), "--region", str(tmp_path / "region"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+
+
+def test_warm_reboot_refuses_a_region_without_dax(tmp_path: Path) -> None:
+    """Guest memory outside a DAX mount would sit in the page cache, which a
+    kexec drops: freeze refuses, saying so, and freezes nothing."""
+    table = tmp_path / "table"
+    table.write_text("# name sock taps log\ng0 /nonexistent.sock br0:g0 /tmp/g0.log\n")
+    res = _warm(["freeze", str(table)], tmp_path)
+    assert res.returncode != 0
+    assert "is not a DAX mount" in res.stderr
+    assert not (tmp_path / "region" / "warm-reboot" / "frozen").exists()
+
+
+def test_warm_reboot_needs_a_loaded_kernel_and_a_freeze_list(tmp_path: Path) -> None:
+    res = _warm(["resume"], tmp_path)
+    assert res.returncode != 0 and ("not a block device" in res.stderr or "no freeze list" in res.stderr)
+    res = _warm(["bogus"], tmp_path)
+    assert res.returncode != 0 and "unknown command bogus" in res.stderr
+
+
+def test_warm_reboot_step_lines_are_parsed() -> None:
+    from kemari_lab.warm_reboot import lab_options, steps
+
+    out = "warm-reboot frozen name=w0 ms=120\nwarm-reboot frozen name=w1 ms=90\nwarm-reboot freeze-all vms=2 ms=130\n"
+    assert steps(out) == {"frozen_w0_s": 0.12, "frozen_w1_s": 0.09, "freeze_all_s": 0.13}
+    assert steps("warm-reboot resumed name=w0 ms=2010\nwarm-reboot resume-all vms=1 ms=2020") == {
+        "resumed_w0_s": 2.01,
+        "resume_all_s": 2.02,
+    }
+    opts = lab_options(3)
+    assert opts["host_append"] == "memmap=3G!4G" and opts["host_memory_mb"] == 3072 + 3072

@@ -9,6 +9,9 @@
 # GET /cgi-bin/poweroff makes the guest unmount its disk and power off;
 # GET /cgi-bin/writer starts the disk writer (load): numbered records appended
 # to /mnt/records.log, each synced, and a 256 KiB file rewritten with fsync;
+# GET /cgi-bin/records stops the writer and counts its records on the disk
+# (page cache dropped) against those it synced; GET /cgi-bin/clock prints the
+# guest's uptime and wall clock;
 # GET /cgi-bin/reboot makes the guest stop the writer, unmount its disk and
 # reboot (`reboot -f`), printing KLAB-GUEST-REBOOT lines=<records on disk>;
 # before mounting, every boot prints KLAB-FS clean|dirty (the ext4
@@ -96,7 +99,7 @@ echo running > /tmp/writer.pid
     n=0
     while [ ! -e /tmp/writer.stop ]; do
         n=$((n + 1))
-        echo "rec $boot $n" >> /mnt/records.log && sync
+        echo "rec $boot $n" >> /mnt/records.log && sync && echo "$n" > /tmp/writer.synced
         dd if=/dev/urandom of=/mnt/blob bs=64k count=4 conv=fsync 2>/dev/null
     done
     rm -f /tmp/writer.pid
@@ -134,7 +137,31 @@ else
     echo "KLAB-DISK-FAIL $token"
 fi
 CGI
-chmod +x /www/cgi-bin/poweroff /www/cgi-bin/disk /www/cgi-bin/writer /www/cgi-bin/reboot
+cat > /www/cgi-bin/records <<'CGI'
+#!/bin/sh
+# GET /cgi-bin/records: stop the writer after its current record, drop the
+# page cache and count the records the disk holds (vs. those it synced).
+echo "Content-Type: text/plain"
+echo
+touch /tmp/writer.stop
+while [ -e /tmp/writer.pid ]; do sleep 0.1; done
+synced=$(cat /tmp/writer.synced 2>/dev/null || echo 0)
+sync && echo 3 > /proc/sys/vm/drop_caches
+lines=$(wc -l < /mnt/records.log)
+bad=$(grep -cv '^rec [0-9]* [0-9]*$' /mnt/records.log)
+rm -f /tmp/writer.stop
+echo "KLAB-RECORDS-NOW lines=$lines synced=$synced bad=$bad"
+CGI
+cat > /www/cgi-bin/clock <<'CGI'
+#!/bin/sh
+# GET /cgi-bin/clock: the guest's clocks (seconds since boot, wall clock).
+echo "Content-Type: text/plain"
+echo
+read -r up _ < /proc/uptime
+echo "KLAB-CLOCK uptime=$up realtime=$(date +%s)"
+CGI
+chmod +x /www/cgi-bin/poweroff /www/cgi-bin/disk /www/cgi-bin/writer /www/cgi-bin/reboot \
+    /www/cgi-bin/records /www/cgi-bin/clock
 httpd -p 80 -h /www
 # Debian's busybox nc has no -k: -ll with -e is its persistent server.
 nc -ll -p 7 -e cat >/dev/null 2>&1 &
