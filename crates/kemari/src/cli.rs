@@ -124,6 +124,24 @@ pub struct Args {
     /// KEMARI_FT_PEER set to the primary's address.
     #[arg(long)]
     pub ft_fence_cmd: Option<String>,
+    /// Protect the VM with fault tolerance from its start: once it runs,
+    /// synchronize it to the standby (`kemari --ft-standby`) at HOST:PORT,
+    /// as `kemarictl ft start --peer` would, keyed by --migration-key-file.
+    /// A failed start leaves the VM running unprotected (logged, and an
+    /// `operation_failed` event); `kemarictl ft start` may try again.
+    #[arg(long, value_name = "HOST:PORT", conflicts_with_all = ["ft_standby", "incoming", "incoming_local"])]
+    pub ft_peer: Option<String>,
+    /// With --ft-peer: Remus-style checkpoints every this many ms instead of
+    /// event-driven synchronization.
+    #[arg(long, value_name = "MS")]
+    pub ft_periodic_ms: Option<u64>,
+    /// With --ft-peer: the sync link's heartbeat interval, ms (default 100).
+    #[arg(long, value_name = "MS")]
+    pub ft_heartbeat_ms: Option<u64>,
+    /// With --ft-peer: the peer is lost after this long without a frame, ms
+    /// (default 1000).
+    #[arg(long, value_name = "MS")]
+    pub ft_timeout_ms: Option<u64>,
     /// Pre-shared key (a file of at least 16 bytes) that authenticates the
     /// live-migration and fault-tolerance streams, which are encrypted
     /// (Noise, AES-256-GCM); both ends need the same key.
@@ -347,6 +365,10 @@ struct FileConfig {
     ft_standby: Option<String>,
     ft_fence: Option<String>,
     ft_fence_cmd: Option<String>,
+    ft_peer: Option<String>,
+    ft_periodic_ms: Option<u64>,
+    ft_heartbeat_ms: Option<u64>,
+    ft_timeout_ms: Option<u64>,
     migration_key_file: Option<PathBuf>,
     plaintext_link: Option<bool>,
     start_paused: Option<bool>,

@@ -232,3 +232,71 @@ fn every_role_starts_from_a_config_file_alone() {
         assert!(wait_exit(&mut c.0, what).success());
     }
 }
+
+/// A primary protected from its start by its file alone (`ft_peer`,
+/// `migration_key_file`, `ft_heartbeat_ms`, `ft_timeout_ms`): no
+/// `kemarictl ft start`; and `ft_peer` on a standby's file is refused.
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+fn a_primary_is_protected_from_its_start_by_its_file() {
+    let _one = one_at_a_time();
+    let dir = scratch("config-ft-peer");
+    let key = dir.join("key");
+    write_key(
+        &key,
+        "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+    );
+    let port = free_port();
+    let standby = start(
+        &dir,
+        "standby",
+        &format!(
+            "ft_standby = \"127.0.0.1:{port}\"\nmigration_key_file = \"{}\"\n",
+            key.display()
+        ),
+    );
+    wait_listening(port);
+    let primary = start(
+        &dir,
+        "primary",
+        &format!(
+            "kernel = \"{}\"\nmemory = \"64M\"\ncmdline = \"counter=50\"\nname = \"at-start\"\n\
+             ft_peer = \"127.0.0.1:{port}\"\nmigration_key_file = \"{}\"\n\
+             ft_heartbeat_ms = 50\nft_timeout_ms = 2000\n",
+            guest_elf().display(),
+            key.display()
+        ),
+    );
+    wait_for("protected without `ft start`", PATIENCE, || {
+        let out = ctl(&primary.api, &["ft", "status"]);
+        serde_json::from_slice::<Value>(&out.stdout).is_ok_and(|v| v["state"] == "protected")
+    });
+    let config = ctl_json(&primary.api, &["config"]);
+    assert_eq!(
+        config["process"]["ft_peer"],
+        format!("127.0.0.1:{port}"),
+        "{config}"
+    );
+    assert_eq!(config["process"]["ft_timeout_ms"], 2000, "{config}");
+    succeeded(ctl(&primary.api, &["shutdown"]));
+    for (vmm, what) in [(primary, "the primary"), (standby, "the standby")] {
+        let mut c = vmm.child;
+        assert!(wait_exit(&mut c.0, what).success());
+    }
+
+    // A standby's file may not also name a peer to protect it with.
+    let file = dir.join("both.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "ft_standby = \"127.0.0.1:{}\"\nft_peer = \"127.0.0.1:{port}\"\nmigration_key_file = \"{}\"\n",
+            free_port(),
+            key.display()
+        ),
+    )
+    .unwrap();
+    let out = run_with_timeout(kemari().arg("--config").arg(&file), PATIENCE);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--ft-peer"), "{err}");
+}

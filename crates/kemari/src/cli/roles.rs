@@ -39,6 +39,10 @@ impl Args {
         fill(&mut self.incoming_local, &file.incoming_local);
         fill(&mut self.ft_standby, &file.ft_standby);
         fill(&mut self.ft_fence_cmd, &file.ft_fence_cmd);
+        fill(&mut self.ft_peer, &file.ft_peer);
+        fill(&mut self.ft_periodic_ms, &file.ft_periodic_ms);
+        fill(&mut self.ft_heartbeat_ms, &file.ft_heartbeat_ms);
+        fill(&mut self.ft_timeout_ms, &file.ft_timeout_ms);
         fill(&mut self.migration_key_file, &file.migration_key_file);
         if let (None, Some(text)) = (&self.ft_fence, &file.ft_fence) {
             self.ft_fence = Some(
@@ -64,6 +68,7 @@ impl Args {
                 .map_err(|e| given("log_level").error(&format!("{text:?}"), e))?;
         }
         self.check_one_role(&file)?;
+        self.check_ft_at_start()?;
         // A role's VM keeps its console setting from the file, as from
         // `--serial` (a boot reads it with the machine's keys).
         if self.restore.is_some()
@@ -102,6 +107,10 @@ impl Args {
             "ft_standby": self.ft_standby,
             "ft_fence": self.ft_fence.as_ref().map(|f| format!("{f:?}")),
             "ft_fence_cmd": self.ft_fence_cmd,
+            "ft_peer": self.ft_peer,
+            "ft_periodic_ms": self.ft_periodic_ms,
+            "ft_heartbeat_ms": self.ft_heartbeat_ms,
+            "ft_timeout_ms": self.ft_timeout_ms,
             "migration_key_file": self.migration_key_file,
             "plaintext_link": self.plaintext_link,
             "start_paused": self.start_paused,
@@ -110,6 +119,52 @@ impl Args {
             "seccomp": name(self.seccomp.to_possible_value()),
             "log_level": self.log_level,
             "log_json": self.log_json,
+        })
+    }
+
+    /// `ft_peer` for a VM that runs here from its start, with a key; the
+    /// other `ft_*_ms` keys only with it.
+    fn check_ft_at_start(&self) -> Result<(), CliError> {
+        let setting = |input: &str, reason: &str| CliError::Setting {
+            input: input.into(),
+            reason: reason.into(),
+        };
+        match &self.ft_peer {
+            None if self.ft_periodic_ms.is_some()
+                || self.ft_heartbeat_ms.is_some()
+                || self.ft_timeout_ms.is_some() =>
+            {
+                Err(setting(
+                    "--ft-periodic-ms/--ft-heartbeat-ms/--ft-timeout-ms",
+                    "only with --ft-peer (protection from the start); for `kemarictl ft start` give them there",
+                ))
+            }
+            Some(peer) if self.ft_standby.is_some() || self.restore.is_some() || self.incoming.is_some() || self.incoming_local.is_some() => {
+                Err(setting(
+                    &format!("--ft-peer {peer}"),
+                    "only for a VM that boots here (a standby, a restore or a migration's destination is protected with `kemarictl ft start`)",
+                ))
+            }
+            Some(peer) if self.migration_key_file.is_none() => Err(setting(
+                &format!("--ft-peer {peer}"),
+                "needs --migration-key-file (the standby's key)",
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The fault-tolerance start `--ft-peer` asks for, if any.
+    pub fn ft_at_start(&self) -> Option<kemari_api::FtStartRequest> {
+        let peer = self.ft_peer.clone()?;
+        let key_file = self.migration_key_file.clone()?;
+        Some(kemari_api::FtStartRequest {
+            peer,
+            key_file: std::path::absolute(&key_file).unwrap_or(key_file),
+            periodic_ms: self.ft_periodic_ms,
+            heartbeat_ms: self.ft_heartbeat_ms,
+            timeout_ms: self.ft_timeout_ms,
+            keep_writable_pages: None,
+            plaintext: self.plaintext_link,
         })
     }
 

@@ -356,6 +356,9 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         on_crash: args.on_crash,
         reboot_pending: None,
     };
+    if let Some(request) = args.ft_at_start() {
+        start_ft_at_start(&controller.tx, request);
+    }
     let status = loop {
         let Ok(event) = rx.recv() else {
             break Err(ProcessError::VmFailed("all event sources are gone".into()));
@@ -373,6 +376,30 @@ pub fn run(args: &Args) -> Result<ExitCode, ProcessError> {
         api.shutdown(FLUSH_GRACE);
     }
     status
+}
+
+/// `--ft-peer`: `ft start` through the main loop, as the API would; an
+/// answer that refuses it is logged (a start that fails later is reported
+/// as every operation is: a log line and an `operation_failed` event).
+fn start_ft_at_start(tx: &Sender<Control>, request: FtStartRequest) {
+    let peer = request.peer.clone();
+    let (answer_tx, answer_rx) = channel();
+    let routed = Routed {
+        request: ApiRequest::FtStart(request),
+        follow: false,
+    };
+    if tx.send(Control::Api(routed, answer_tx)).is_err() {
+        return;
+    }
+    let _ = std::thread::Builder::new()
+        .name("ft-at-start".into())
+        .spawn(move || match answer_rx.recv() {
+            Ok(Ok(_)) => tracing::info!(%peer, "--ft-peer: fault tolerance starting"),
+            Ok(Err(e)) => {
+                tracing::error!(%peer, error = %e, "--ft-peer: fault tolerance not started")
+            }
+            Err(_) => {}
+        });
 }
 
 /// An etcd fence holds the key of a VM that runs here; a hand-over's
