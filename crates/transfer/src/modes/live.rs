@@ -18,6 +18,8 @@ use crate::net::{self, MIGRATION_SOCKET_BUFFER};
 use crate::precopy::{self, DowntimeEstimate, PageSender};
 use crate::progress::{Progress, ProgressCell};
 use crate::source::{self, Delivery, LastPages};
+use crate::streams::receive::Joiner;
+use crate::streams::send::{MultiLink, PageStreams};
 use crate::throttle::Throttle;
 
 /// How long either end waits for the other at any step.
@@ -35,12 +37,22 @@ pub fn migrate_out(
     key: Auth<'_>,
     rule: DowntimeEstimate,
     throttle: Option<Throttle>,
+    connections: u8,
     cancel: &Cancel,
     progress: &ProgressCell,
 ) -> Result<Progress, TransferError> {
     let was_running = machine.state() == RunState::Running;
     progress.start(to);
-    let result = migrate_out_inner(machine, to, key, rule, throttle, cancel, progress);
+    let result = migrate_out_inner(
+        machine,
+        to,
+        key,
+        rule,
+        throttle,
+        connections,
+        cancel,
+        progress,
+    );
     let result = cancel.explain(result, progress.snapshot().phase.as_str());
     match &result {
         Ok(()) => progress.finish("completed", None),
@@ -72,6 +84,7 @@ fn migrate_out_inner(
     key: Auth<'_>,
     mut rule: DowntimeEstimate,
     throttle: Option<Throttle>,
+    connections: u8,
     cancel: &Cancel,
     progress: &ProgressCell,
 ) -> Result<(), TransferError> {
@@ -86,7 +99,22 @@ fn migrate_out_inner(
     progress.phase("handshake");
     let mut ch = Channel::connect(stream, key, Peer::Destination)?;
     ch.note_timeout(Some(STEP_TIMEOUT));
-    source::offer(&mut ch, Mode::Live, machine, &[], progress)?;
+    let streams = u32::from(connections.max(1));
+    let session = source::offer_streams(&mut ch, Mode::Live, machine, &[], streams, progress)?;
+    let mut page_streams = match session {
+        Some(session) => {
+            progress.phase("opening page streams");
+            Some(PageStreams::open(
+                to,
+                key,
+                streams - 1,
+                session,
+                STEP_TIMEOUT,
+                cancel,
+            )?)
+        }
+        None => None,
+    };
     let memory = machine.guest_memory().clone();
     if let Some(t) = &throttle {
         tracing::info!(
@@ -95,7 +123,26 @@ fn migrate_out_inner(
         );
     }
     let mut sender = PageSender::new(&memory).with_throttle(throttle);
-    let pre = precopy::run(machine, &mut ch, &mut sender, &mut rule, cancel, progress)?;
+    let pre = match page_streams.as_mut() {
+        Some(streams) => {
+            let mut link = MultiLink {
+                main: &mut ch,
+                streams,
+            };
+            precopy::run(machine, &mut link, &mut sender, &mut rule, cancel, progress)?
+        }
+        None => precopy::run(machine, &mut ch, &mut sender, &mut rule, cancel, progress)?,
+    };
+    // The streams' work is done (every round acknowledged): closed before
+    // the pause, whose pages and state go on the main connection.
+    let stream_bytes = match page_streams.take() {
+        Some(streams) => {
+            let bytes = streams.bytes;
+            streams.finish()?;
+            bytes
+        }
+        None => 0,
+    };
     // The pages that go with the guest paused are not held back.
     sender = sender.with_throttle(None);
     let handed = source::pause_and_hand_over(
@@ -114,7 +161,7 @@ fn migrate_out_inner(
     let total = progress.snapshot().elapsed_ms;
     progress.update(|p| {
         p.round = pre.rounds + 1;
-        p.bytes_sent = ch.bytes_sent;
+        p.bytes_sent = ch.bytes_sent + stream_bytes;
         p.pages_sent = sender.pages;
         p.remaining_pages = 0;
         p.downtime_ms = Some(ms(handed.downtime));
@@ -141,7 +188,14 @@ pub fn migrate_in(
     events: VmEventSink,
     adjust: &mut dyn FnMut(&mut MachineConfig),
 ) -> Result<Machine, TransferError> {
-    let (stream, _) = net::accept_one(
+    let listener = net::bind(listen)?;
+    if let Ok(bound) = listener.local_addr() {
+        crate::listening::listening(&bound.to_string());
+    } else {
+        crate::listening::listening(listen);
+    }
+    let (stream, _) = net::accept_on(
+        &listener,
         listen,
         Peer::Source,
         Some(MIGRATION_SOCKET_BUFFER),
@@ -149,13 +203,16 @@ pub fn migrate_in(
     )?;
     let mut ch = Channel::accept(stream, key, Peer::Source)?;
     ch.note_timeout(Some(STEP_TIMEOUT));
-    let machine = destination::receive(
+    // Open for the page streams of an offer of several connections only.
+    let joiner = Joiner::new(listener, key, STEP_TIMEOUT);
+    let machine = destination::receive_joined(
         &mut ch,
         Mode::Live.name(),
         &mut Target::FreshMemory,
         RunAs::RunHeld,
         events,
         adjust,
+        Some(joiner),
     )?;
     machine.announce_network();
     tracing::info!("live migration: VM taken over and running");
