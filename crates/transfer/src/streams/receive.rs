@@ -255,3 +255,76 @@ fn receiver(
         reason,
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::FileExt;
+
+    use vmm::memory::MemoryBacking;
+
+    use super::*;
+    use crate::pages::{encode_pages, PageData, PAGE};
+
+    const KEY: &[u8] = b"kemari-stream-test-key-0123456789";
+
+    fn join_stream(addr: &str, key: &[u8], session: u64, stream: u32) -> Channel<TcpStream> {
+        let s = TcpStream::connect(addr).unwrap();
+        let mut ch = Channel::connect(s, Auth::Psk(key), Peer::Destination).unwrap();
+        ch.send_msg(&Message::Join { session, stream }).unwrap();
+        ch
+    }
+
+    /// Over real loopback TCP: strangers are refused while the streams
+    /// join, each stream's pages land in memory, a round completes only
+    /// once it ended on every stream, and a stream closed before a round
+    /// ended fails that round.
+    #[test]
+    fn streams_join_write_pages_and_fail_a_round_when_one_ends_early() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let memory = GuestMemoryFile::create(16 << 20, &MemoryBacking::Memfd).unwrap();
+        let mem2 = memory.clone();
+        let joiner = std::thread::spawn(move || {
+            Joiner::new(listener, Auth::Psk(KEY), Duration::from_secs(20)).join(2, 7, &mem2)
+        });
+        // Another key: refused in the handshake.
+        let s = TcpStream::connect(&addr).unwrap();
+        assert!(
+            Channel::connect(s, Auth::Psk(b"another-key-0123456789"), Peer::Destination).is_err()
+        );
+        // The right key but another migration's session: dropped.
+        let mut stranger = join_stream(&addr, KEY, 8, 1);
+        let mut s1 = join_stream(&addr, KEY, 7, 1);
+        let mut s2 = join_stream(&addr, KEY, 7, 2);
+        let mut streams = joiner.join().unwrap().unwrap();
+        assert!(
+            stranger.recv(&mut Vec::new()).is_err(),
+            "the stranger was refused"
+        );
+
+        let page = vec![0xa5u8; PAGE];
+        let mut batch = Vec::new();
+        encode_pages(1, &[(3, PageData::Data(&page))], &mut batch);
+        s1.send(Kind::Pages, &batch).unwrap();
+        s1.send_msg(&Message::RoundEnd { round: 1, pages: 1 })
+            .unwrap();
+        s2.send_msg(&Message::RoundEnd { round: 1, pages: 0 })
+            .unwrap();
+        streams.wait_round(1, Duration::from_secs(20)).unwrap();
+        let mut got = vec![0u8; PAGE];
+        memory
+            .file()
+            .read_exact_at(&mut got, 3 * PAGE as u64)
+            .unwrap();
+        assert_eq!(
+            got, page,
+            "round 1's page is in memory once the round ended"
+        );
+
+        s1.send_msg(&Message::RoundEnd { round: 2, pages: 1 })
+            .unwrap();
+        drop(s2);
+        let e = streams.wait_round(2, Duration::from_secs(20)).unwrap_err();
+        assert!(e.to_string().contains("page stream 2"), "{e}");
+    }
+}
