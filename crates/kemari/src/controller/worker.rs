@@ -168,8 +168,10 @@ fn run(op: Op, mut machine: Machine, started: &Started, shared: &Shared) -> Done
                 &to,
                 transfer::channel::Auth::psk(&key, plaintext),
                 rule,
-                throttle,
-                connections,
+                live::LinkOptions {
+                    throttle,
+                    connections,
+                },
                 &started.cancel,
                 &started.progress,
             ) {

@@ -25,9 +25,19 @@ use crate::throttle::Throttle;
 /// How long either end waits for the other at any step.
 const STEP_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// How a migration uses the link.
+#[derive(Debug, Clone)]
+pub struct LinkOptions {
+    /// The cap of the rounds sent while the guest runs, if any.
+    pub throttle: Option<Throttle>,
+    /// TCP connections (1: the main one only; see `streams`).
+    pub connections: u8,
+}
+
 /// Source side: live-migrates `machine` to the kemari listening at `to`
 /// (`key`: [`Auth::psk`], encrypted unless a trusted link's opt-out),
-/// the rounds before the pause capped by `throttle` if given, reporting to
+/// over `link.connections` connections, the rounds before the pause capped
+/// by `link.throttle` if given, reporting to
 /// `progress`. On success the caller ends without resuming;
 /// on failure or cancel the machine runs again (if it ran) and the error
 /// says why.
@@ -36,23 +46,13 @@ pub fn migrate_out(
     to: &str,
     key: Auth<'_>,
     rule: DowntimeEstimate,
-    throttle: Option<Throttle>,
-    connections: u8,
+    link: LinkOptions,
     cancel: &Cancel,
     progress: &ProgressCell,
 ) -> Result<Progress, TransferError> {
     let was_running = machine.state() == RunState::Running;
     progress.start(to);
-    let result = migrate_out_inner(
-        machine,
-        to,
-        key,
-        rule,
-        throttle,
-        connections,
-        cancel,
-        progress,
-    );
+    let result = migrate_out_inner(machine, to, key, rule, link, cancel, progress);
     let result = cancel.explain(result, progress.snapshot().phase.as_str());
     match &result {
         Ok(()) => progress.finish("completed", None),
@@ -83,8 +83,10 @@ fn migrate_out_inner(
     to: &str,
     key: Auth<'_>,
     mut rule: DowntimeEstimate,
-    throttle: Option<Throttle>,
-    connections: u8,
+    LinkOptions {
+        throttle,
+        connections,
+    }: LinkOptions,
     cancel: &Cancel,
     progress: &ProgressCell,
 ) -> Result<(), TransferError> {
