@@ -86,6 +86,11 @@ pub enum Command {
         /// paused are not held back. Default: no cap.
         #[arg(long, value_name = "MIB_S", value_parser = clap::value_parser!(u64).range(1..))]
         max_bandwidth: Option<u64>,
+        /// TCP connections to the destination (1–8, default 1): the main
+        /// one and N−1 streams the pre-copy pages are spread over, each
+        /// sealed and written by its own thread.
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u8).range(1..=8))]
+        connections: Option<u8>,
         /// An authenticated but unencrypted link, for a trusted, dedicated
         /// one (the destination must be started with --plaintext-link).
         #[arg(long)]

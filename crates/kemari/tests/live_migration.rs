@@ -522,3 +522,147 @@ fn link_cut_mid_migration_leaves_the_source_running() {
     assert!(counters(&dst.console).is_empty());
     assert_source_runs(&src, echo);
 }
+
+/// `--connections 4`: the main connection and three page streams, each
+/// sealed, written and received by a thread of its own; the guest keeps
+/// its counter, its disk and the host's TCP echo.
+#[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
+fn migration_over_four_connections_keeps_counter_disk_and_tcp() {
+    let _turn = one_at_a_time();
+    let dir = scratch("lm-four");
+    let br = Bridge::create("f", 29);
+    let disk = disk_image(&dir);
+    let key = key_file(&dir, KEY);
+    let (mut src, echo) = start(&dir, &br, &disk, "dirty=1000,32");
+    let to = format!("127.0.0.1:{}", port(0) + 2000);
+    let dst = destination(&dir, &br, &to, &key, &[]);
+    std::thread::sleep(Duration::from_millis(300));
+    let out = migrate(&src.api, &to, &key, &["--connections", "4"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["status"], "completed", "{report}");
+    assert!(report["round"].as_u64().unwrap() >= 2, "{report}");
+    // The pages went over the streams: far more than the state alone.
+    assert!(report["bytes_sent"].as_u64().unwrap() > 4 << 20, "{report}");
+    assert!(src.child.0.wait().unwrap().success());
+    check_continuity(&src.console, &dst, echo, &disk);
+}
+
+/// A relay that forwards every connection it accepts (in order) to `to`;
+/// returns, per connection, its two sockets and the bytes it moved, so that
+/// a test can cut one of them.
+type Relayed = Arc<Mutex<Vec<(TcpStream, TcpStream, Arc<AtomicU64>)>>>;
+
+fn relay_each(listen: u16, to: String) -> Relayed {
+    let l = TcpListener::bind(("127.0.0.1", listen)).unwrap();
+    let conns: Relayed = Arc::new(Mutex::new(Vec::new()));
+    let held = conns.clone();
+    std::thread::spawn(move || {
+        for a in l.incoming() {
+            let Ok(a) = a else { return };
+            let Ok(b) = TcpStream::connect(&to) else {
+                return;
+            };
+            let moved = Arc::new(AtomicU64::new(0));
+            held.lock().unwrap().push((
+                a.try_clone().unwrap(),
+                b.try_clone().unwrap(),
+                moved.clone(),
+            ));
+            for (mut from, mut to) in [(a.try_clone().unwrap(), b.try_clone().unwrap()), (b, a)] {
+                let moved = moved.clone();
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 65536];
+                    loop {
+                        match from.read(&mut buf) {
+                            Ok(0) | Err(_) => {
+                                let _ = to.shutdown(Shutdown::Both);
+                                return;
+                            }
+                            Ok(n) => {
+                                moved.fetch_add(n as u64, Ordering::SeqCst);
+                                if to.write_all(&buf[..n]).is_err() {
+                                    let _ = from.shutdown(Shutdown::Both);
+                                    return;
+                                }
+                            }
+                        }
+                    }
+                });
+            }
+        }
+    });
+    conns
+}
+
+/// One page stream's TCP connection cut while pages flow over it (the
+/// rounds capped so that the cut comes mid-migration): the migration
+/// fails, the source runs on, the destination discards what it built.
+#[test]
+#[cfg_attr(
+    any(no_kvm, no_tap),
+    ignore = "needs a usable /dev/kvm and TAP devices (root)"
+)]
+fn a_page_stream_cut_mid_migration_leaves_the_source_running() {
+    let _turn = one_at_a_time();
+    let dir = scratch("lm-stream-cut");
+    let br = Bridge::create("s", 30);
+    let disk = disk_image(&dir);
+    let key = key_file(&dir, KEY);
+    let (src, echo) = start(&dir, &br, &disk, "dirty=1000,32");
+    let real = format!("127.0.0.1:{}", port(0) + 4000);
+    let mut dst = destination(&dir, &br, &real, &key, &[]);
+    std::thread::sleep(Duration::from_millis(300));
+    let relay_port = port(1) + 4000;
+    let conns = relay_each(relay_port, real);
+    let api = src.api.clone();
+    let key2 = key.clone();
+    let m = std::thread::spawn(move || {
+        migrate(
+            &api,
+            &format!("127.0.0.1:{relay_port}"),
+            &key2,
+            &["--connections", "3", "--max-bandwidth", "8"],
+        )
+    });
+    wait_for(
+        "pages flowing over the first page stream",
+        Duration::from_secs(30),
+        || {
+            conns
+                .lock()
+                .unwrap()
+                .get(1)
+                .is_some_and(|c| c.2.load(Ordering::SeqCst) > 1 << 20)
+        },
+    );
+    {
+        let held = conns.lock().unwrap();
+        let (a, b, _) = &held[1];
+        let _ = a.shutdown(Shutdown::Both);
+        let _ = b.shutdown(Shutdown::Both);
+    }
+    let out = m.join().unwrap();
+    assert!(
+        !out.status.success(),
+        "the migration cannot have succeeded over a cut stream"
+    );
+    let stderr = strip_ansi(&String::from_utf8_lossy(&out.stderr));
+    eprintln!("kemarictl: {stderr}");
+    let st = dst.child.0.wait().unwrap();
+    assert_eq!(
+        st.code(),
+        Some(1),
+        "the destination must discard the partial VM"
+    );
+    assert!(counters(&dst.console).is_empty());
+    assert_source_runs(&src, echo);
+}

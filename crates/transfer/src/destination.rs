@@ -28,7 +28,23 @@ use crate::faults::{hold, HoldPoint};
 use crate::link::Duplex;
 use crate::message::{Kind, Message, Mode};
 use crate::pages::{write_batch, PageError};
+use crate::streams::receive::{Joiner, ReceivingStreams};
+use crate::streams::MAX_CONNECTIONS;
 use crate::sys;
+
+/// How long the destination waits for a round to end on every page stream
+/// once it ended on the main connection.
+const STREAM_ROUND_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// A random number the page streams of one migration must show.
+fn session_number() -> Result<u64, TransferError> {
+    use ring::rand::SecureRandom;
+    let mut b = [0u8; 8];
+    ring::rand::SystemRandom::new()
+        .fill(&mut b)
+        .map_err(|_| TransferError::Memory("no random numbers from the system".into()))?;
+    Ok(u64::from_le_bytes(b))
+}
 
 /// What the source offered.
 #[derive(Debug)]
@@ -41,6 +57,8 @@ pub struct Offered {
     pub memory_size: u64,
     /// The fds that came with the offer (local: memory, then TAPs).
     pub fds: Vec<File>,
+    /// TCP connections offered (live migration; 1 = the main one).
+    pub streams: u32,
 }
 
 /// Reads the offer; the fds it announces must have come with it.
@@ -55,6 +73,7 @@ pub fn read_offer<D: Duplex + ?Sized>(
             config,
             memory_size,
             fds,
+            streams,
         } => {
             let files = link.take_fds();
             if files.len() != fds as usize {
@@ -69,6 +88,7 @@ pub fn read_offer<D: Duplex + ?Sized>(
                 config: *config,
                 memory_size,
                 fds: files,
+                streams,
             })
         }
         other => Err(link.unexpected("Offer", other)),
@@ -215,6 +235,18 @@ pub fn receive_rounds<D: Duplex + ?Sized>(
     preparing: &mut Preparing,
     buf: &mut Vec<u8>,
 ) -> Result<Arrival, TransferError> {
+    receive_rounds_over(link, memory, preparing, None, buf)
+}
+
+/// [`receive_rounds`] with page streams: a round is acknowledged once it
+/// ended on every stream too.
+fn receive_rounds_over<D: Duplex + ?Sized>(
+    link: &mut D,
+    memory: &GuestMemoryFile,
+    preparing: &mut Preparing,
+    mut streams: Option<&mut ReceivingStreams>,
+    buf: &mut Vec<u8>,
+) -> Result<Arrival, TransferError> {
     link.set_phase("receiving memory");
     loop {
         match link.recv(buf)? {
@@ -231,6 +263,11 @@ pub fn receive_rounds<D: Duplex + ?Sized>(
                         cpu_ms = sys::thread_cpu_ms(),
                         "pre-copy round received"
                     );
+                    // Every page of the round is in memory only once it
+                    // ended on every stream as well.
+                    if let Some(streams) = streams.as_deref_mut() {
+                        streams.wait_round(round, STREAM_ROUND_TIMEOUT)?;
+                    }
                     // The first acknowledgement also says the VM is
                     // built: the source never pauses before it is.
                     preparing.finish()?;
@@ -325,7 +362,22 @@ pub fn receive<D: Duplex + ?Sized>(
     events: VmEventSink,
     adjust: &mut dyn FnMut(&mut MachineConfig),
 ) -> Result<Machine, TransferError> {
-    let result = receive_inner(link, mode_name, target, run_as, events, adjust);
+    receive_joined(link, mode_name, target, run_as, events, adjust, None)
+}
+
+/// [`receive`], with the listener page streams join on if the offer asks
+/// for several connections (live migration; closed after the offer or the
+/// joins).
+pub fn receive_joined<D: Duplex + ?Sized>(
+    link: &mut D,
+    mode_name: &str,
+    target: &mut Target,
+    run_as: RunAs,
+    events: VmEventSink,
+    adjust: &mut dyn FnMut(&mut MachineConfig),
+    joiner: Option<Joiner<'_>>,
+) -> Result<Machine, TransferError> {
+    let result = receive_inner(link, mode_name, target, run_as, events, adjust, joiner);
     if let Err(e) = &result {
         let _ = link.send_msg(&Message::Failed {
             reason: e.to_string(),
@@ -341,6 +393,7 @@ fn receive_inner<D: Duplex + ?Sized>(
     run_as: RunAs,
     events: VmEventSink,
     adjust: &mut dyn FnMut(&mut MachineConfig),
+    joiner: Option<Joiner<'_>>,
 ) -> Result<Machine, TransferError> {
     let mut buf = Vec::new();
     let offered = read_offer(link, &mut buf)?;
@@ -349,8 +402,18 @@ fn receive_inner<D: Duplex + ?Sized>(
         config,
         memory_size,
         fds,
+        streams: offered_streams,
         ..
     } = offered;
+    if offered_streams > 1
+        && (joiner.is_none()
+            || !matches!(target, Target::FreshMemory)
+            || offered_streams > u32::from(MAX_CONNECTIONS))
+    {
+        return Err(TransferError::Mismatch(format!(
+            "{offered_streams} connections offered: only a live migration takes several, at most {MAX_CONNECTIONS}"
+        )));
+    }
     let mut fds = fds.into_iter();
     // Memory and the KVM VM.
     let (memory, mut preparing, state_dir) = match target {
@@ -399,13 +462,38 @@ fn receive_inner<D: Duplex + ?Sized>(
         }
     };
     let taps_offered: Vec<File> = fds.collect();
-    link.send_msg(&Message::Ready)?;
+    let mut streams = None;
+    match (joiner, &memory) {
+        (Some(joiner), Some(memory)) if offered_streams > 1 => {
+            let session = session_number()?;
+            link.send_msg(&Message::StreamsReady {
+                streams: offered_streams,
+                session,
+            })?;
+            link.set_phase("waiting for the page streams to join");
+            streams = Some(joiner.join(offered_streams - 1, session, memory)?);
+        }
+        // One connection: the listener closes now.
+        _ => link.send_msg(&Message::Ready)?,
+    }
 
     let arrival = match &memory {
-        Some(memory) => receive_rounds(link, memory, &mut preparing, &mut buf)?,
+        Some(memory) => {
+            let got = receive_rounds_over(link, memory, &mut preparing, streams.as_mut(), &mut buf);
+            // A stream that failed is the cause of whatever broke next.
+            match (got, streams.as_mut().and_then(ReceivingStreams::failure)) {
+                (Err(TransferError::Stream { detail }), _) => {
+                    return Err(TransferError::Stream { detail })
+                }
+                (Err(_), Some(cause)) => return Err(cause),
+                (got, _) => got?,
+            }
+        }
         // Nothing to copy (the memory is shared or kept): the state next.
         None => receive_state_only(link, &mut buf)?,
     };
+    // The pre-copy is over: its streams are closed.
+    drop(streams);
     // The source is paused: the vCPU threads made ahead poll for their
     // start from now on (their wake-up overlaps the restore).
     if let Some(vm) = preparing.built() {

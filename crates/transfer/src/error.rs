@@ -197,6 +197,12 @@ pub enum TransferError {
     /// Guest memory could not be read or written.
     #[error("guest memory: {0}")]
     Memory(String),
+    /// A page stream of a migration over several connections failed.
+    #[error("a page stream of the migration failed: {detail}")]
+    Stream {
+        /// Which stream, and what happened.
+        detail: String,
+    },
 }
 
 impl TransferError {

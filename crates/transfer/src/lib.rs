@@ -12,6 +12,7 @@
 //! - [`modes`]: live, local, warm;
 //! - [`cancel`], [`progress`]: cancelling before the commit point, and
 //!   progress the API reads while the hand-over runs;
+//! - [`streams`]: a live migration's extra page streams (`--connections`);
 //! - [`error`]: the one error type, worded for the operator;
 //! - [`listening`]: who is told that a destination listens.
 //!
@@ -32,6 +33,7 @@ pub mod pages;
 pub mod precopy;
 pub mod progress;
 pub mod source;
+pub mod streams;
 pub mod sys;
 pub mod throttle;
 

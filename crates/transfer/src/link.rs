@@ -9,11 +9,19 @@ use std::io::Write;
 use crate::channel::{Channel, FdRead};
 use crate::error::{Peer, TransferError};
 use crate::message::{Kind, Message};
+use crate::pages::PageFrame;
 
 /// What the pre-copy loop needs of the sending end.
 pub trait RoundLink {
     /// Sends one page batch of a pre-copy round.
     fn send_pages(&mut self, payload: &[u8]) -> Result<(), TransferError>;
+    /// Sends the full `frame` as round `round` and leaves an empty frame in
+    /// its place (several streams swap it for a free one: no copy).
+    fn send_frame(&mut self, frame: &mut PageFrame, round: u32) -> Result<(), TransferError> {
+        self.send_pages(frame.payload(round))?;
+        frame.clear();
+        Ok(())
+    }
     /// Ends round `round` (`pages`: sent so far, all rounds) and waits until
     /// the receiving end has every page of it in memory.
     fn end_round(&mut self, round: u32, pages: u64) -> Result<(), TransferError>;

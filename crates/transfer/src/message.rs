@@ -113,10 +113,32 @@ pub enum Message {
         memory_size: u64,
         /// Fds carried by this message (local: memory, then TAPs).
         fds: u32,
+        /// TCP connections of a live migration (1, left out on the wire:
+        /// the main one only). More must be acknowledged with
+        /// [`Message::StreamsReady`]: a kemari that ignores the field
+        /// answers `Ready`, which the source refuses.
+        #[serde(default = "one", skip_serializing_if = "is_one")]
+        streams: u32,
     },
     /// Destination: memory ready for pages (the VM is built meanwhile or
     /// already).
     Ready,
+    /// Destination, to an offer of several streams: ready, and accepting
+    /// `streams − 1` more connections that join with `session`.
+    StreamsReady {
+        /// The connections in all, main one included.
+        streams: u32,
+        /// What each joining connection must show (random per migration).
+        session: u64,
+    },
+    /// Source, first frame on an extra connection: it is page stream
+    /// `stream` (1 ..= streams − 1) of migration `session`.
+    Join {
+        /// The destination's session number.
+        session: u64,
+        /// The stream's index.
+        stream: u32,
+    },
     /// Source: end of a pre-copy round.
     RoundEnd {
         /// Round number (1 = every page in use).
@@ -178,12 +200,22 @@ pub enum Message {
     },
 }
 
+fn one() -> u32 {
+    1
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
+}
+
 impl Message {
     /// The message's name, for errors.
     pub fn name(&self) -> &'static str {
         match self {
             Message::Offer { .. } => "Offer",
             Message::Ready => "Ready",
+            Message::StreamsReady { .. } => "StreamsReady",
+            Message::Join { .. } => "Join",
             Message::RoundEnd { .. } => "RoundEnd",
             Message::RoundAck { .. } => "RoundAck",
             Message::StateSaved { .. } => "StateSaved",
@@ -223,11 +255,32 @@ mod tests {
             config: Box::new(crate::destination::test_config("/m")),
             memory_size: 64 << 20,
             fds: 0,
+            streams: 1,
         };
         let text = serde_json::to_string(&m).unwrap();
         assert!(text.contains("fault_tolerance"), "{text}");
         let back: Message = serde_json::from_str(&text).unwrap();
         assert_eq!(back.name(), "Offer");
         assert!(serde_json::from_str::<Message>(r#"{"Bogus":1}"#).is_err());
+        // One stream is today's offer on the wire, field left out.
+        assert!(!text.contains("streams"), "{text}");
+    }
+
+    #[test]
+    fn several_streams_are_in_the_offer_and_default_to_one() {
+        let m = Message::Offer {
+            mode: Mode::Live,
+            config: Box::new(crate::destination::test_config("/m")),
+            memory_size: 64 << 20,
+            fds: 0,
+            streams: 4,
+        };
+        let text = serde_json::to_string(&m).unwrap();
+        assert!(text.contains(r#""streams":4"#), "{text}");
+        let old = text.replace(r#","streams":4"#, "");
+        match serde_json::from_str::<Message>(&old).unwrap() {
+            Message::Offer { streams, .. } => assert_eq!(streams, 1),
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -51,19 +51,35 @@ pub fn accept_one(
     receive_buffer: Option<i32>,
     read_timeout: Option<Duration>,
 ) -> Result<(TcpStream, std::net::SocketAddr), TransferError> {
-    let listener = TcpListener::bind(addr).map_err(|source| TransferError::Listen {
-        addr: addr.to_owned(),
-        source,
-    })?;
-    tracing::info!(listen = addr, "waiting for the {peer}");
+    let listener = bind(addr)?;
     match listener.local_addr() {
         Ok(bound) => crate::listening::listening(&bound.to_string()),
         Err(_) => crate::listening::listening(addr),
     }
+    accept_on(&listener, addr, peer, receive_buffer, read_timeout)
+}
+
+/// Listens on `addr`.
+pub fn bind(addr: &str) -> Result<TcpListener, TransferError> {
+    TcpListener::bind(addr).map_err(|source| TransferError::Listen {
+        addr: addr.to_owned(),
+        source,
+    })
+}
+
+/// Accepts one `peer` on `listener` (bound to `addr`), tuned like
+/// [`connect`]'s; the listener stays open.
+pub fn accept_on(
+    listener: &TcpListener,
+    addr: &str,
+    peer: Peer,
+    receive_buffer: Option<i32>,
+    read_timeout: Option<Duration>,
+) -> Result<(TcpStream, std::net::SocketAddr), TransferError> {
+    tracing::info!(listen = addr, "waiting for the {peer}");
     let (stream, from) = listener
         .accept()
         .map_err(|e| TransferError::io(peer, "accepting", None, e))?;
-    drop(listener);
     tracing::info!(%from, "the {peer} connected");
     tune(
         &stream,
@@ -74,7 +90,8 @@ pub fn accept_one(
     Ok((stream, from))
 }
 
-fn tune(
+/// TCP_NODELAY, the socket buffer if given, the read timeout.
+pub fn tune(
     stream: &TcpStream,
     peer: Peer,
     buffer: Option<(SocketBuffer, i32)>,

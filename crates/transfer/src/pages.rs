@@ -131,6 +131,11 @@ impl PageFrame {
         &self.buf[..self.len]
     }
 
+    /// Bytes of the payload so far.
+    pub fn payload_len(&self) -> usize {
+        self.len
+    }
+
     /// Empties the frame.
     pub fn clear(&mut self) {
         self.len = 8;

@@ -93,12 +93,12 @@ impl<'m> PageSender<'m> {
             return Ok(());
         }
         let n = self.frame.count() as u64;
-        let payload = self.frame.payload(round);
+        let bytes = self.frame.payload(round).len() as u64;
+        // The cap holds the sum over every stream the frames go to.
         if let Some(t) = &mut self.throttle {
-            t.wait(payload.len() as u64);
+            t.wait(bytes);
         }
-        link.send_pages(payload)?;
-        self.frame.clear();
+        link.send_frame(&mut self.frame, round)?;
         self.pages += n;
         Ok(())
     }

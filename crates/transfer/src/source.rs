@@ -53,6 +53,22 @@ pub fn offer<S: FdRead + FdWrite>(
     fds: &[std::os::fd::RawFd],
     progress: &ProgressCell,
 ) -> Result<(), TransferError> {
+    offer_streams(ch, mode, machine, fds, 1, progress).map(|_| ())
+}
+
+/// [`offer`] over `streams` connections (a live migration): with more than
+/// one, the destination must acknowledge them with `StreamsReady`; its
+/// session number comes back (None for one stream). A destination that
+/// answers a plain `Ready` ignored the field (an older kemari) and is
+/// refused.
+pub fn offer_streams<S: FdRead + FdWrite>(
+    ch: &mut Channel<S>,
+    mode: Mode,
+    machine: &Machine,
+    fds: &[std::os::fd::RawFd],
+    streams: u32,
+    progress: &ProgressCell,
+) -> Result<Option<u64>, TransferError> {
     progress.phase("offering the VM");
     ch.set_phase("offering the VM");
     ch.send_msg_with_fds(
@@ -61,6 +77,7 @@ pub fn offer<S: FdRead + FdWrite>(
             config: Box::new(machine.config().clone()),
             memory_size: machine.memory_file().size(),
             fds: fds.len() as u32,
+            streams,
         },
         fds,
     )?;
@@ -70,8 +87,24 @@ pub fn offer<S: FdRead + FdWrite>(
     machine.prepare_to_save();
     ch.set_phase("waiting for it to be ready");
     progress.phase(&format!("waiting for the {} to be ready", ch.peer()));
-    ch.expect(&mut Vec::new(), "Ready", |m| matches!(m, Message::Ready))?;
-    Ok(())
+    if streams <= 1 {
+        ch.expect(&mut Vec::new(), "Ready", |m| matches!(m, Message::Ready))?;
+        return Ok(None);
+    }
+    let answer = ch.expect(&mut Vec::new(), "StreamsReady", |m| {
+        matches!(m, Message::StreamsReady { .. } | Message::Ready)
+    })?;
+    match answer {
+        Message::StreamsReady { streams: n, session } if n == streams => Ok(Some(session)),
+        Message::StreamsReady { streams: n, .. } => Err(TransferError::Mismatch(format!(
+            "the {} accepts {n} connections where {streams} were offered",
+            ch.peer()
+        ))),
+        _ => Err(TransferError::Mismatch(format!(
+            "the {} does not take several connections (--connections {streams}): it runs an older kemari; run the same kemari release on both ends, or migrate with --connections 1",
+            ch.peer()
+        ))),
+    }
 }
 
 /// What is left of a pre-copy for the pause: the sender (with its frame)

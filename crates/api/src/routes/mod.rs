@@ -330,6 +330,7 @@ mod tests {
                 max_downtime_ms: None,
                 max_rounds: None,
                 max_bandwidth_mib_s: None,
+                connections: None,
                 plaintext: false,
             }
         );
@@ -376,6 +377,7 @@ mod tests {
                 max_downtime_ms: Some(300),
                 max_rounds: None,
                 max_bandwidth_mib_s: Some(100),
+                connections: Some(4),
                 plaintext: true,
             },
             ApiRequest::MigrationStatus,

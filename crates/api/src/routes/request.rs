@@ -62,6 +62,10 @@ pub enum ApiRequest {
         /// Bandwidth cap of the rounds while the guest runs, MiB/s.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         max_bandwidth_mib_s: Option<u64>,
+        /// TCP connections (1–8, default 1): the main one and N−1 page
+        /// streams (docs/migration-protocol.md, "Several streams").
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        connections: Option<u8>,
         /// An authenticated but unencrypted link (a trusted, dedicated
         /// link; the destination must be started with `--plaintext-link`).
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]

@@ -155,6 +155,7 @@ pub const ROUTES: &[Route] = &[
             optional("max_downtime_ms", Integer),
             optional("max_rounds", Integer),
             optional("max_bandwidth_mib_s", Integer),
+            optional("connections", Integer),
             optional("plaintext", Boolean),
         ],
         "live migration over TCP to the kemari started with --incoming to",

@@ -739,6 +739,7 @@ impl Controller {
                 max_downtime_ms,
                 max_rounds,
                 max_bandwidth_mib_s,
+                connections,
                 plaintext,
             } => {
                 let key = match transfer::key::read_key(&key_file) {
@@ -761,10 +762,21 @@ impl Controller {
                         false,
                     );
                 }
+                let connections = connections.unwrap_or(1);
+                if !(1..=transfer::streams::MAX_CONNECTIONS).contains(&connections) {
+                    return (
+                        Err(ActionError::BadRequest(format!(
+                            "connections must be 1 to {} (leave it out for one)",
+                            transfer::streams::MAX_CONNECTIONS
+                        ))),
+                        false,
+                    );
+                }
                 Op::Migrate {
                     to,
                     key,
                     plaintext,
+                    connections,
                     rule,
                     throttle: max_bandwidth_mib_s.map(transfer::throttle::Throttle::mib_per_s),
                 }

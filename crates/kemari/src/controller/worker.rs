@@ -33,6 +33,8 @@ pub enum Op {
         key: Vec<u8>,
         /// An authenticated but unencrypted link.
         plaintext: bool,
+        /// TCP connections (1 = the main one only).
+        connections: u8,
         /// When to stop pre-copying.
         rule: DowntimeEstimate,
         /// The bandwidth cap of the rounds while the guest runs.
@@ -157,6 +159,7 @@ fn run(op: Op, mut machine: Machine, started: &Started, shared: &Shared) -> Done
             to,
             key,
             plaintext,
+            connections,
             rule,
             throttle,
         } => {
@@ -165,7 +168,10 @@ fn run(op: Op, mut machine: Machine, started: &Started, shared: &Shared) -> Done
                 &to,
                 transfer::channel::Auth::psk(&key, plaintext),
                 rule,
-                throttle,
+                live::LinkOptions {
+                    throttle,
+                    connections,
+                },
                 &started.cancel,
                 &started.progress,
             ) {

@@ -18,14 +18,26 @@ use crate::net::{self, MIGRATION_SOCKET_BUFFER};
 use crate::precopy::{self, DowntimeEstimate, PageSender};
 use crate::progress::{Progress, ProgressCell};
 use crate::source::{self, Delivery, LastPages};
+use crate::streams::receive::Joiner;
+use crate::streams::send::{MultiLink, PageStreams};
 use crate::throttle::Throttle;
 
 /// How long either end waits for the other at any step.
 const STEP_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// How a migration uses the link.
+#[derive(Debug, Clone)]
+pub struct LinkOptions {
+    /// The cap of the rounds sent while the guest runs, if any.
+    pub throttle: Option<Throttle>,
+    /// TCP connections (1: the main one only; see `streams`).
+    pub connections: u8,
+}
+
 /// Source side: live-migrates `machine` to the kemari listening at `to`
 /// (`key`: [`Auth::psk`], encrypted unless a trusted link's opt-out),
-/// the rounds before the pause capped by `throttle` if given, reporting to
+/// over `link.connections` connections, the rounds before the pause capped
+/// by `link.throttle` if given, reporting to
 /// `progress`. On success the caller ends without resuming;
 /// on failure or cancel the machine runs again (if it ran) and the error
 /// says why.
@@ -34,13 +46,13 @@ pub fn migrate_out(
     to: &str,
     key: Auth<'_>,
     rule: DowntimeEstimate,
-    throttle: Option<Throttle>,
+    link: LinkOptions,
     cancel: &Cancel,
     progress: &ProgressCell,
 ) -> Result<Progress, TransferError> {
     let was_running = machine.state() == RunState::Running;
     progress.start(to);
-    let result = migrate_out_inner(machine, to, key, rule, throttle, cancel, progress);
+    let result = migrate_out_inner(machine, to, key, rule, link, cancel, progress);
     let result = cancel.explain(result, progress.snapshot().phase.as_str());
     match &result {
         Ok(()) => progress.finish("completed", None),
@@ -71,7 +83,10 @@ fn migrate_out_inner(
     to: &str,
     key: Auth<'_>,
     mut rule: DowntimeEstimate,
-    throttle: Option<Throttle>,
+    LinkOptions {
+        throttle,
+        connections,
+    }: LinkOptions,
     cancel: &Cancel,
     progress: &ProgressCell,
 ) -> Result<(), TransferError> {
@@ -86,7 +101,22 @@ fn migrate_out_inner(
     progress.phase("handshake");
     let mut ch = Channel::connect(stream, key, Peer::Destination)?;
     ch.note_timeout(Some(STEP_TIMEOUT));
-    source::offer(&mut ch, Mode::Live, machine, &[], progress)?;
+    let streams = u32::from(connections.max(1));
+    let session = source::offer_streams(&mut ch, Mode::Live, machine, &[], streams, progress)?;
+    let mut page_streams = match session {
+        Some(session) => {
+            progress.phase("opening page streams");
+            Some(PageStreams::open(
+                to,
+                key,
+                streams - 1,
+                session,
+                STEP_TIMEOUT,
+                cancel,
+            )?)
+        }
+        None => None,
+    };
     let memory = machine.guest_memory().clone();
     if let Some(t) = &throttle {
         tracing::info!(
@@ -95,7 +125,26 @@ fn migrate_out_inner(
         );
     }
     let mut sender = PageSender::new(&memory).with_throttle(throttle);
-    let pre = precopy::run(machine, &mut ch, &mut sender, &mut rule, cancel, progress)?;
+    let pre = match page_streams.as_mut() {
+        Some(streams) => {
+            let mut link = MultiLink {
+                main: &mut ch,
+                streams,
+            };
+            precopy::run(machine, &mut link, &mut sender, &mut rule, cancel, progress)?
+        }
+        None => precopy::run(machine, &mut ch, &mut sender, &mut rule, cancel, progress)?,
+    };
+    // The streams' work is done (every round acknowledged): closed before
+    // the pause, whose pages and state go on the main connection.
+    let stream_bytes = match page_streams.take() {
+        Some(streams) => {
+            let bytes = streams.bytes;
+            streams.finish()?;
+            bytes
+        }
+        None => 0,
+    };
     // The pages that go with the guest paused are not held back.
     sender = sender.with_throttle(None);
     let handed = source::pause_and_hand_over(
@@ -114,7 +163,7 @@ fn migrate_out_inner(
     let total = progress.snapshot().elapsed_ms;
     progress.update(|p| {
         p.round = pre.rounds + 1;
-        p.bytes_sent = ch.bytes_sent;
+        p.bytes_sent = ch.bytes_sent + stream_bytes;
         p.pages_sent = sender.pages;
         p.remaining_pages = 0;
         p.downtime_ms = Some(ms(handed.downtime));
@@ -141,7 +190,14 @@ pub fn migrate_in(
     events: VmEventSink,
     adjust: &mut dyn FnMut(&mut MachineConfig),
 ) -> Result<Machine, TransferError> {
-    let (stream, _) = net::accept_one(
+    let listener = net::bind(listen)?;
+    if let Ok(bound) = listener.local_addr() {
+        crate::listening::listening(&bound.to_string());
+    } else {
+        crate::listening::listening(listen);
+    }
+    let (stream, _) = net::accept_on(
+        &listener,
         listen,
         Peer::Source,
         Some(MIGRATION_SOCKET_BUFFER),
@@ -149,13 +205,16 @@ pub fn migrate_in(
     )?;
     let mut ch = Channel::accept(stream, key, Peer::Source)?;
     ch.note_timeout(Some(STEP_TIMEOUT));
-    let machine = destination::receive(
+    // Open for the page streams of an offer of several connections only.
+    let joiner = Joiner::new(listener, key, STEP_TIMEOUT);
+    let machine = destination::receive_joined(
         &mut ch,
         Mode::Live.name(),
         &mut Target::FreshMemory,
         RunAs::RunHeld,
         events,
         adjust,
+        Some(joiner),
     )?;
     machine.announce_network();
     tracing::info!("live migration: VM taken over and running");

@@ -43,6 +43,7 @@ fn action(command: Command) -> ApiRequest {
             max_downtime_ms,
             max_rounds,
             max_bandwidth,
+            connections,
             plaintext_link,
         } => ApiRequest::Migrate {
             to,
@@ -50,6 +51,7 @@ fn action(command: Command) -> ApiRequest {
             max_downtime_ms,
             max_rounds,
             max_bandwidth_mib_s: max_bandwidth,
+            connections,
             plaintext: plaintext_link,
         },
         Command::Migration => ApiRequest::MigrationStatus,
