@@ -208,8 +208,8 @@ fn a_bandwidth_cap_holds_the_rounds_to_it() {
     let to = format!("127.0.0.1:{}", port(3) + 2000);
     let dst = destination(&dir, &br, &to, &key, &[]);
     std::thread::sleep(Duration::from_millis(300));
-    let cap_mib_s = 16.0;
-    let out = migrate(&src.api, &to, &key, &["--max-bandwidth", "16"]);
+    let cap_mib_s = 4.0;
+    let out = migrate(&src.api, &to, &key, &["--max-bandwidth", "4"]);
     assert!(
         out.status.success(),
         "{}",
@@ -220,7 +220,8 @@ fn a_bandwidth_cap_holds_the_rounds_to_it() {
     let rate = report["rate_mb_s"].as_f64().expect("rate_mb_s") * 1e6 / f64::from(1u32 << 20);
     let mib = report["bytes_sent"].as_f64().expect("bytes_sent") / f64::from(1u32 << 20);
     eprintln!("capped at {cap_mib_s} MiB/s: {rate:.2} MiB/s over {mib:.0} MiB");
-    assert!(mib > 16.0, "too little sent to tell a cap: {report}");
+    // What the guest touched so far (20–70 MiB here): at 4 MiB/s, seconds.
+    assert!(mib > 8.0, "too little sent to tell a cap: {report}");
     // The burst may put 2 MiB ahead of the cap once.
     let allowed = cap_mib_s * (1.0 + 2.0 / mib) * 1.02;
     assert!(
