@@ -136,10 +136,13 @@ fn off_a_terminal_kemarictl_writes_progress_as_plain_lines() {
     // A snapshot: its phase, with pages of guest memory gone through.
     let out = ctl(&vmm.api, &["snapshot", dir.join("snap").to_str().unwrap()]);
     let lines = progress_lines(&out, "snapshot 1: ");
+    // Its phases while the display saw it running (a quiet machine may
+    // finish the 128 MiB before the first look: then only the last line),
+    // and one end, last.
     assert!(
-        lines
+        lines[..lines.len() - 1]
             .iter()
-            .any(|l| l.starts_with("snapshot 1: paused: saving the state and the memory image")),
+            .all(|l| !l.contains(": completed") && !l.contains(": failed")),
         "{lines:#?}"
     );
     let last = lines.last().unwrap();
