@@ -76,13 +76,27 @@ fn every_thread_of_a_vmm_and_of_its_prepared_successor_is_filtered() {
     // Its successor, prepared (KVM VM, vCPU threads ahead) and waiting.
     let state_dir = dir.join("warm");
     let successor = prepared_successor(&vmm, &state_dir, &dir);
-    let waiting = assert_every_thread_filtered(successor.child.0.id(), "a waiting successor");
     // Its vCPU and device threads are made, and confined, ahead: neither a
-    // thread's start nor a filter's installation is in the pause.
-    for name in ["vcpu0", "vcpu1", "devices"] {
+    // thread's start nor a filter's installation is in the pause. They are
+    // made while it waits (the device thread may come a moment after the
+    // socket it waits on).
+    let ahead = ["vcpu0", "vcpu1", "devices"];
+    let spid = successor.child.0.id();
+    wait_for(
+        "the waiting successor's vCPU and device threads, confined",
+        Duration::from_secs(30),
+        || {
+            let threads = thread_seccomp(spid);
+            ahead
+                .iter()
+                .all(|n| threads.iter().any(|t| t.name == *n && t.filters == 2))
+        },
+    );
+    let waiting = assert_every_thread_filtered(spid, "a waiting successor");
+    for name in ahead {
         assert!(
             waiting.iter().any(|t| t.name == name),
-            "the waiting successor has no thread {name} yet: {waiting:?}"
+            "the waiting successor has no thread {name}: {waiting:?}"
         );
     }
     // The VM moves: every thread of the successor is still filtered.
