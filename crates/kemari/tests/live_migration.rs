@@ -204,12 +204,18 @@ fn a_bandwidth_cap_holds_the_rounds_to_it() {
     let br = Bridge::create("b", 28);
     let disk = disk_image(&dir);
     let key = key_file(&dir, KEY);
+    // Dirtying 4 MB/s, well below the cap: the rounds converge.
     let (mut src, echo) = start(&dir, &br, &disk, "dirty=1000,32");
     let to = format!("127.0.0.1:{}", port(3) + 2000);
     let dst = destination(&dir, &br, &to, &key, &[]);
     std::thread::sleep(Duration::from_millis(300));
-    let cap_mib_s = 4.0;
-    let out = migrate(&src.api, &to, &key, &["--max-bandwidth", "4"]);
+    let cap_mib_s = 16.0;
+    let out = migrate(
+        &src.api,
+        &to,
+        &key,
+        &["--max-bandwidth", "16", "--max-rounds", "6"],
+    );
     assert!(
         out.status.success(),
         "{}",
@@ -220,10 +226,10 @@ fn a_bandwidth_cap_holds_the_rounds_to_it() {
     let rate = report["rate_mb_s"].as_f64().expect("rate_mb_s") * 1e6 / f64::from(1u32 << 20);
     let mib = report["bytes_sent"].as_f64().expect("bytes_sent") / f64::from(1u32 << 20);
     eprintln!("capped at {cap_mib_s} MiB/s: {rate:.2} MiB/s over {mib:.0} MiB");
-    // What the guest touched so far (20–70 MiB here): at 4 MiB/s, seconds.
+    // What the guest touched so far (9–70 MiB here).
     assert!(mib > 8.0, "too little sent to tell a cap: {report}");
     // The burst may put 2 MiB ahead of the cap once.
-    let allowed = cap_mib_s * (1.0 + 2.0 / mib) * 1.02;
+    let allowed = cap_mib_s * (1.0 + 2.0 / (mib - 2.0)) * 1.05;
     assert!(
         rate <= allowed,
         "{rate:.2} MiB/s over a {cap_mib_s} MiB/s cap: {report}"
