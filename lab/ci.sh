@@ -4,4 +4,4 @@
 set -e
 cd "$(dirname "$0")"
 ./setup.sh --kemari
-exec python3 -m pytest -v tests/
+exec python3 -m pytest -v --durations=0 tests/

@@ -96,11 +96,7 @@ fn off_a_terminal_kemarictl_writes_progress_as_plain_lines() {
     use kemari_testkit::scenario::*;
     let _one = one_at_a_time();
     let dir = scratch("progress-lines");
-    let key = dir.join("key");
-    write_key(
-        &key,
-        "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-    );
+    let key = test_key(&dir);
     let port = free_port();
     let standby = spawn_vmm(
         &[

@@ -103,11 +103,7 @@ fn running(vmm: &FromFile, name: &str) {
 fn every_role_starts_from_a_config_file_alone() {
     let _one = one_at_a_time();
     let dir = scratch("config-roles");
-    let key = dir.join("key");
-    write_key(
-        &key,
-        "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-    );
+    let key = test_key(&dir);
 
     // The machine.
     let booted = start(
@@ -241,11 +237,7 @@ fn every_role_starts_from_a_config_file_alone() {
 fn a_primary_is_protected_from_its_start_by_its_file() {
     let _one = one_at_a_time();
     let dir = scratch("config-ft-peer");
-    let key = dir.join("key");
-    write_key(
-        &key,
-        "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-    );
+    let key = test_key(&dir);
     let port = free_port();
     let standby = start(
         &dir,

@@ -11,17 +11,10 @@ use std::time::Duration;
 use kemari_testkit::scenario::*;
 use kemari_testkit::*;
 
-const KEY: &str = "kemari-test-key-0123456789abcdef";
 const PATTERN: &[u8] = b"KEMARI-SECRET-GUEST-PAGE-";
 /// The guest: 512 MiB, of which the top 64 MiB hold the pattern (the test
 /// guest uses the bottom and expects it zeroed).
 const MEMORY: u64 = 512 << 20;
-
-fn key_file(dir: &Path) -> PathBuf {
-    let p = dir.join("key");
-    kemari_testkit::write_key(&p, KEY);
-    p
-}
 
 /// A /dev/shm memory file whose top 64 MiB are full of [`PATTERN`].
 fn memory_with_pattern(tag: &str) -> PathBuf {
@@ -65,7 +58,7 @@ fn peer(dir: &Path, role: &str, port: u16, tag: &str, plaintext: bool) -> Vmm {
         role.into(),
         format!("127.0.0.1:{port}"),
         "--migration-key-file".into(),
-        key_file(dir).display().to_string(),
+        kemari_testkit::test_key(dir).display().to_string(),
     ];
     if plaintext {
         args.push("--plaintext-link".into());
@@ -99,7 +92,7 @@ fn migration_shows_the_pattern(plaintext: bool) -> bool {
     let mut dst = peer(&dir, "--incoming", port, "2", plaintext);
     let relay = Relay::start(port, Duration::ZERO);
     let to = format!("127.0.0.1:{}", relay.port);
-    let key = key_file(&dir);
+    let key = kemari_testkit::test_key(&dir);
     let mut args = vec!["migrate", "--to", &to, "--key-file", key.to_str().unwrap()];
     if plaintext {
         args.push("--plaintext-link");
@@ -127,7 +120,7 @@ fn ft_sync_shows_the_pattern(plaintext: bool) -> bool {
     let mut sb = peer(&dir, "--ft-standby", port, "2", plaintext);
     let relay = Relay::start(port, Duration::ZERO);
     let peer_addr = format!("127.0.0.1:{}", relay.port);
-    let key = key_file(&dir);
+    let key = kemari_testkit::test_key(&dir);
     let mut args = vec![
         "ft",
         "start",

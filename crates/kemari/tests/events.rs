@@ -430,8 +430,7 @@ fn the_id_and_name_survive_a_zero_copy_migration() {
 #[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn a_standby_answers_get_vm_with_its_role() {
     let dir = scratch("events-standby");
-    let key = dir.join("key");
-    kemari_testkit::write_key(&key, "standby-info-test-key-0123456789\n");
+    let key = test_key(&dir);
     let api = dir.join("api.sock");
     let mut standby = spawn_vmm(
         &[
@@ -519,11 +518,7 @@ fn a_triple_fault_is_a_crashed_event_written_before_the_exit() {
 fn a_live_migration_streams_its_start_progress_and_end_in_order() {
     let _one = one_at_a_time();
     let dir = scratch("events-live");
-    let key = dir.join("key");
-    write_key(
-        &key,
-        "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff",
-    );
+    let key = test_key(&dir);
     let src_api = dir.join("api-1.sock");
     let mut args = guest_args(&["--name", "live"]);
     // A guest that keeps dirtying memory: several pre-copy rounds.

@@ -126,8 +126,7 @@ fn every_thread_of_a_vmm_and_of_its_prepared_successor_is_filtered() {
 #[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn a_vmm_waiting_for_its_vm_is_filtered_and_keeps_only_net_admin() {
     let dir = scratch("harden-wait");
-    let key = dir.join("key");
-    kemari_testkit::write_key(&key, "kemari-test-key-0123456789abcdef");
+    let key = kemari_testkit::test_key(&dir);
     for (mode, what) in [
         ("--incoming", "a live-migration destination"),
         ("--ft-standby", "a standby"),

@@ -13,59 +13,14 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
+use kemari_testkit::http::{get, over_tcp, over_unix, scrape};
 use kemari_testkit::scenario::*;
 use kemari_testkit::*;
 
 const PATIENCE: Duration = Duration::from_secs(30);
-
-/// A raw HTTP/1.1 exchange: the status, the head and the body.
-fn exchange(mut s: impl Read + Write, request: &str) -> (u16, String, String) {
-    s.write_all(request.as_bytes()).unwrap();
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).unwrap();
-    let (head, body) = answer
-        .split_once("\r\n\r\n")
-        .unwrap_or_else(|| panic!("no end of head: {answer}"));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("bad status line: {head}"));
-    (status, head.to_owned(), body.to_owned())
-}
-
-fn get(path: &str) -> String {
-    format!("GET {path} HTTP/1.1\r\nHost: kemari\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-}
-
-fn over_api(api: &Path, request: &str) -> (u16, String, String) {
-    let s = UnixStream::connect(api).expect("connect to the API");
-    s.set_read_timeout(Some(PATIENCE)).unwrap();
-    exchange(s, request)
-}
-
-fn over_tcp(port: u16, request: &str) -> (u16, String, String) {
-    let s = TcpStream::connect(("127.0.0.1", port)).expect("connect to --metrics-listen");
-    s.set_read_timeout(Some(PATIENCE)).unwrap();
-    exchange(s, request)
-}
-
-/// A successful scrape's body, checked by promtool.
-fn scrape(answer: (u16, String, String)) -> String {
-    let (status, head, body) = answer;
-    assert_eq!(status, 200, "{head}\n{body}");
-    assert!(
-        head.to_ascii_lowercase()
-            .contains("content-type: text/plain; version=0.0.4"),
-        "{head}"
-    );
-    promtool_check(&body);
-    body
-}
 
 /// The sum of the samples named `name` whose labels hold every one of `with`.
 fn sum(text: &str, name: &str, with: &[&str]) -> f64 {
@@ -138,7 +93,7 @@ fn metrics_over_the_api_socket_and_tcp() {
     assert_eq!(vm["name"], "web-1");
     let labels = [format!("vm=\"{id}\""), "name=\"web-1\"".to_owned()];
 
-    let first = scrape(over_api(&vmm.api, &get("/metrics")));
+    let first = scrape(over_unix(&vmm.api, &get("/metrics")));
     all_labelled(&first, &labels);
     assert_eq!(sum(&first, "kemari_vm_vcpus", &[]), 2.0);
     assert_eq!(
@@ -200,7 +155,7 @@ fn metrics_over_the_api_socket_and_tcp() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(snap(&scrape(over_api(&vmm.api, &get("/metrics")))), 1.0);
+    assert_eq!(snap(&scrape(over_unix(&vmm.api, &get("/metrics")))), 1.0);
 
     // Only GET /metrics on TCP; a bad request gets an answer, not a hang.
     assert_eq!(over_tcp(port, &get("/vm")).0, 404);
@@ -235,11 +190,7 @@ fn metrics_over_the_api_socket_and_tcp() {
 fn a_protected_primary_records_its_syncs_in_histograms() {
     let _one = one_at_a_time();
     let dir = scratch("prom-ft");
-    let key = dir.join("key");
-    write_key(
-        &key,
-        "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
-    );
+    let key = test_key(&dir);
     let port = free_port();
     let standby = spawn_vmm(
         &[
@@ -296,7 +247,7 @@ fn a_protected_primary_records_its_syncs_in_histograms() {
     // console is not one).
     let mut text = String::new();
     wait_for("syncs in the histograms", PATIENCE, || {
-        text = scrape(over_api(&primary.api, &get("/metrics")));
+        text = scrape(over_unix(&primary.api, &get("/metrics")));
         sum(&text, "kemari_ft_sync_seconds_count", &[]) >= 5.0
     });
     assert_eq!(sum(&text, "kemari_ft_state", &["state=\"protected\""]), 1.0);
@@ -313,7 +264,7 @@ fn a_protected_primary_records_its_syncs_in_histograms() {
     assert!(text.contains("name=\"db\""));
 
     // The standby answers in its role, labelled with the name it was given.
-    let s = scrape(over_api(&standby.api, &get("/metrics")));
+    let s = scrape(over_unix(&standby.api, &get("/metrics")));
     assert_eq!(sum(&s, "kemari_vm_state", &["state=\"standby\""]), 1.0);
     assert_eq!(sum(&s, "kemari_ft_state", &["state=\"standby\""]), 1.0);
     assert!(!has(&s, "kemari_vcpu_exits_total"), "{s}");

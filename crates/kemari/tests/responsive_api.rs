@@ -24,15 +24,8 @@ use kemari_testkit::scenario::*;
 use kemari_testkit::*;
 use serde_json::Value;
 
-const KEY: &str = "kemari-test-key-0123456789abcdef";
 /// The most any answer may take (today's API missed it by seconds).
 const BOUND: Duration = Duration::from_secs(1);
-
-fn key_file(dir: &Path) -> PathBuf {
-    let p = dir.join("key");
-    kemari_testkit::write_key(&p, KEY);
-    p
-}
 
 /// A guest that counts and rewrites 8 MiB, checking every page (256 MiB,
 /// no devices).
@@ -64,7 +57,7 @@ fn destination(dir: &Path, tag: &str, port: u16, env: &[(&str, &str)]) -> Vmm {
         "--incoming".into(),
         format!("127.0.0.1:{port}"),
         "--migration-key-file".into(),
-        key_file(dir).display().to_string(),
+        kemari_testkit::test_key(dir).display().to_string(),
     ];
     let vmm = spawn_vmm(
         &args,
@@ -154,7 +147,7 @@ fn the_api_answers_during_a_migration_over_a_long_link_and_it_completes() {
     let migrate = migrate_in_background(
         &src.api,
         format!("127.0.0.1:{}", relay.port),
-        key_file(&dir),
+        kemari_testkit::test_key(&dir),
         &["--max-rounds", "4"],
     );
     wait_for("the migration to start", Duration::from_secs(10), || {
@@ -218,7 +211,7 @@ fn a_guest_reboot_during_a_migration_cancels_it_and_reboots_in_the_source() {
     let migrate = migrate_in_background(
         &src.api,
         format!("127.0.0.1:{}", relay.port),
-        key_file(&dir),
+        kemari_testkit::test_key(&dir),
         &[],
     );
     wait_for("round 1", Duration::from_secs(30), || {
@@ -261,7 +254,7 @@ fn migrate_cancel_in_round_1_and_in_the_final_phase_leaves_the_source_running() 
     let migrate = migrate_in_background(
         &src.api,
         format!("127.0.0.1:{}", relay.port),
-        key_file(&dir),
+        kemari_testkit::test_key(&dir),
         &[],
     );
     wait_for("round 1", Duration::from_secs(30), || {
@@ -293,7 +286,12 @@ fn migrate_cancel_in_round_1_and_in_the_final_phase_leaves_the_source_running() 
         port,
         &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "4000")],
     );
-    let migrate = migrate_in_background(&src.api, format!("127.0.0.1:{port}"), key_file(&dir), &[]);
+    let migrate = migrate_in_background(
+        &src.api,
+        format!("127.0.0.1:{port}"),
+        kemari_testkit::test_key(&dir),
+        &[],
+    );
     wait_for("the final phase", Duration::from_secs(60), || {
         timed_get(&src.api, "/vm/migration").is_ok_and(|p| {
             p["phase"]
@@ -323,7 +321,7 @@ fn migrate_cancel_in_round_1_and_in_the_final_phase_leaves_the_source_running() 
             "--to",
             &format!("127.0.0.1:{port}"),
             "--key-file",
-            key_file(&dir).to_str().unwrap(),
+            kemari_testkit::test_key(&dir).to_str().unwrap(),
         ],
     );
     succeeded(&out);
@@ -342,7 +340,7 @@ fn ft_start_answers_and_cancels_during_its_initial_synchronization() {
             "--ft-standby".into(),
             format!("127.0.0.1:{port}"),
             "--migration-key-file".into(),
-            key_file(&dir).display().to_string(),
+            kemari_testkit::test_key(&dir).display().to_string(),
         ];
         let vmm = spawn_vmm(
             &args,
@@ -357,7 +355,7 @@ fn ft_start_answers_and_cancels_during_its_initial_synchronization() {
     let relay = Relay::start(port, Duration::from_millis(400));
     let api = src.api.clone();
     let peer = format!("127.0.0.1:{}", relay.port);
-    let key = key_file(&dir);
+    let key = kemari_testkit::test_key(&dir);
     let start = std::thread::spawn(move || {
         run_with_timeout(
             kemarictl(&api)

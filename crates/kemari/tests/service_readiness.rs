@@ -19,7 +19,6 @@ use kemari_testkit::scenario::*;
 use kemari_testkit::*;
 
 const PATIENCE: Duration = Duration::from_secs(60);
-const KEY: &str = "kemari-test-key-0123456789abcdef";
 
 fn info(api: &Path) -> serde_json::Value {
     let out = ctl(api, &["info"]);
@@ -88,8 +87,7 @@ fn a_booted_vm_is_ready_once_it_runs_and_its_api_answers() {
 fn a_migration_destination_is_ready_when_it_listens_and_again_when_its_vm_runs() {
     let _turn = one_at_a_time();
     let dir = scratch("notify-incoming");
-    let key = dir.join("key");
-    write_key(&key, KEY);
+    let key = test_key(&dir);
     let notify = NotifySocket::bind(&dir);
     let port = free_port();
     let to = format!("127.0.0.1:{port}");
@@ -150,8 +148,7 @@ fn a_migration_destination_is_ready_when_it_listens_and_again_when_its_vm_runs()
 #[test]
 fn a_standby_is_ready_when_it_listens_for_its_primary() {
     let dir = scratch("notify-standby");
-    let key = dir.join("key");
-    write_key(&key, KEY);
+    let key = test_key(&dir);
     let notify = NotifySocket::bind(&dir);
     let port = free_port();
     let listen = format!("127.0.0.1:{port}");

@@ -7,61 +7,14 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
-use std::os::unix::net::UnixStream;
-use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
 
 use common::*;
+use kemari_testkit::http::{get, over_tcp, over_unix, scrape};
 use kemari_testkit::*;
 use nbd_client::client::Client;
 
 const SIZE: usize = 16 << 20;
-const PATIENCE: Duration = Duration::from_secs(30);
-
-/// A raw HTTP/1.1 exchange: the status, the head and the body.
-fn exchange(mut s: impl Read + Write, path: &str) -> (u16, String, String) {
-    let request = format!("GET {path} HTTP/1.1\r\nHost: nbd\r\nConnection: close\r\n\r\n");
-    s.write_all(request.as_bytes()).unwrap();
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).unwrap();
-    let (head, body) = answer
-        .split_once("\r\n\r\n")
-        .unwrap_or_else(|| panic!("no end of head: {answer}"));
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("bad status line: {head}"));
-    (status, head.to_owned(), body.to_owned())
-}
-
-fn over_control(control: &Path, path: &str) -> (u16, String, String) {
-    let s = UnixStream::connect(control).expect("connect to the control socket");
-    s.set_read_timeout(Some(PATIENCE)).unwrap();
-    exchange(s, path)
-}
-
-fn over_tcp(port: u16, path: &str) -> (u16, String, String) {
-    let s = TcpStream::connect(("127.0.0.1", port)).expect("connect to --metrics-listen");
-    s.set_read_timeout(Some(PATIENCE)).unwrap();
-    exchange(s, path)
-}
-
-/// A successful scrape's body, checked by promtool.
-fn scrape(answer: (u16, String, String)) -> String {
-    let (status, head, body) = answer;
-    assert_eq!(status, 200, "{head}\n{body}");
-    assert!(
-        head.to_ascii_lowercase()
-            .contains("content-type: text/plain; version=0.0.4"),
-        "{head}"
-    );
-    promtool_check(&body);
-    body
-}
 
 #[test]
 fn target_and_proxy_metrics_follow_requests_the_copy_and_the_cut_over() {
@@ -85,7 +38,7 @@ fn target_and_proxy_metrics_follow_requests_the_copy_and_the_cut_over() {
     );
 
     // Nothing read yet: every series is there, at zero.
-    let first = scrape(over_control(&ctl, "/metrics"));
+    let first = scrape(over_unix(&ctl, &get("/metrics")));
     assert!(
         first.contains("# TYPE kemari_nbd_requests_total counter"),
         "{first}"
@@ -116,7 +69,7 @@ fn target_and_proxy_metrics_follow_requests_the_copy_and_the_cut_over() {
     assert!(past.wait().is_err());
     drop(c);
 
-    let m = scrape(over_tcp(proxy_metrics, "/metrics"));
+    let m = scrape(over_tcp(proxy_metrics, &get("/metrics")));
     let read = |t: &str, name: &str, label: &str| sample_sum(t, name, &[label]);
     assert!(
         read(&m, "kemari_nbd_requests_total", "command=\"read\"") >= 3.0,
@@ -154,7 +107,7 @@ fn target_and_proxy_metrics_follow_requests_the_copy_and_the_cut_over() {
     assert!(sample_sum(&m, "kemari_nbd_proxy_copy_ratio", &[]) < 1.0);
 
     // The target served the proxy's fetches.
-    let t = scrape(over_tcp(target_metrics, "/metrics"));
+    let t = scrape(over_tcp(target_metrics, &get("/metrics")));
     assert!(t.contains("role=\"target\""), "{t}");
     assert!(!t.contains("kemari_nbd_proxy_"), "{t}");
     assert!(
@@ -174,7 +127,7 @@ fn target_and_proxy_metrics_follow_requests_the_copy_and_the_cut_over() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let end = scrape(over_control(&ctl, "/metrics?after=cutover"));
+    let end = scrape(over_unix(&ctl, &get("/metrics?after=cutover")));
     assert_eq!(sample_sum(&end, "kemari_nbd_proxy_cut_over", &[]), 1.0);
     assert_eq!(sample_sum(&end, "kemari_nbd_proxy_copy_ratio", &[]), 1.0);
     assert_eq!(
@@ -192,7 +145,7 @@ fn target_and_proxy_metrics_follow_requests_the_copy_and_the_cut_over() {
 
     // HTTP on the control socket serves /metrics only; its JSON commands
     // work as before.
-    assert_eq!(over_control(&ctl, "/status").0, 404);
-    assert_eq!(over_tcp(proxy_metrics, "/status").0, 404);
+    assert_eq!(over_unix(&ctl, &get("/status")).0, 404);
+    assert_eq!(over_tcp(proxy_metrics, &get("/status")).0, 404);
     assert_eq!(status(&ctl)["cut_over"], true);
 }

@@ -96,6 +96,16 @@ pub fn log_without_escapes(path: &Path, needle: &str) -> String {
     text
 }
 
+/// The pre-shared key of the tests' migration and FT links.
+pub const TEST_KEY: &str = "kemari-test-key-0123456789abcdef";
+
+/// Writes [`TEST_KEY`] to `DIR/key` (0600) and returns its path.
+pub fn test_key(dir: &Path) -> PathBuf {
+    let path = dir.join("key");
+    write_key(&path, TEST_KEY);
+    path
+}
+
 /// Writes a pre-shared key file as kemari wants it: readable by its owner
 /// only (0600).
 pub fn write_key(path: &Path, text: &str) {

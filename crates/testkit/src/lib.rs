@@ -7,6 +7,8 @@
 //!   see there), the test guest's ELF, binaries of other packages;
 //! - [`dirs`]: scratch folders, reading a file that may not exist yet;
 //! - [`etcd`]: a real etcd cluster of a few members on localhost ports;
+//! - [`http`]: raw HTTP exchanges with the API, control and metrics
+//!   endpoints, and a `/metrics` scrape checked by promtool;
 //! - [`procs`]: children killed on drop, timeouts, polling, tools on PATH;
 //! - [`stub`]: the PVH stub kernel (`fixtures/pvh-stub.S`);
 //! - [`net`]: free ports, TAP devices and bridges, the TCP echo checker, the
@@ -22,6 +24,7 @@
 pub mod bins;
 pub mod dirs;
 pub mod etcd;
+pub mod http;
 pub mod net;
 pub mod notify;
 pub mod procs;
@@ -31,7 +34,7 @@ pub mod scenario;
 pub mod stub;
 
 pub use bins::{guest_elf, kemari, kemarictl};
-pub use dirs::{log_without_escapes, read_text, scratch, write_key, TempDir};
+pub use dirs::{log_without_escapes, read_text, scratch, test_key, write_key, TempDir, TEST_KEY};
 pub use etcd::EtcdCluster;
 pub use net::{
     ask_guest_reboot, free_port, listening, wait_listening, wait_port, AnnounceCapture, Bridge,
