@@ -5,7 +5,7 @@
 
 use std::io::Read;
 use std::path::Path;
-use std::process::{Command, Stdio};
+
 use std::time::Duration;
 
 use guest::blockfmt::{self, BlockState, BLOCK_SIZE};
@@ -122,20 +122,8 @@ fn read_only_disk_refuses_writes_and_the_vmm_runs_on() {
 fn disk_over_nbd_round_trips() {
     let _turn = one_at_a_time();
     let dir = scratch("blk-nbd");
-    let disk = disk_image(&dir);
-    let sock = dir.join("nbd.sock");
-    let server = Command::new(bins::built_debug_bin("kemari-nbd", "kemari-nbd"))
-        .args(["serve", "--export"])
-        .arg(format!("vmdisk={}", disk.display()))
-        .arg("--listen")
-        .arg(format!("unix:{}", sock.display()))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let _server = KillOnDrop(server);
-    wait_for("the NBD server", Duration::from_secs(30), || sock.exists());
-    let url = format!("nbd+unix:///vmdisk?socket={}", sock.display());
+    let server = serve_nbd(&dir);
+    let (disk, url) = (&server.disk, server.url.clone());
     let (st, out) = boot_to_end(&[
         "--cmdline".into(),
         "disk=write,800,seq,flush poweroff=done".into(),
@@ -156,7 +144,7 @@ fn disk_over_nbd_round_trips() {
         st.success() && out.contains("disk: verify ok blocks=800"),
         "{out}"
     );
-    assert_eq!(host_check(&disk, 800), (800, 0, 0));
+    assert_eq!(host_check(disk, 800), (800, 0, 0));
     // A server that is not there is a clear error.
     let out = run_with_timeout(
         kemari().arg("--kernel").arg(guest_elf()).args([

@@ -16,7 +16,7 @@
 //! Bounds are generous (60 s): the machine is shared.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use kemari::api::client::request_with_timeout;
@@ -29,38 +29,15 @@ const PATIENCE: Duration = Duration::from_secs(60);
 const BLOCKS: u64 = 2048;
 const BANNER: &str = "kemari-guest: hello";
 
-/// A `kemari-nbd serve` of a fresh 64 MiB image on a Unix socket.
-struct Server {
-    _child: KillOnDrop,
-    url: String,
-}
-
-fn serve(dir: &Path) -> Server {
-    let disk = disk_image(dir);
-    let sock = dir.join("nbd.sock");
-    let child = Command::new(bins::built_debug_bin("kemari-nbd", "kemari-nbd"))
-        .args(["serve", "--export"])
-        .arg(format!("vmdisk={}", disk.display()))
-        .arg("--listen")
-        .arg(format!("unix:{}", sock.display()))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let child = KillOnDrop(child);
-    wait_for("the NBD server", PATIENCE, || sock.exists());
-    Server {
-        _child: child,
-        url: format!("nbd+unix:///vmdisk?socket={}", sock.display()),
-    }
-}
+/// The test's NBD export, with what the test asks of it.
+struct Server(NbdExport);
 
 impl Server {
     /// Read requests the server has served (`kemari-nbd access-counts`).
     fn reads(&self) -> u64 {
         let out = run_with_timeout(
             Command::new(bins::built_debug_bin("kemari-nbd", "kemari-nbd"))
-                .args(["access-counts", &self.url]),
+                .args(["access-counts", &self.0.url]),
             PATIENCE,
         );
         assert!(out.status.success(), "{out:?}");
@@ -81,7 +58,7 @@ impl Server {
                 .args(["--memory", "128M", "--cmdline"])
                 .arg(format!("disk=write,{BLOCKS},seq,flush poweroff=done"))
                 .arg("--disk")
-                .arg(&self.url),
+                .arg(&self.0.url),
             Duration::from_secs(120),
         );
         let text = String::from_utf8_lossy(&out.stdout);
@@ -136,7 +113,7 @@ fn guest_args(ip: &str, tap: &str, url: &str, cmdline: &str) -> Vec<String> {
 fn reads_after_an_in_place_reboot_come_from_the_cache_not_the_nbd_server() {
     let _one = one_at_a_time();
     let dir = scratch("warm-cache-hits");
-    let server = serve(&dir);
+    let server = Server(serve_nbd(&dir));
     server.prefill();
     let net = TapNet::create("wc", 71);
     let ip = net.guest_ip();
@@ -144,7 +121,7 @@ fn reads_after_an_in_place_reboot_come_from_the_cache_not_the_nbd_server() {
         &guest_args(
             &ip,
             &net.name,
-            &server.url,
+            &server.0.url,
             &format!("disk=verify,{BLOCKS}"),
         ),
         &dir.join("console.log"),
@@ -273,7 +250,7 @@ impl Generations {
 fn a_cached_disk_never_serves_stale_data_across_reboots_restarts_migrations_and_kill() {
     let _one = one_at_a_time();
     let dir = scratch("warm-cache-stale");
-    let server = serve(&dir);
+    let server = Server(serve_nbd(&dir));
     server.prefill();
     let mut disk = Generations { newest: 0 };
     let net = TapNet::create("wd", 72);
@@ -283,7 +260,7 @@ fn a_cached_disk_never_serves_stale_data_across_reboots_restarts_migrations_and_
     let mut args = guest_args(
         &ip,
         &net.name,
-        &server.url,
+        &server.0.url,
         &format!("disk=verify,{BLOCKS} disk=write,{BLOCKS},seq,flush,next"),
     );
     args.extend(["--memory-file".into(), memfile.display().to_string()]);

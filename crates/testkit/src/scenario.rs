@@ -289,6 +289,38 @@ pub fn check_continuity_blocks(old: &Path, new: &Vmm, echo: EchoChecker, disk: &
     );
 }
 
+/// A `kemari-nbd serve` of a fresh 64 MiB image ([`disk_image`]) on a Unix
+/// socket in `dir`, stopped when dropped.
+pub struct NbdExport {
+    _child: KillOnDrop,
+    /// The exported image.
+    pub disk: PathBuf,
+    /// `nbd+unix:///vmdisk?socket=…`, as `--disk` takes it.
+    pub url: String,
+}
+
+pub fn serve_nbd(dir: &Path) -> NbdExport {
+    let disk = disk_image(dir);
+    let sock = dir.join("nbd.sock");
+    let child =
+        std::process::Command::new(crate::bins::built_debug_bin("kemari-nbd", "kemari-nbd"))
+            .args(["serve", "--export"])
+            .arg(format!("vmdisk={}", disk.display()))
+            .arg("--listen")
+            .arg(format!("unix:{}", sock.display()))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn kemari-nbd");
+    let child = KillOnDrop(child);
+    wait_for("the NBD server", Duration::from_secs(30), || sock.exists());
+    NbdExport {
+        _child: child,
+        disk,
+        url: format!("nbd+unix:///vmdisk?socket={}", sock.display()),
+    }
+}
+
 pub fn disk_image(dir: &Path) -> PathBuf {
     let p = dir.join("disk.img");
     std::fs::File::create(&p)
