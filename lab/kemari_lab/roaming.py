@@ -115,7 +115,7 @@ class RoamingGuest:
 
 @contextmanager
 def roaming_guest(
-    lab: Lab, home: int = 0, name: str = "roam", memory_mb: int = 512, vcpus: int = 2
+    lab: Lab, home: int = 0, name: str = "roam", memory_mb: int = 512, vcpus: int = 2, vmm_args: str = ""
 ) -> Iterator[RoamingGuest]:
     """Starts the shared disk, the guest on virtual host `home` and the client
     connection; on exit (normal or not) stops the client and the disk server.
@@ -135,6 +135,7 @@ def roaming_guest(
                 vcpus=vcpus,
                 disk_url=disk.url,
                 log_level="info",  # kemari's state changes (paused, committed, restore_ms) in the console
+                vmm_args=vmm_args,
             )
             guest = Guest(host, spec)
             guest.start()
