@@ -71,7 +71,7 @@ class FleetLab:
         cmd = (
             f"kemari-agent --etcd '{self.etcd.fence}' --host-name {host.name} --address {host.ip}"
             f" --vm-dir {VM_DIR} --key-file {KEY_PATH} --standby-args '{standby}'"
-            f" --ft-timeout-ms {FT_TIMEOUT_MS} --http {host.ip}:{HTTP_PORT}"
+            f" --ft-timeout-ms {FT_TIMEOUT_MS} --http {host.ip}:{HTTP_PORT} --log-level info,fleet=debug"
         )
         host.run(f"( {cmd} >> {AGENT_LOG} 2>&1; echo KLAB-AGENT-EXIT=$? >> {AGENT_LOG} ) >/dev/null 2>&1 &")
 
@@ -248,191 +248,173 @@ def status_line(label: str, st: dict[str, Any]) -> None:
     log_status(label, {k: v for k, v in st.items() if k != "seen_at"})
 
 
-def fleet_power(lab: Lab, vmm: str) -> dict[str, float]:
-    """Three virtual hosts, etcd, an agent on each: the guest on vh0 is
-    protected without any command; vh0 loses power: the standby takes over
-    and the agents re-protect it on the third host; then that new primary's
-    host loses power too and the VM survives again. The client's echo
-    stream stays byte-exact and every synced record is on the disk."""
-    if vmm != "kemari":
-        raise LabError(f"fleet-power is a kemari scenario (--vmm kemari), not {vmm}")
-    times: dict[str, float] = {}
-    with fleet_lab(lab) as fl:
-        rg = fl.rg
-        p = lab.hosts[0]
-        with step("automatic protection"):
-            t = time.monotonic()
-            st, s = fl.wait_protected(p, timeout=600)
-            times["protected_after_agents_s"] = time.monotonic() - t
-            status_line(f"primary {p.name}", st)
-            rg.check_disk("protected")
-            fl.start_writer()
-            rg.conn.expect_progress(20, timeout=120)
-            fl.check_records("protected")
-            before = rg.conn.check()
-        third = next(h for h in lab.hosts if h not in (p, s))
-        for n, (dead, new, spare) in enumerate(((p, s, third), (s, third, None)), start=1):
-            with step(f"power failure {n}: {dead.name} (primary) off, {new.name} takes over"):
-                killed = dead.power_fail()
-                images.log(f"{dead.name} powered off (SIGKILL to its QEMU)")
-                over = fl.wait_failed_over(new)
-                times[f"power{n}_failover_seen_s"] = over["seen_at"] - killed
-                times[f"power{n}_kemari_failover_ms"] = float(over.get("failover_ms") or -1)
-                status_line(f"{new.name} after failover {n}", over)
-                holder = fl.fence_holder()
-                if holder is None or holder.get("how") != "failover" or holder.get("host") != new.name:
-                    images.log(f"fence key after failover {n}: {holder}")
-                after = rg.conn.expect_progress(20, timeout=120)
-                times[f"power{n}_client_gap_s"] = float(rg.conn.max_gap_in(after, before["elapsed_s"], after["elapsed_s"]))
-                times[f"power{n}_records"] = float(fl.check_records(f"after failover {n}"))
-                fl.check_record(new, n, dead)
-                rg.check_disk(f"failover{n}")
-            if spare is not None:
-                with step(f"re-protection of {new.name}'s VM by the agents"):
-                    st, standby = fl.wait_protected(new, timeout=600)
-                    times[f"power{n}_reprotected_s"] = st["seen_at"] - killed
-                    status_line(f"{new.name} re-protected", st)
-                    if standby is not spare:
-                        raise LabError(f"the agents chose {standby.name}, expected the third host {spare.name}")
-                    fl.fleet_table()
-                    before = rg.conn.expect_progress(10, timeout=120)
-        with step(f"the VM alone on {third.name}"):
-            table = fl.fleet_table()
-            if third.name not in table:
-                raise LabError(f"kemarictl fleet does not show {third.name} as the primary:\n{table}")
-            info = rg.guest.info()
-            if info.get("state") != "running":
-                raise LabError(f"{third.name}: the guest does not run: {info}")
-        with step(f"closing the connection, powering off on {third.name}"):
-            times.update(fl.finish())
-    return times
+def _power_failure(fl: FleetLab, dead: VirtualHost, new: VirtualHost, label: str, times: dict[str, float]) -> float:
+    """`dead` (the primary's host) loses power; waits for `new` to run the
+    VM; checks the client stream, the records, the fence key and the record.
+    Returns the time.monotonic() of the power failure."""
+    rg = fl.rg
+    before = rg.conn.check()
+    failovers = int(fl.vm_row().get("failovers") or 0)
+    killed = dead.power_fail()
+    images.log(f"{dead.name} powered off (SIGKILL to its QEMU)")
+    over = fl.wait_failed_over(new)
+    times[f"{label}_failover_seen_s"] = over["seen_at"] - killed
+    times[f"{label}_kemari_failover_ms"] = float(over.get("failover_ms") or -1)
+    status_line(f"{new.name} after the failover ({label})", over)
+    holder = fl.fence_holder()
+    if holder is None or holder.get("how") != "failover" or holder.get("host") != new.name:
+        raise LabError(f"the fence key after the failover to {new.name}: {holder}")
+    after = rg.conn.expect_progress(20, timeout=120)
+    times[f"{label}_client_gap_s"] = float(rg.conn.max_gap_in(after, before["elapsed_s"], after["elapsed_s"]))
+    times[f"{label}_records"] = float(fl.check_records(f"after {label}"))
+    rg.check_disk(label)
+    fl.check_record(new, failovers + 1, dead)
+    return killed
 
 
-def fleet_partition(lab: Lab, vmm: str) -> dict[str, float]:
-    """Three virtual hosts, etcd, an agent on each. The primary's host is
-    cut off the lab bridge (its TAP down: no standby, no etcd, no client):
-    it stops releasing outputs once its lease is gone and exits; the
-    standby takes the key and runs the VM only then; the agents re-protect
-    it on the third host. Heal: the old host's agent comes back, no copy of
-    the VM there. Then one etcd member is killed and the new primary's host
-    loses power: the VM runs on, on the third host, exactly once."""
+def _partition(fl: FleetLab, p: VirtualHost, s: VirtualHost, times: dict[str, float]) -> float:
+    """Cuts `p` (the primary's host) off the lab bridge: its copy must lose
+    its etcd key, stop and exit 1 before `s`'s standby takes the key and
+    runs the VM. Returns the time.monotonic() of the cut."""
+    rg = fl.rg
+    ns = fl.lab.network.ns
+    before = rg.conn.check()
+    failovers = int(fl.vm_row().get("failovers") or 0)
+    cut_wall = time.time()
+    cut = time.monotonic()
+    subprocess.run(["ip", "-n", ns, "link", "set", p.tap, "down"], check=True, capture_output=True)
+    images.log(f"{p.name}: its TAP {p.tap} is down (no standby, no etcd, no client)")
+    lost_seen = exit_seen = over_seen = None
+    over: dict[str, Any] = {}
+    deadline = cut + 180
+    while lost_seen is None or exit_seen is None or over_seen is None:
+        if time.monotonic() > deadline:
+            raise LabError(
+                f"after the cut: old primary lost its key {lost_seen}, exited {exit_seen}; "
+                f"standby took over {over_seen} ({over})"
+            )
+        con = p.run(f"cat {VM_DIR}/{VM}.console {VM_DIR}/{VM}.log 2>/dev/null; true").output
+        now = time.monotonic()
+        if lost_seen is None and "lost the etcd key" in con:
+            lost_seen = now
+        if exit_seen is None and not fl.vmm_running(p):
+            exit_seen = time.monotonic()
+        if over_seen is None:
+            try:
+                over = ft_status(rg.guest, s)
+            except LabError as e:
+                over = {"error": str(e)}
+            if over.get("role") == "primary":
+                over_seen = time.monotonic()
+        time.sleep(0.2)
+    rg.guest.host = s
+    status_line(f"{s.name} after the failover (partition)", over)
+    times.update(
+        partition_old_lost_key_seen_s=lost_seen - cut,
+        partition_old_exit_seen_s=exit_seen - cut,
+        partition_new_primary_seen_s=over_seen - cut,
+        partition_kemari_failover_ms=float(over.get("failover_ms") or -1),
+    )
+    old_log = f"{VM_DIR}/{VM}.log" if p.run(f"test -s {VM_DIR}/{VM}.log", check=False).ok else rg.guest.console
+    lost_at = log_time(p, old_log, "etcd fence: lost the etcd key")
+    taken_at = log_time(s, f"{VM_DIR}/{VM}.log", "etcd fence: key taken")
+    images.log(
+        f"cut at {time.strftime('%H:%M:%S', time.gmtime(cut_wall))}.{int(cut_wall % 1 * 1000):03d}Z;"
+        f" {p.name} logged 'lost the etcd key' at {lost_at}; {s.name} took the key at {taken_at}"
+    )
+    if lost_at is None or taken_at is None or not lost_at < taken_at:
+        raise LabError(f"the old primary lost its key at {lost_at}, the new one took it at {taken_at}")
+    holder = fl.fence_holder()
+    if holder is None or holder.get("host") != s.name or holder.get("how") != "failover":
+        raise LabError(f"the fence key after the partition: {holder}")
+    after = rg.conn.expect_progress(20, timeout=120)
+    times["partition_client_gap_s"] = float(rg.conn.max_gap_in(after, before["elapsed_s"], after["elapsed_s"]))
+    times["partition_records"] = float(fl.check_records("after the partition"))
+    fl.check_record(s, failovers + 1, p)
+    return cut
+
+
+def fleet(lab: Lab, vmm: str) -> dict[str, float]:
+    """Three virtual hosts, a three-member etcd, an agent on each: the guest
+    on vh0 is protected with no command; (a) its host loses power: the
+    standby takes over and the agents re-protect it on the third host;
+    (c) that new primary's host is cut off the lab bridge: its copy stops
+    once its lease is gone, the third host's standby takes over only then;
+    healed, the cut host holds no copy and protects the VM; (d)+(b) one
+    etcd member is killed and the primary's host loses power: the VM runs
+    on, on the re-protected standby. The client's echo stream stays
+    byte-exact and every synced record is on the disk throughout."""
     if vmm != "kemari":
-        raise LabError(f"fleet-partition is a kemari scenario (--vmm kemari), not {vmm}")
+        raise LabError(f"fleet is a kemari scenario (--vmm kemari), not {vmm}")
     times: dict[str, float] = {}
     ns = lab.network.ns
     with fleet_lab(lab) as fl:
         rg = fl.rg
-        p = lab.hosts[0]
+        h0 = lab.hosts[0]
         with step("automatic protection"):
             t = time.monotonic()
-            st, s = fl.wait_protected(p, timeout=600)
+            st, h1 = fl.wait_protected(h0, timeout=600)
             times["protected_after_agents_s"] = time.monotonic() - t
+            times["initial_sync_ms"] = float(st.get("initial_sync_ms") or -1)
+            status_line(f"primary {h0.name}", st)
+            try:
+                rg.check_disk("protected")
+            except LabError as e:
+                raise LabError(f"{e}\nprimary: {ft_status(rg.guest)}\nstandby: {ft_status(rg.guest, h1)}") from None
             fl.start_writer()
             rg.conn.expect_progress(20, timeout=120)
-            before = rg.conn.check()
-        third = next(h for h in lab.hosts if h not in (p, s))
-        with step(f"partition: {p.name} cut off the lab bridge"):
-            cut_wall = time.time()
-            cut = time.monotonic()
-            subprocess.run(["ip", "-n", ns, "link", "set", p.tap, "down"], check=True, capture_output=True)
-            images.log(f"{p.name}: its TAP {p.tap} is down (no standby, no etcd, no client)")
-            lost_seen = exit_seen = over_seen = None
-            over: dict[str, Any] = {}
-            deadline = cut + 180
-            while lost_seen is None or exit_seen is None or over_seen is None:
-                if time.monotonic() > deadline:
-                    raise LabError(
-                        f"after the cut: old primary lost its key {lost_seen}, exited {exit_seen}; "
-                        f"standby took over {over_seen} ({over})"
-                    )
-                con = p.run(f"cat {rg.guest.console}", check=False).output
-                now = time.monotonic()
-                if lost_seen is None and "lost the etcd key" in con:
-                    lost_seen = now
-                if exit_seen is None and "KLAB-VMM-EXIT=" in con:
-                    exit_seen = now
-                if over_seen is None:
-                    try:
-                        over = ft_status(rg.guest, s)
-                    except LabError as e:
-                        over = {"error": str(e)}
-                    if over.get("role") == "primary":
-                        over_seen = time.monotonic()
-                time.sleep(0.2)
-            rg.guest.host = s
-            status_line(f"{s.name} after the failover", over)
-            old_console = p.run(f"cat {rg.guest.console}").output
-            exit_code = re.search(r"KLAB-VMM-EXIT=(\d+)", old_console)
-            times.update(
-                partition_old_lost_key_seen_s=lost_seen - cut,
-                partition_old_exit_seen_s=exit_seen - cut,
-                partition_new_primary_seen_s=over_seen - cut,
-                partition_old_exit_status=float(exit_code.group(1)) if exit_code else -1,
-                partition_kemari_failover_ms=float(over.get("failover_ms") or -1),
-            )
-            lost_at = log_time(p, rg.guest.console, "etcd fence: lost the etcd key")
-            taken_at = log_time(s, f"{VM_DIR}/{VM}.log", "etcd fence: key taken")
-            images.log(
-                f"cut at {time.strftime('%H:%M:%S', time.gmtime(cut_wall))}.{int(cut_wall % 1 * 1000):03d}Z;"
-                f" {p.name} logged 'lost the etcd key' at {lost_at}; {s.name} took the key at {taken_at}"
-            )
-            if lost_at is None or taken_at is None or not lost_at < taken_at:
-                raise LabError(f"the old primary lost its key at {lost_at}, the new one took it at {taken_at}")
-            if exit_code is None or exit_code.group(1) != "1":
-                raise LabError(f"{p.name}: the cut-off primary did not exit 1: {old_console[-2000:]}")
-            holder = fl.fence_holder()
-            if holder is None or holder.get("host") != s.name or holder.get("how") != "failover":
-                raise LabError(f"the fence key after the partition: {holder}")
-            after = rg.conn.expect_progress(20, timeout=120)
-            times["partition_client_gap_s"] = float(rg.conn.max_gap_in(after, before["elapsed_s"], after["elapsed_s"]))
-            times["partition_records"] = float(fl.check_records("after the partition"))
-            fl.check_record(s, 1, p)
-        with step(f"re-protection of {s.name}'s VM while {p.name} is cut off"):
-            st, standby = fl.wait_protected(s, timeout=600)
-            times["partition_reprotected_s"] = st["seen_at"] - cut
-            if standby is not third:
-                raise LabError(f"the agents chose {standby.name}, expected {third.name}")
-        with step(f"healing the partition of {p.name}"):
-            subprocess.run(["ip", "-n", ns, "link", "set", p.tap, "up"], check=True, capture_output=True)
-            fl.wait_registered(p, timeout=120)
-            time.sleep(3)  # a few agent rounds
-            if fl.vmm_running(p):
-                raise LabError(f"{p.name}: a kemari runs after the heal: {fl.vmm_running(p)}")
+            fl.check_records("protected")
+        h2 = next(h for h in lab.hosts if h not in (h0, h1))
+        with step(f"(a) power failure of {h0.name}: {h1.name} takes over"):
+            killed = _power_failure(fl, h0, h1, "power1", times)
+        with step(f"(a) re-protection of {h1.name}'s VM on {h2.name} by the agents"):
+            st, standby = fl.wait_protected(h1, timeout=600)
+            times["power1_reprotected_s"] = st["seen_at"] - killed
+            if standby is not h2:
+                raise LabError(f"the agents chose {standby.name}, expected the third host {h2.name}")
             fl.fleet_table()
-            before = rg.conn.expect_progress(10, timeout=120)
-        with step(f"one etcd member killed, then {s.name} (primary) loses power"):
+        with step(f"(c) partition: {h1.name} cut off; {h2.name} takes over after {h1.name} stops"):
+            cut = _partition(fl, h1, h2, times)
+        with step(f"(c) healing {h1.name}: no copy there; it protects {h2.name}'s VM"):
+            subprocess.run(["ip", "-n", ns, "link", "set", h1.tap, "up"], check=True, capture_output=True)
+            healed = time.monotonic()
+            times["partition_cut_s"] = healed - cut
+            # Its agent, back in touch with etcd, reaps the copy that stood down.
+            m = h1.wait_file_match(
+                AGENT_LOG,
+                re.compile(r"started here as a standby ended[^\n]*status=([^\n]*)"),
+                120,
+                "the agent to reap the copy that stood down",
+            )
+            images.log(f"{h1.name}: its agent saw the cut-off copy end: {m.group(1)}")
+            if "exit status: 1" not in m.group(1):
+                raise LabError(f"{h1.name}: the cut-off copy did not exit 1: {m.group(0)}")
+            st, standby = fl.wait_protected(h2, timeout=600)
+            times["heal_to_reprotected_s"] = st["seen_at"] - healed
+            if standby is not h1:
+                raise LabError(f"the agents chose {standby.name}, expected the healed {h1.name}")
+            roles = fl.etcd.get(f"{PREFIX}/_fleet/hosts/{h1.name}")
+            if roles is None:
+                raise LabError(f"{h1.name}: its agent is not registered after the heal")
+            fl.fleet_table()
+        with step(f"(d)+(b) one etcd member killed; {h2.name} loses power: {h1.name} runs the VM"):
             status = fl.etcd.ctl(["endpoint", "status", "-w", "json"]).stdout
             leader = re.findall(r'"leader":(\d+)', status)
             member = re.findall(r'"member_id":(\d+)', status)
-            victim = 0
             times["etcd_killed_member_was_leader"] = float(bool(leader and member and member[0] == leader[0]))
-            fl.etcd.kill(victim)
-            images.log(f"etcd member m{victim} killed")
+            fl.etcd.kill(0)
+            images.log("etcd member m0 killed")
             time.sleep(3)
-            killed = s.power_fail()
-            over = fl.wait_failed_over(third)
-            times["etcd_down_failover_seen_s"] = over["seen_at"] - killed
-            times["etcd_down_kemari_failover_ms"] = float(over.get("failover_ms") or -1)
-            holder = fl.fence_holder()
-            if holder is None or holder.get("host") != third.name:
-                raise LabError(f"the fence key after the second failover: {holder}")
-            if fl.vmm_running(p):
-                # Only a standby the agents may have started there by now.
-                try:
-                    st_p = ft_status(rg.guest, p)
-                except LabError as e:
-                    st_p = {"role": "standby", "starting": str(e)}
-                if st_p.get("role") not in ("standby", None) or st_p.get("state") in ("failed_over", "unprotected"):
-                    raise LabError(f"{p.name}: a kemari that is not a standby runs: {st_p}")
-            after = rg.conn.expect_progress(20, timeout=120)
-            times["etcd_down_client_gap_s"] = float(rg.conn.max_gap_in(after, before["elapsed_s"], after["elapsed_s"]))
-            times["etcd_down_records"] = float(fl.check_records("after the failover with an etcd member down"))
-            fl.check_record(third, 2, s)
-            st, standby = fl.wait_protected(third, timeout=600)
-            times["etcd_down_reprotected_s"] = st["seen_at"] - killed
-            if standby is not p:
-                raise LabError(f"the agents chose {standby.name}, expected the healed {p.name}")
-            fl.fleet_table()
-        with step(f"closing the connection, powering off on {third.name}"):
+            _power_failure(fl, h2, h1, "power2", times)
+            if len(fl.vmm_running(h1)) != 1:
+                raise LabError(f"{h1.name}: expected one kemari, found {fl.vmm_running(h1)}")
+        with step(f"the VM alone on {h1.name}"):
+            table = fl.fleet_table()
+            if h1.name not in table:
+                raise LabError(f"kemarictl fleet does not show {h1.name}:\n{table}")
+            info = rg.guest.info()
+            if info.get("state") != "running":
+                raise LabError(f"{h1.name}: the guest does not run: {info}")
+        with step(f"closing the connection, powering off on {h1.name}"):
             times.update(fl.finish())
     return times

@@ -24,7 +24,7 @@ from kemari_lab.fault_tolerance import (
     start_standby,
     wait_ft_state,
 )
-from kemari_lab.fleet import fleet_partition, fleet_power
+from kemari_lab.fleet import fleet
 from kemari_lab.guests import BOOTED_RE, Guest, GuestSpec, check_memory
 from kemari_lab.kernel_nbd import kernel_nbd
 from kemari_lab.lab import Lab
@@ -514,20 +514,7 @@ SCENARIOS: dict[str, Scenario] = {
             fault_tolerance_partition,
             (fault_tolerance_partition.__doc__ or "").split(";")[0],
         ),
-        Scenario(
-            "fleet-power",
-            3,
-            fleet_power,
-            (fleet_power.__doc__ or "").split(":")[0],
-            {"host_memory_mb": FLEET_HOST_MB},
-        ),
-        Scenario(
-            "fleet-partition",
-            3,
-            fleet_partition,
-            (fleet_partition.__doc__ or "").split(".")[0],
-            {"host_memory_mb": FLEET_HOST_MB},
-        ),
+        Scenario("fleet", 3, fleet, (fleet.__doc__ or "").split(":")[0], {"host_memory_mb": FLEET_HOST_MB}),
         Scenario("kernel-nbd", 1, kernel_nbd, (kernel_nbd.__doc__ or "").split(":")[0]),
         Scenario(
             "host-warm-reboot",
