@@ -50,6 +50,10 @@ AGENT_LOG = "/tmp/kemari-agent.log"
 HTTP_PORT = 7180
 # As the fault-tolerance scenarios: TCG virtual hosts need a patient sync link.
 FT_TIMEOUT_MS = 3000
+# A protected guest's disk request waits for a sync; on three loaded TCG
+# virtual hosts a sync took 1.7 s (median, 0.5 syncs/s): a CGI that writes,
+# syncs and reads back needs minutes, not the 30 s of an unprotected one.
+PROTECTED_IO_S = 240
 RECORDS_RE = re.compile(r"KLAB-RECORDS-NOW lines=(\d+) synced=(\d+) bad=(\d+)")
 
 
@@ -106,7 +110,7 @@ class FleetLab:
     def check_records(self, label: str) -> int:
         """Stops the writer, checks that every synced record is on the disk
         (and none malformed), starts it again; returns the records."""
-        body = self.lab.client_http_get(self.rg.guest.spec.ip, "/cgi-bin/records", timeout=60)
+        body = self.lab.client_http_get(self.rg.guest.spec.ip, "/cgi-bin/records", timeout=PROTECTED_IO_S)
         m = RECORDS_RE.search(body)
         if m is None:
             raise LabError(f"{label}: no records report from the guest: {body!r}")
@@ -267,7 +271,7 @@ def _power_failure(fl: FleetLab, dead: VirtualHost, new: VirtualHost, label: str
     after = rg.conn.expect_progress(20, timeout=120)
     times[f"{label}_client_gap_s"] = float(rg.conn.max_gap_in(after, before["elapsed_s"], after["elapsed_s"]))
     times[f"{label}_records"] = float(fl.check_records(f"after {label}"))
-    rg.check_disk(label)
+    rg.check_disk(label, timeout=PROTECTED_IO_S)
     fl.check_record(new, failovers + 1, dead)
     return killed
 
@@ -358,7 +362,7 @@ def fleet(lab: Lab, vmm: str) -> dict[str, float]:
             times["initial_sync_ms"] = float(st.get("initial_sync_ms") or -1)
             status_line(f"primary {h0.name}", st)
             try:
-                rg.check_disk("protected")
+                rg.check_disk("protected", timeout=PROTECTED_IO_S)
             except LabError as e:
                 raise LabError(f"{e}\nprimary: {ft_status(rg.guest)}\nstandby: {ft_status(rg.guest, h1)}") from None
             fl.start_writer()

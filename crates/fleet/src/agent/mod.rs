@@ -450,11 +450,7 @@ impl Agent {
         if needs_standby(&ft.state) && !self.protecting.contains_key(id) {
             if let Some(c) = claim {
                 if let Some(peer) = &c.value.peer {
-                    if self
-                        .backoff
-                        .get(id)
-                        .is_none_or(|b| b.ready(Instant::now()))
-                    {
+                    if self.backoff.get(id).is_none_or(|b| b.ready(Instant::now())) {
                         self.protect(id, socket, peer, c.revision);
                     } else {
                         tracing::debug!(
