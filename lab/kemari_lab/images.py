@@ -79,8 +79,9 @@ WARM_REBOOT_SCRIPT = paths.REPO_DIR / "scripts" / "host-warm-reboot"
 GUEST_DISK_SIZE_MB = 32
 # The one file on the guest's ext4 disk, /hello.txt.
 GUEST_DISK_HELLO = "hello from the kemari lab disk\n"
-# Binaries copied into each virtual host (kemarictl drives migrations there).
-KEMARI_BINARIES = ["kemari", "kemarictl"]
+# Binaries copied into each virtual host (kemarictl drives migrations there;
+# kemari-agent is the fleet scenarios' host agent, docs/fleet.md).
+KEMARI_BINARIES = ["kemari", "kemarictl", "kemari-agent"]
 # Runs on this machine, in the lab namespace: the shared-disk NBD server, proxies.
 KEMARI_NBD_BINARY = "kemari-nbd"
 

@@ -75,11 +75,11 @@ class RoamingGuest:
         """Live-migrates the guest to virtual host `index`; returns kemari's report."""
         return live_migrate(self.guest, self.lab.hosts[index], **limits)
 
-    def check_disk(self, label: str) -> str:
+    def check_disk(self, label: str, timeout: float = 30) -> str:
         """The guest writes a fresh token to its disk, syncs, drops its caches and
         reads it back (GET /cgi-bin/disk from the client); returns the token."""
         token = f"{label}-{secrets.token_hex(8)}"
-        body = self.lab.client_http_get(self.guest.spec.ip, f"/cgi-bin/disk?{token}", timeout=30)
+        body = self.lab.client_http_get(self.guest.spec.ip, f"/cgi-bin/disk?{token}", timeout=timeout)
         if f"KLAB-DISK-OK {token}" not in body:
             raise LabError(f"{self.host.name}: guest {self.guest.spec.name} disk write/read-back failed: {body!r}")
         self.last_token = token
@@ -115,7 +115,7 @@ class RoamingGuest:
 
 @contextmanager
 def roaming_guest(
-    lab: Lab, home: int = 0, name: str = "roam", memory_mb: int = 512, vcpus: int = 2
+    lab: Lab, home: int = 0, name: str = "roam", memory_mb: int = 512, vcpus: int = 2, vmm_args: str = ""
 ) -> Iterator[RoamingGuest]:
     """Starts the shared disk, the guest on virtual host `home` and the client
     connection; on exit (normal or not) stops the client and the disk server.
@@ -135,6 +135,7 @@ def roaming_guest(
                 vcpus=vcpus,
                 disk_url=disk.url,
                 log_level="info",  # kemari's state changes (paused, committed, restore_ms) in the console
+                vmm_args=vmm_args,
             )
             guest = Guest(host, spec)
             guest.start()

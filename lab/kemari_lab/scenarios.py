@@ -24,6 +24,7 @@ from kemari_lab.fault_tolerance import (
     start_standby,
     wait_ft_state,
 )
+from kemari_lab.fleet import fleet
 from kemari_lab.guests import BOOTED_RE, Guest, GuestSpec, check_memory
 from kemari_lab.kernel_nbd import kernel_nbd
 from kemari_lab.lab import Lab
@@ -494,6 +495,9 @@ def host_warm_reboot(lab: Lab, vmm: str) -> dict[str, float]:
     return times
 
 
+# Three virtual hosts at once (docs/fleet.md): 2.5 GiB each.
+FLEET_HOST_MB = 2560
+
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
@@ -510,6 +514,7 @@ SCENARIOS: dict[str, Scenario] = {
             fault_tolerance_partition,
             (fault_tolerance_partition.__doc__ or "").split(";")[0],
         ),
+        Scenario("fleet", 3, fleet, (fleet.__doc__ or "").split(":")[0], {"host_memory_mb": FLEET_HOST_MB}),
         Scenario("kernel-nbd", 1, kernel_nbd, (kernel_nbd.__doc__ or "").split(":")[0]),
         Scenario(
             "host-warm-reboot",

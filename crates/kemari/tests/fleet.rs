@@ -13,6 +13,10 @@
 //!   loaded by a real headless Chromium: its DOM shows the VM with its
 //!   primary and standby hosts, its screenshot is a non-blank PNG of the
 //!   window's size.
+//! - `agents_re_protect_over_tls`: the same re-protection with etcd over
+//!   TLS (client certificates required).
+//! - `failing_ft_starts_are_paced`: an `ft start` that keeps failing is
+//!   retried after 1, 2, 4 s (logged), not at every round.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -326,6 +330,81 @@ fn kemarictl_fleet_reads_a_registry_over_tls() {
         ["tls-vm", "h7", "h8", "host-lost", "5"],
         "{table}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+#[cfg_attr(
+    any(no_kvm, no_etcd, no_etcdctl, no_openssl),
+    ignore = "needs /dev/kvm, etcd + etcdctl (Debian etcd-server, etcd-client) and openssl"
+)]
+fn agents_re_protect_over_tls() {
+    let _turn = one_at_a_time();
+    let dir = scratch("fleet-reprotect-tls");
+    // One member with TLS and client certificates required: the agents,
+    // their standbys' fences and the primary's all reach it over TLS.
+    let etcd = EtcdCluster::start_tls(&dir, 1);
+    let fence = etcd.fence(PREFIX, TTL_S);
+    let hosts: Vec<Host> = (0..2).map(|i| start_host(&dir, &fence, i, "")).collect();
+    let _reaper = Reaper(hosts.iter().map(|h| h.dir.clone()).collect());
+    let mut primary = spawn_primary(&hosts[0], &fence, "counter=1000", None);
+    wait_protected(&etcd, &hosts[0], "h1", "h1 to protect the VM over TLS");
+
+    // The primary dies: h1 takes over, h0 (the only other host) protects it.
+    primary.child.0.kill().unwrap();
+    let _ = primary.child.0.wait();
+    let row = wait_protected(
+        &etcd,
+        &hosts[1],
+        "h0",
+        "h0 to protect the VM after the failover, over TLS",
+    );
+    assert_eq!(row["failovers"], 1, "{row}");
+    assert_eq!(row["last_failover"]["from"], "h0", "{row}");
+    assert!(ctl(&hosts[1].socket(), &["shutdown"]).status.success());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+#[cfg_attr(
+    any(no_kvm, no_etcd, no_etcdctl),
+    ignore = "needs /dev/kvm and etcd + etcdctl (Debian etcd-server, etcd-client)"
+)]
+fn failing_ft_starts_are_paced() {
+    let _turn = one_at_a_time();
+    let dir = scratch("fleet-backoff");
+    let etcd = EtcdCluster::start(&dir, 1);
+    let fence = etcd.fence(PREFIX, TTL_S);
+    let host = start_host(&dir, &fence, 0, "");
+    let mut primary = spawn_primary(&host, &fence, "counter=1000", None);
+    // A standby claim whose address refuses connections, put back each
+    // time the primary's agent gives it up after its ft start failed.
+    let claim_key = format!("{PREFIX}/_fleet/standby/{ID}");
+    let claim = format!(
+        r#"{{"host":"h9","peer":"127.0.0.1:{}","since_unix":1}}"#,
+        free_port()
+    );
+    let log = dir.join("agent-h0.log");
+    let failures = |text: &str| text.matches("ft start failed").count();
+    wait_for("three ft starts failed", Duration::from_secs(60), || {
+        let have = etcd
+            .ctl(&["get", &claim_key, "--print-value-only"])
+            .is_some_and(|v| !v.trim().is_empty());
+        if !have {
+            etcd.ctl(&["put", &claim_key, &claim]);
+        }
+        failures(&read_text(&log)) >= 3
+    });
+    let text = read_text(&log);
+    let pauses: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("ft start failed"))
+        .filter_map(|l| l.split("retry_in_ms=").nth(1))
+        .filter_map(|r| r.split_whitespace().next())
+        .collect();
+    assert_eq!(pauses[..3], ["1000", "2000", "4000"], "{text}");
+    assert!(ctl(&primary.api, &["shutdown"]).status.success());
+    let _ = primary.child.0.wait();
     let _ = std::fs::remove_dir_all(&dir);
 }
 

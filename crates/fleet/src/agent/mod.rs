@@ -16,10 +16,13 @@
 //!    primary's agent then runs `ft start` towards it. A lower-ranked host
 //!    claims only once the VM has waited [`CLAIM_PATIENCE`] per rank.
 //!
-//! A failed `ft start` drops the claim (another host is chosen); a standby
+//! A failed `ft start` drops the claim (another host is chosen) and the
+//! next `ft start` of that VM waits, longer after each failure in a row
+//! ([`backoff`]); a standby
 //! that ends drops its own; after a failover the new primary's agent drops
 //! the claim that named its host, and the VM needs a standby again.
 
+pub mod backoff;
 pub mod http;
 pub mod launch;
 pub mod local;
@@ -32,6 +35,7 @@ use ft::fence::etcd::EtcdSpec;
 use kemari_api::{ApiRequest, FtStartRequest};
 use tokio::task::JoinHandle;
 
+use self::backoff::Backoff;
 use self::launch::{Launched, StandbyTemplate};
 use self::local::{FtView, Local, Seen};
 use crate::record::{needs_standby, Claim, Failover, HostRecord, VmRecord};
@@ -119,6 +123,8 @@ struct Agent {
     adopted: HashMap<String, std::process::Child>,
     /// `ft start`s running, by VM id.
     protecting: HashMap<String, Protecting>,
+    /// VMs whose last `ft start`s failed: when the next may start.
+    backoff: HashMap<String, Backoff>,
     /// Since when a VM elsewhere has waited for a standby (as seen here).
     waiting: HashMap<String, Instant>,
     /// When each local record was last written.
@@ -167,6 +173,7 @@ pub async fn run(cfg: AgentConfig) -> Result<(), FleetError> {
         launched: HashMap::new(),
         adopted: HashMap::new(),
         protecting: HashMap::new(),
+        backoff: HashMap::new(),
         waiting: HashMap::new(),
         written: HashMap::new(),
         ran_here: HashMap::new(),
@@ -443,7 +450,15 @@ impl Agent {
         if needs_standby(&ft.state) && !self.protecting.contains_key(id) {
             if let Some(c) = claim {
                 if let Some(peer) = &c.value.peer {
-                    self.protect(id, socket, peer, c.revision);
+                    if self.backoff.get(id).is_none_or(|b| b.ready(Instant::now())) {
+                        self.protect(id, socket, peer, c.revision);
+                    } else {
+                        tracing::debug!(
+                            vm = id,
+                            peer,
+                            "fleet agent: waiting before the next ft start"
+                        );
+                    }
                 }
             }
         }
@@ -542,13 +557,19 @@ impl Agent {
                 .unwrap_or_else(|e| Err(format!("the ft start task failed: {e}")));
             match result {
                 Ok(()) => {
+                    self.backoff.remove(&id);
                     tracing::info!(vm = id, peer = p.peer, "fleet agent: the VM is protected")
                 }
                 Err(why) => {
+                    let b = self.backoff.entry(id.clone()).or_default();
+                    let pause = b.failed(Instant::now());
                     tracing::warn!(
                         vm = id,
                         peer = p.peer,
                         error = why,
+                        failures = b.failures(),
+                        retry_in_ms = pause.as_millis() as u64,
+                        capped = pause == backoff::CAP,
                         "fleet agent: ft start failed; giving the claim up"
                     );
                     self.store.drop_claim(&id, p.claim_revision).await?;
@@ -567,6 +588,7 @@ impl Agent {
             Some(r) if r.value.primary == self.cfg.host && r.value.state != "down" => r,
             _ => {
                 self.ran_here.remove(id);
+                self.backoff.remove(id);
                 return Ok(());
             }
         };
@@ -592,6 +614,7 @@ impl Agent {
             );
         }
         self.ran_here.remove(id);
+        self.backoff.remove(id);
         Ok(())
     }
 
