@@ -9,11 +9,14 @@ kemari_lab run soak-moves --minutes 10`` is one round. Round n (numbered by
 the results file) runs four guests, 2 vCPUs / 512 MiB, booted verbose, each
 with the soak's echo stream and disk writer (soak.py) from its boot on:
 
-    vh0  kemari        shared disk  --live migration (kemarictl migrate)--> vh1
-    vh0  qemu-microvm  shared disk  --QEMU live migration (-incoming)-----> vh1
-    vh1  kemari        shared disk  --FT: standby on vh0, ft start, the primary's
-                                      VMM killed (SIGKILL), standby fails over--> vh0
-    vh0  fresh guest   private disk (qemu-microvm in odd rounds, kemari in even ones)
+    vh0  kemari       shared disk  --live migration (kemarictl migrate)--> vh1
+    vh0  QEMU -M pc   shared disk  --QEMU live migration (-incoming)-----> vh1
+    vh1  kemari       shared disk  --FT: standby on vh0, ft start, the primary's
+                                     VMM killed (SIGKILL), standby fails over--> vh0
+    vh0  fresh guest  private disk (QEMU -M pc in odd rounds, kemari in even ones)
+
+QEMU's guests are ``-M pc`` (virtio-pci), not the soak's ``-M microvm``:
+microvm cannot live-migrate.
 
 Debian's QEMU has no fault tolerance (COLO is not built in), so failed-over
 guests exist only under kemari; they are compared with QEMU's migrated and
@@ -35,6 +38,7 @@ and kind, guest-minutes, guests, crashes by kind, guests lost with their host.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sys
@@ -55,6 +59,9 @@ from kemari_lab.shared_disk import SharedDisk
 from kemari_lab.soak import Slot, crash_excerpt
 from kemari_lab.vhost import VirtualHost
 
+# QEMU's -M microvm cannot live-migrate (docs/system/i386/microvm.rst: "Live
+# migration" under Limitations): QEMU's guests here are -M pc (virtio-pci).
+QEMU = "qemu"
 KINDS = ("fresh", "ft-protected", "migrated", "failed-over")
 # Guest ends that are no crash of the guest: its virtual host died, or it powered off when asked.
 NOT_GUEST_CRASHES = ("host-died", "poweroff")
@@ -90,10 +97,10 @@ class SlotPlan:
 
 def round_plan(round_no: int) -> list[SlotPlan]:
     """The four guests of round `round_no` (1, 2, …): the fresh guest's VMM alternates."""
-    fresh = "qemu-microvm" if round_no % 2 else "kemari"
+    fresh = QEMU if round_no % 2 else "kemari"
     return [
         SlotPlan("kemari", 0, 0, "migrate", 1),
-        SlotPlan("qemu-microvm", 0, 1, "migrate", 1),
+        SlotPlan(QEMU, 0, 1, "migrate", 1),
         SlotPlan("kemari", 1, 2, "failover", 0),
         SlotPlan(fresh, 0, 3),
     ]
@@ -113,12 +120,17 @@ def load_rounds(path: Path) -> list[dict[str, Any]]:
 
 
 def add_round(path: Path, record: dict[str, Any]) -> list[dict[str, Any]]:
-    """Appends a round to the results file (written whole, then renamed); returns all rounds."""
-    rounds = load_rounds(path) + [record]
+    """Appends a round to the results file (written whole, then renamed,
+    under a lock: two lab slots may end rounds at once); its ``round`` is
+    its place in the file. Returns all rounds."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(rounds, indent=1) + "\n")
-    tmp.replace(path)
+    with path.with_name(path.name + ".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        rounds = load_rounds(path)
+        rounds.append(dict(record, round=len(rounds) + 1))
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(rounds, indent=1) + "\n")
+        tmp.replace(path)
     return rounds
 
 
@@ -384,7 +396,7 @@ def soak_round(lab: Lab, vmm: str = "", minutes: float | None = None) -> dict[st
             if s.conn is not None or s.disk is not None:
                 s._close_clients()
         record: dict[str, Any] = {
-            "round": round_no,
+            "plan_round": round_no,
             "started": started,
             "run_dir": str(lab.run_dir),
             "minutes_requested": minutes,
@@ -395,6 +407,7 @@ def soak_round(lab: Lab, vmm: str = "", minutes: float | None = None) -> dict[st
         }
         (lab.run_dir / "soak-round.json").write_text(json.dumps(record, indent=1) + "\n")
         all_rounds = add_round(path, record)
+        round_no = all_rounds[-1]["round"]
         text = totals_text(totals([record])) + "all rounds so far:\n" + totals_text(totals(all_rounds))
         (lab.run_dir / "soak-summary.txt").write_text(text)
         sys.stderr.write(text)

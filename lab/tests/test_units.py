@@ -361,10 +361,10 @@ def test_soak_rounds_plan_alternates_the_fresh_guest_and_moves_each_kind() -> No
         plan = round_plan(n)
         assert len({p.index for p in plan}) == len(plan)  # one TAP name per guest in the round
         moves = {(p.vmm, p.move) for p in plan}
-        assert {("kemari", "migrate"), ("qemu-microvm", "migrate"), ("kemari", "failover")} <= moves
+        assert {("kemari", "migrate"), ("qemu", "migrate"), ("kemari", "failover")} <= moves
         assert all(p.shared_disk == (p.move is not None) and (p.to is None) == (p.move is None) for p in plan)
         assert all(p.to != p.host for p in plan if p.move)
-    assert [p.vmm for p in round_plan(1) if p.move is None] == ["qemu-microvm"]
+    assert [p.vmm for p in round_plan(1) if p.move is None] == ["qemu"]
     assert [p.vmm for p in round_plan(2) if p.move is None] == ["kemari"]
 
 
