@@ -263,6 +263,10 @@ class Slot:
     def label(self) -> str:
         return f"{self.vmm}@{self.host.name}"
 
+    def guest_name(self) -> str:
+        """The name of this slot's current guest (its files in the virtual host)."""
+        return f"soak-{self.vmm}-{self.host.name}-{self.boots}"
+
     def spec_for(self, name: str) -> GuestSpec:
         """The spec of this slot's next guest."""
         return GuestSpec(
@@ -275,7 +279,7 @@ class Slot:
         failures = 0
         while True:
             self.boots += 1
-            name = f"soak-{self.vmm}-{self.host.name}-{self.boots}"
+            name = self.guest_name()
             h = self.host
             # The previous guest's TAP (same index) and files.
             h.run(f"/sbin/ip link del g{self.index} 2>/dev/null; rm -f {' '.join(self._old)}; true", check=False)

@@ -140,7 +140,7 @@ def totals(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     crashes (guest crashes, not host deaths or asked-for poweroffs), by_kind
     (crash kind → count), host_died (guests lost with their virtual host);
     ``rounds``, ``soak_minutes`` (wall clock after the moves), ``host_deaths``,
-    ``moves`` [vmm][move] = {"ok", "failed"}."""
+    ``moves`` [vmm][move] = {"ok", "failed", "not_done"} (the round ended first)."""
     per: dict[str, dict[str, dict[str, Any]]] = {}
     moves: dict[str, dict[str, dict[str, int]]] = {}
     host_deaths = 0
@@ -170,8 +170,9 @@ def totals(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                     c["crashes"] += 1
                     c["by_kind"][crash["kind"]] = c["by_kind"].get(crash["kind"], 0) + 1
             if s.get("move"):
-                m = moves.setdefault(vmm, {}).setdefault(s["move"], {"ok": 0, "failed": 0})
-                m["failed" if (s.get("move_report") or {}).get("error") else "ok"] += 1
+                m = moves.setdefault(vmm, {}).setdefault(s["move"], {"ok": 0, "failed": 0, "not_done": 0})
+                report = s.get("move_report")
+                m["not_done" if report is None else "failed" if report.get("error") else "ok"] += 1
     for kinds in per.values():
         for c in kinds.values():
             c["guest_minutes"] = round(c["guest_minutes"], 2)
@@ -203,7 +204,7 @@ def totals_text(t: dict[str, Any]) -> str:
             )
     for vmm, ms in sorted(t["moves"].items()):
         for move, m in sorted(ms.items()):
-            lines.append(f"  moves: {vmm} {move}: {m['ok']} done, {m['failed']} failed")
+            lines.append(f"  moves: {vmm} {move}: {m['ok']} done, {m['failed']} failed, {m['not_done']} not reached")
     return "\n".join(lines) + "\n"
 
 
@@ -221,6 +222,10 @@ class MoveSlot(Slot):
     lives_by_kind: dict[str, int] = field(default_factory=dict)
     move_report: dict[str, Any] | None = None
     moved: threading.Event = field(default_factory=threading.Event)
+
+    def guest_name(self) -> str:
+        # Two QEMU guests start on vh0: the index tells them apart.
+        return f"soak-{self.vmm}-{self.host.name}-g{self.index}-{self.boots}"
 
     def spec_for(self, name: str) -> GuestSpec:
         spec = super().spec_for(name)

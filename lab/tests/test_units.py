@@ -417,7 +417,12 @@ def test_soak_rounds_add_up_per_vmm_and_kind(tmp_path: Path) -> None:
     assert k["fresh"]["crashes"] == 0 and k["fresh"]["host_died"] == 1  # host deaths are not guest crashes
     q = t["per"]["qemu-microvm"]["fresh"]
     assert (q["guest_minutes"], q["crashes"], q["by_kind"]) == (10.5, 1, {"silent-reset": 1})
-    assert t["moves"]["kemari"] == {"migrate": {"ok": 2, "failed": 0}, "failover": {"ok": 0, "failed": 1}}
+    assert t["moves"]["kemari"] == {
+        "migrate": {"ok": 2, "failed": 0, "not_done": 0},
+        "failover": {"ok": 0, "failed": 1, "not_done": 0},
+    }
+    not_reached = totals([_round(1, [dict(kemari_mig, move_report=None)])])
+    assert not_reached["moves"]["kemari"]["migrate"] == {"ok": 0, "failed": 0, "not_done": 1}
     assert "qemu-microvm" not in t["moves"]
     text = totals_text(t)
     assert "2 rounds" in text and "1 virtual host deaths" in text
