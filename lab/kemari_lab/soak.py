@@ -259,6 +259,9 @@ class Slot:
     ready_at: float = 0.0
     _old: list[str] = field(default_factory=list)
 
+    # How long a boot may take before it counts as failed.
+    ready_timeout: float = READY_TIMEOUT_S
+
     @property
     def label(self) -> str:
         return f"{self.vmm}@{self.host.name}"
@@ -291,7 +294,7 @@ class Slot:
             images.log(f"soak: booting {name} ({spec.ip}) on {h.name}")
             try:
                 g.start()
-                console = g.wait_ready(timeout=READY_TIMEOUT_S)
+                console = g.wait_ready(timeout=self.ready_timeout)
                 g.check_boot(console)
                 self.ready_at = time.monotonic()
                 self.conn = LongConnection(

@@ -71,6 +71,9 @@ FT_PROTECTED_S = 30.0
 FT_TIMEOUT_MS = 3000
 SHARED_DISK_PORT = 10820
 MONITOR_PORT = 4500
+# Three guests boot at once on vh0: on a loaded machine that took more than
+# the soak's 7 minutes.
+READY_TIMEOUT_S = 15 * 60
 # Longest wait for all four guests to boot and be moved before the soak starts.
 MOVES_TIMEOUT_S = 40 * 60
 
@@ -137,8 +140,9 @@ def add_round(path: Path, record: dict[str, Any]) -> list[dict[str, Any]]:
 def totals(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """All rounds added up: ``per`` [vmm][kind] = guest_minutes (host
     stalls taken off), guests (guest lives that spent time as that kind),
-    crashes (guest crashes, not host deaths or asked-for poweroffs), by_kind
-    (crash kind → count), host_died (guests lost with their virtual host);
+    crashes (guest crashes, not host deaths, boots that timed out or
+    asked-for poweroffs), by_kind (crash kind → count), host_died (guests
+    lost with their virtual host), boot_failures;
     ``rounds``, ``soak_minutes`` (wall clock after the moves), ``host_deaths``,
     ``moves`` [vmm][move] = {"ok", "failed", "not_done"} (the round ended first)."""
     per: dict[str, dict[str, dict[str, Any]]] = {}
@@ -148,7 +152,7 @@ def totals(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
     def cell(vmm: str, kind: str) -> dict[str, Any]:
         return per.setdefault(vmm, {}).setdefault(
-            kind, {"guest_minutes": 0.0, "guests": 0, "crashes": 0, "by_kind": {}, "host_died": 0}
+            kind, {"guest_minutes": 0.0, "guests": 0, "crashes": 0, "by_kind": {}, "host_died": 0, "boot_failures": 0}
         )
 
     for r in rounds:
@@ -166,6 +170,8 @@ def totals(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                 c = cell(vmm, crash.get("guest_kind", "fresh"))
                 if crash["kind"] == "host-died":
                     c["host_died"] += 1
+                elif crash["kind"] == "boot-failure":
+                    c["boot_failures"] += 1
                 elif crash["kind"] not in NOT_GUEST_CRASHES:
                     c["crashes"] += 1
                     c["by_kind"][crash["kind"]] = c["by_kind"].get(crash["kind"], 0) + 1
@@ -190,7 +196,7 @@ def totals_text(t: dict[str, Any]) -> str:
     head = f"soak after moves: {t['rounds']} rounds, {t['soak_minutes']:.1f} min of soak after the moves,"
     lines = [
         f"{head} {t['host_deaths']} virtual host deaths",
-        f"  {'VMM':13} {'kind':13} {'guest-min':>9} {'guests':>6} {'crashes':>7}  {'lost w/ host':>12}  crash kinds",
+        f"  {'VMM':13} {'kind':13} {'guest-min':>9} {'guests':>6} {'crashes':>7}  {'lost w/ host':>12} {'boot fail':>9}  crash kinds",
     ]
     for vmm, kinds in sorted(t["per"].items()):
         for kind in KINDS:
@@ -200,7 +206,7 @@ def totals_text(t: dict[str, Any]) -> str:
             by = ", ".join(f"{k} {n}" for k, n in sorted(c["by_kind"].items())) or "-"
             lines.append(
                 f"  {vmm:13} {kind:13} {c['guest_minutes']:9.1f} {c['guests']:6} {c['crashes']:7}"
-                f"  {c['host_died']:12}  {by}"
+                f"  {c['host_died']:12} {c['boot_failures']:9}  {by}"
             )
     for vmm, ms in sorted(t["moves"].items()):
         for move, m in sorted(ms.items()):
@@ -222,6 +228,8 @@ class MoveSlot(Slot):
     lives_by_kind: dict[str, int] = field(default_factory=dict)
     move_report: dict[str, Any] | None = None
     moved: threading.Event = field(default_factory=threading.Event)
+    shared_url: str | None = None
+    ready_timeout: float = READY_TIMEOUT_S
 
     def guest_name(self) -> str:
         # Two QEMU guests start on vh0: the index tells them apart.
@@ -229,6 +237,11 @@ class MoveSlot(Slot):
 
     def spec_for(self, name: str) -> GuestSpec:
         spec = super().spec_for(name)
+        if self.shared_url and self.plan_move and not self.moved.is_set():
+            # A boot that failed before the move is retried on the shared
+            # disk (seen: three guests booting at once on a loaded vh0 took
+            # more than 7 minutes), so that the move can still happen.
+            spec.disk_url = self.shared_url
         if self.vmm.startswith("qemu"):
             spec.monitor_port = MONITOR_PORT + self.index
         return spec
@@ -360,7 +373,7 @@ def soak_round(lab: Lab, vmm: str = "", minutes: float | None = None) -> dict[st
         if p.shared_disk:
             disk = SharedDisk(lab, export=f"g{p.index}", port=SHARED_DISK_PORT + p.index).start()
             disks.append(disk)
-            slot.disk_url = disk.url
+            slot.disk_url = slot.shared_url = disk.url
         slots.append(slot)
     go = threading.Event()
     deadline = [float("inf")]

@@ -402,7 +402,8 @@ def test_soak_rounds_add_up_per_vmm_and_kind(tmp_path: Path) -> None:
         "move": None,
         "seconds_by_kind": {"fresh": 630.0},
         "lives_by_kind": {"fresh": 1},
-        "crashes": [{"kind": "silent-reset"}],  # no guest_kind: a fresh guest
+        # No guest_kind: a fresh guest. A boot that timed out is no crash.
+        "crashes": [{"kind": "silent-reset"}, {"kind": "boot-failure", "guest_kind": "fresh"}],
     }
     add_round(path, _round(1, [kemari_mig, kemari_fo]))
     rounds = add_round(path, _round(2, [kemari_mig, qemu_fresh], deaths=1))
@@ -417,6 +418,7 @@ def test_soak_rounds_add_up_per_vmm_and_kind(tmp_path: Path) -> None:
     assert k["fresh"]["crashes"] == 0 and k["fresh"]["host_died"] == 1  # host deaths are not guest crashes
     q = t["per"]["qemu-microvm"]["fresh"]
     assert (q["guest_minutes"], q["crashes"], q["by_kind"]) == (10.5, 1, {"silent-reset": 1})
+    assert q["boot_failures"] == 1 and k["fresh"]["boot_failures"] == 0
     assert t["moves"]["kemari"] == {
         "migrate": {"ok": 2, "failed": 0, "not_done": 0},
         "failover": {"ok": 0, "failed": 1, "not_done": 0},
@@ -426,7 +428,7 @@ def test_soak_rounds_add_up_per_vmm_and_kind(tmp_path: Path) -> None:
     assert "qemu-microvm" not in t["moves"]
     text = totals_text(t)
     assert "2 rounds" in text and "1 virtual host deaths" in text
-    assert re.search(r"kemari +migrated +18\.0 +2 +2 +0  triple-fault 2", text), text
+    assert re.search(r"kemari +migrated +18\.0 +2 +2 +0 +0  triple-fault 2", text), text
     # A file that is not a results file is refused, not overwritten.
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
