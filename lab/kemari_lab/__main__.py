@@ -7,8 +7,9 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
-from kemari_lab import images, netns
+from kemari_lab import images, netns, soak_rounds
 from kemari_lab.errors import LabError
 from kemari_lab.guests import VMMS
 from kemari_lab.lab import Lab
@@ -23,11 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="run one scenario")
     r.add_argument("scenario", choices=sorted(SCENARIOS))
     r.add_argument("--vmm", choices=list(VMMS), default="qemu")
-    r.add_argument("--minutes", type=float, help="soak: how long (sets KEMARI_SOAK_MINUTES; default 60)")
+    r.add_argument("--minutes", type=float, help="soak, soak-moves: how long (sets KEMARI_SOAK_MINUTES; default 60, 10)")
     sh = sub.add_parser("shell", help="boot N virtual hosts and type commands to vh0 (or 'vhN: cmd')")
     sh.add_argument("--hosts", type=int, default=1)
     sub.add_parser("clean", help="delete namespaces left by dead lab runs")
     sub.add_parser("list", help="list scenarios")
+    st = sub.add_parser("soak-totals", help="the soak-moves rounds recorded so far, added up")
+    st.add_argument("--file", help="results file (default: KEMARI_SOAK_RESULTS or lab/build/soak-rounds.json)")
     args = p.parse_args(argv)
     try:
         if args.cmd == "setup":
@@ -35,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "list":
             for sc in SCENARIOS.values():
                 print(f"{sc.name:14} hosts={sc.hosts}  {sc.doc}")
+        elif args.cmd == "soak-totals":
+            path = Path(args.file) if args.file else soak_rounds.results_path()
+            print(soak_rounds.totals_text(soak_rounds.totals(soak_rounds.load_rounds(path))), end="")
         elif args.cmd == "clean":
             print("\n".join(netns.remove_stale()) or "nothing to clean")
         elif args.cmd == "run":

@@ -62,6 +62,10 @@ class GuestSpec:
     vmm_args: str = ""
     # Where the private copy of the disk lives in the virtual host.
     disk_dir: str = "/tmp"
+    # QEMU only: its human monitor on 127.0.0.1:PORT in the virtual host
+    # (`-monitor none` without), what a QEMU live migration is driven through
+    # (kemari_lab/qemu_migration.py).
+    monitor_port: int | None = None
     ip: str = field(init=False)
     mac: str = field(init=False)
     tap: str = field(init=False)
@@ -100,7 +104,7 @@ class GuestSpec:
             bus = "device" if microvm else "pci"
             cmd = (
                 f"qemu-system-x86_64 -enable-kvm -cpu host -M {machine} -nodefaults -display none -no-reboot"
-                f" -smp {self.vcpus} -m {self.memory_mb} -serial stdio -monitor none"
+                f" -smp {self.vcpus} -m {self.memory_mb} -serial stdio -monitor {self.monitor}"
                 f" -kernel {GUEST_DIR}/vmlinuz -initrd {GUEST_DIR}/initrd.cpio -append '{self.cmdline}'"
             )
             if self.disk:
@@ -124,6 +128,11 @@ class GuestSpec:
         if self.vmm_args:
             cmd += f" {self.vmm_args}"
         return cmd + self.log_args
+
+    @property
+    def monitor(self) -> str:
+        """QEMU's -monitor argument."""
+        return f"tcp:127.0.0.1:{self.monitor_port},server=on,wait=off" if self.monitor_port else "none"
 
     @property
     def log_args(self) -> str:

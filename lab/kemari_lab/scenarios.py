@@ -31,6 +31,7 @@ from kemari_lab.lab import Lab
 from kemari_lab.connection import LongConnection
 from kemari_lab.roaming import roaming_guest
 from kemari_lab.soak import DiskWriter, soak
+from kemari_lab.soak_rounds import soak_round
 from kemari_lab.vhost import VirtualHost
 from kemari_lab import warm_bench
 from kemari_lab.warm_reboot import WarmHost, guest_clock
@@ -531,5 +532,11 @@ SCENARIOS: dict[str, Scenario] = {
             warm_bench.lab_options(),
         ),
         Scenario("soak", 2, soak, "kemari and qemu-microvm guests side by side under load; crashes per VMM"),
+        Scenario(
+            "soak-moves",
+            2,
+            soak_round,
+            "one round of the soak after live migrations and an FT failover (kemari vs QEMU); rounds add up",
+        ),
     )
 }

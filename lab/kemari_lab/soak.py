@@ -259,9 +259,22 @@ class Slot:
     ready_at: float = 0.0
     _old: list[str] = field(default_factory=list)
 
+    # How long a boot may take before it counts as failed.
+    ready_timeout: float = READY_TIMEOUT_S
+
     @property
     def label(self) -> str:
         return f"{self.vmm}@{self.host.name}"
+
+    def guest_name(self) -> str:
+        """The name of this slot's current guest (its files in the virtual host)."""
+        return f"soak-{self.vmm}-{self.host.name}-{self.boots}"
+
+    def spec_for(self, name: str) -> GuestSpec:
+        """The spec of this slot's next guest."""
+        return GuestSpec(
+            name=name, vmm=self.vmm, host_index=self.host.index, index=self.index, verbose=True, disk_url=self.disk_url
+        )
 
     def boot(self) -> None:
         """Boots a fresh guest (fresh disk copy) and opens its clients; records
@@ -269,13 +282,11 @@ class Slot:
         failures = 0
         while True:
             self.boots += 1
-            name = f"soak-{self.vmm}-{self.host.name}-{self.boots}"
+            name = self.guest_name()
             h = self.host
             # The previous guest's TAP (same index) and files.
             h.run(f"/sbin/ip link del g{self.index} 2>/dev/null; rm -f {' '.join(self._old)}; true", check=False)
-            spec = GuestSpec(
-                name=name, vmm=self.vmm, host_index=h.index, index=self.index, verbose=True, disk_url=self.disk_url
-            )
+            spec = self.spec_for(name)
             self.disk_url = None  # boots after a crash use a private copy
             g = SoakGuest(h, spec)
             self._old = [spec.disk_path, g.pidfile, spec.api_socket]
@@ -283,7 +294,7 @@ class Slot:
             images.log(f"soak: booting {name} ({spec.ip}) on {h.name}")
             try:
                 g.start()
-                console = g.wait_ready(timeout=READY_TIMEOUT_S)
+                console = g.wait_ready(timeout=self.ready_timeout)
                 g.check_boot(console)
                 self.ready_at = time.monotonic()
                 self.conn = LongConnection(
@@ -424,8 +435,8 @@ class Slot:
             self.boot()
             self.booted.set()
             go.wait()
-            if self.migrate_to is not None and self.guest is not None:
-                self.migrate()
+            if self.guest is not None:
+                self.move()
             inject = os.environ.get("KEMARI_SOAK_INJECT_KILL") == "1" and self.host.index == 0 and self.index == 0
             while time.monotonic() < deadline[0]:
                 if inject and self.guest is not None:
@@ -460,6 +471,12 @@ class Slot:
                 self.record(None, f"virtual host {host.name} died", host_died=True)
         finally:
             self.booted.set()
+
+    def move(self) -> None:
+        """What happens to the guest once every slot is booted, before the
+        load is counted: here a live migration if `migrate_to` is set."""
+        if self.migrate_to is not None:
+            self.migrate()
 
     def migrate(self) -> None:
         """Live-migrates the guest (shared disk) to `migrate_to`, clients open."""

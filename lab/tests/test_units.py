@@ -354,6 +354,137 @@ def test_soak_classifies_guest_ends() -> None:
     ]
 
 
+def test_soak_rounds_plan_alternates_the_fresh_guest_and_moves_each_kind() -> None:
+    from kemari_lab.soak_rounds import round_plan
+
+    for n in (1, 2):
+        plan = round_plan(n)
+        assert len({p.index for p in plan}) == len(plan)  # one TAP name per guest in the round
+        moves = {(p.vmm, p.move) for p in plan}
+        assert {("kemari", "migrate"), ("qemu", "migrate"), ("kemari", "failover")} <= moves
+        assert all(p.shared_disk == (p.move is not None) and (p.to is None) == (p.move is None) for p in plan)
+        assert all(p.to != p.host for p in plan if p.move)
+    assert [p.vmm for p in round_plan(1) if p.move is None] == ["qemu"]
+    assert [p.vmm for p in round_plan(2) if p.move is None] == ["kemari"]
+
+
+def _round(n: int, slots: list[dict[str, object]], deaths: int = 0) -> dict[str, object]:
+    return {"round": n, "soak_minutes": 10.0, "slots": slots, "host_deaths": [{"host": "vh1"}] * deaths}
+
+
+def test_soak_rounds_add_up_per_vmm_and_kind(tmp_path: Path) -> None:
+    from kemari_lab.soak_rounds import add_round, load_rounds, totals, totals_text
+
+    path = tmp_path / "rounds.json"
+    assert load_rounds(path) == []
+    kemari_mig = {
+        "vmm": "kemari",
+        "move": "migrate",
+        "move_report": {"downtime_ms": 80},
+        "seconds_by_kind": {"fresh": 120.0, "migrated": 600.0},
+        "stalled_seconds_by_kind": {"migrated": 60.0},
+        "lives_by_kind": {"fresh": 2, "migrated": 1},
+        "crashes": [
+            {"kind": "triple-fault", "guest_kind": "migrated"},
+            {"kind": "poweroff", "guest_kind": "fresh"},  # asked for: no crash
+        ],
+    }
+    kemari_fo = {
+        "vmm": "kemari",
+        "move": "failover",
+        "move_report": {"error": "ft start failed"},
+        "seconds_by_kind": {"fresh": 300.0},
+        "lives_by_kind": {"fresh": 1},
+        "crashes": [{"kind": "host-died", "guest_kind": "fresh"}],
+    }
+    qemu_fresh = {
+        "vmm": "qemu-microvm",
+        "move": None,
+        "seconds_by_kind": {"fresh": 630.0},
+        "lives_by_kind": {"fresh": 1},
+        # No guest_kind: a fresh guest. A boot that timed out is no crash.
+        "crashes": [{"kind": "silent-reset"}, {"kind": "boot-failure", "guest_kind": "fresh"}],
+    }
+    add_round(path, _round(1, [kemari_mig, kemari_fo]))
+    rounds = add_round(path, _round(2, [kemari_mig, qemu_fresh], deaths=1))
+    assert load_rounds(path) == rounds and [r["round"] for r in rounds] == [1, 2]
+    t = totals(rounds)
+    assert (t["rounds"], t["soak_minutes"], t["host_deaths"]) == (2, 20.0, 1)
+    k = t["per"]["kemari"]
+    # 2 x 10 migrated minutes less 2 x 1 stalled; fresh: 2 x 2 + 5.
+    assert k["migrated"]["guest_minutes"] == 18.0 and k["fresh"]["guest_minutes"] == 9.0
+    assert k["migrated"]["crashes"] == 2 and k["migrated"]["by_kind"] == {"triple-fault": 2}
+    assert k["migrated"]["guests"] == 2 and k["fresh"]["guests"] == 5
+    assert k["fresh"]["crashes"] == 0 and k["fresh"]["host_died"] == 1  # host deaths are not guest crashes
+    q = t["per"]["qemu-microvm"]["fresh"]
+    assert (q["guest_minutes"], q["crashes"], q["by_kind"]) == (10.5, 1, {"silent-reset": 1})
+    assert q["boot_failures"] == 1 and k["fresh"]["boot_failures"] == 0
+    assert t["moves"]["kemari"] == {
+        "migrate": {"ok": 2, "failed": 0, "not_done": 0},
+        "failover": {"ok": 0, "failed": 1, "not_done": 0},
+    }
+    not_reached = totals([_round(1, [dict(kemari_mig, move_report=None)])])
+    assert not_reached["moves"]["kemari"]["migrate"] == {"ok": 0, "failed": 0, "not_done": 1}
+    assert "qemu-microvm" not in t["moves"]
+    text = totals_text(t)
+    assert "2 rounds" in text and "1 virtual host deaths" in text
+    assert re.search(r"kemari +migrated +18\.0 +2 +2 +0 +0  triple-fault 2", text), text
+    # A file that is not a results file is refused, not overwritten.
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(LabError, match="not a soak results file"):
+        add_round(bad, _round(1, []))
+    assert bad.read_text() == "{}"
+
+
+def test_soak_move_slot_counts_time_per_kind() -> None:
+    from types import SimpleNamespace
+
+    from kemari_lab.soak_rounds import MoveSlot
+
+    host = SimpleNamespace(name="vh0", index=0)  # only named in log lines here
+    s = MoveSlot(lab=None, host=host, vmm="kemari", index=0)  # type: ignore[arg-type]
+    s._set_kind("fresh")
+    s.ready_at = time.monotonic() - 120  # ready two minutes ago
+    s._set_kind("migrated")
+    assert s.kind == "migrated" and s.ready_at > 0 and s.seconds_by_kind["fresh"] >= 120
+    s.stall_since = time.monotonic() - 30
+    s.host_stalls.append({"host": "vh1"})
+    s._stall_over()
+    assert s.stalled_seconds_by_kind["migrated"] >= 30 and s.stall_since is None
+    s.ready_at -= 60
+    s._count_time()
+    assert s.ready_at == 0.0 and s.seconds_by_kind["migrated"] >= 60
+    assert s.guest_seconds == pytest.approx(sum(s.seconds_by_kind.values()))
+    assert s.lives_by_kind == {"fresh": 1, "migrated": 1}
+    s._set_kind("fresh")  # a guest that is not running: no time counted, none started
+    assert s.ready_at == 0.0
+
+
+def test_qemu_monitor_port_and_info_migrate() -> None:
+    from kemari_lab.qemu_migration import parse_info_migrate
+
+    assert "-monitor none" in GuestSpec(name="q", vmm="qemu-microvm").vmm_command()
+    spec = GuestSpec(name="q", vmm="qemu-microvm", monitor_port=4501)
+    assert "-monitor tcp:127.0.0.1:4501,server=on,wait=off" in spec.vmm_command()
+    out = (
+        "QEMU 7.2.15 monitor - type 'help' for more information\r\n(qemu) \x1b[Kinfo migrate\r\n"
+        "globals:\r\nstore-global-state: on\r\nMigration status: completed\r\n"
+        "total time: 8123 ms\r\ndowntime: 96 ms\r\nsetup: 12 ms\r\ntransferred ram: 61234 kbytes\r\n"
+        "throughput: 62.13 mbps\r\n(qemu) "
+    )
+    info = parse_info_migrate(out)
+    assert info == {
+        "status": "completed",
+        "total_ms": 8123.0,
+        "downtime_ms": 96.0,
+        "setup_ms": 12.0,
+        "transferred_kb": 61234.0,
+        "throughput_mbps": 62.13,
+    }
+    assert parse_info_migrate("(qemu) ")["status"] is None
+
+
 def test_disk_client_counts_acknowledged_writes_and_stops_on_a_lost_write() -> None:
     import http.server
     from urllib.parse import urlparse
