@@ -4,7 +4,7 @@ One virtual host (3 GiB of RAM + a 6 GiB persistent-memory region, 9 GiB
 in all) and a scratch disk (its own disk, ext4 at /disk). Seven kemari
 guests of 1 vCPU, memory and disks on the region: s0–s5 of 512 MiB and b0
 of 2 GiB. Each guest first fills most of its memory with non-zero data
-(``/cgi-bin/fill``: a tmpfs file, 384 MiB and 1664 MiB), so that both the
+(``/cgi-bin/fill``: a tmpfs file, 320 MiB and 1664 MiB), so that both the
 warm path and suspend-to-disk have the same, full, memory to keep; each has
 a client TCP connection (byte-checked echoes) open all along and a disk
 writer (synced records, one a second). In one run:
@@ -35,6 +35,7 @@ import os
 import re
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kemari_lab.connection import LongConnection
@@ -50,7 +51,7 @@ SMALL_MB = 512
 BIG_MB = 2048
 N_SMALL = 6
 # Most of each guest's memory (MemTotal is ~470 MiB and ~1.95 GiB): in use.
-FILL_MB = {SMALL_MB: 384, BIG_MB: 1664}
+FILL_MB = {SMALL_MB: 320, BIG_MB: 1664}
 REGION_GIB = 6
 FILL_RE = re.compile(r"KLAB-FILL mb=(\d+) avail_kb=(\d+) start=([\d.]+) end=([\d.]+)")
 RECORDS_NOW_RE = re.compile(r"KLAB-RECORDS-NOW lines=(\d+) synced=(\d+) bad=(\d+)")
@@ -183,17 +184,24 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
     with step("filling the guests' memory"):
         for g in guests.values():
             lab.wait_client_reach(g.spec.ip, timeout=120)
-            body = lab.client_http_get(
-                g.spec.ip, f"/cgi-bin/fill?{FILL_MB[g.spec.memory_mb]}", timeout=900
+
+        def fill(g: Guest) -> str:
+            return lab.client_http_get(
+                g.spec.ip, f"/cgi-bin/fill?{FILL_MB[g.spec.memory_mb]}", timeout=1200
             )
+
+        with ThreadPoolExecutor(max_workers=len(guests)) as pool:
+            bodies = dict(zip(guests, pool.map(fill, guests.values())))
+        for name, body in bodies.items():
+            want = FILL_MB[guests[name].spec.memory_mb]
             m = FILL_RE.search(body)
-            if m is None or int(m.group(1)) < FILL_MB[g.spec.memory_mb]:
+            if m is None or int(m.group(1)) < want:
                 raise LabError(
-                    f"guest {g.spec.name}: filling its memory answered {body.strip()!r}"
+                    f"guest {name}: filling its memory answered {body.strip()!r}"
                 )
-            out[f"fill_{g.spec.name}_mb"] = float(m.group(1))
-            out[f"fill_{g.spec.name}_avail_after_mb"] = int(m.group(2)) / 1024
-            out[f"fill_{g.spec.name}_s"] = float(m.group(4)) - float(m.group(3))
+            out[f"fill_{name}_mb"] = float(m.group(1))
+            out[f"fill_{name}_avail_after_mb"] = int(m.group(2)) / 1024
+            out[f"fill_{name}_s"] = float(m.group(4)) - float(m.group(3))
         for g in guests.values():
             out[f"memory_file_{g.spec.name}_mb"] = float(
                 h.run(
