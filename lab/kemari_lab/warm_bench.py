@@ -46,6 +46,10 @@ from kemari_lab.warm_reboot import REGION, WarmHost, guest_clock
 from kemari_lab.warm_reboot import lab_options as warm_lab_options
 
 ROUNDS = 3
+# KEMARI_WARM_BENCH_PART: all, or one half (the whole takes longer than a
+# lab run should on a loaded machine): disk (s0 and b0 filled, warm vs
+# suspend to disk) or vms (s0–s5 unfilled: 1/3/6 VMs and the kexec).
+PARTS = ("all", "disk", "vms")
 N_ROUNDS = 2
 SMALL_MB = 512
 BIG_MB = 2048
@@ -174,15 +178,22 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
             " mkfs.ext4 -q -F $dev && mkdir -p /disk && mount $dev /disk",
             timeout=300,
         )
-    specs = [wh.spec(f"s{i}", i, SMALL_MB, vcpus=1) for i in range(N_SMALL)]
-    specs.append(wh.spec("b0", N_SMALL, BIG_MB, vcpus=1))
+    part = os.environ.get("KEMARI_WARM_BENCH_PART", "all")
+    if part not in PARTS:
+        raise LabError(f"KEMARI_WARM_BENCH_PART={part}: one of {', '.join(PARTS)}")
+    rounds = int(os.environ.get("KEMARI_WARM_BENCH_ROUNDS", ROUNDS))
+    n_small = N_SMALL if part != "disk" else 1
+    specs = [wh.spec(f"s{i}", i, SMALL_MB, vcpus=1) for i in range(n_small)]
+    if part != "vms":
+        specs.append(wh.spec("b0", N_SMALL, BIG_MB, vcpus=1))
     guests = {spec.name: wh.start(spec) for spec in specs}
     with step("booting the guests"):
         for g in guests.values():
             g.check_boot(g.wait_ready(timeout=900))
             out[f"boot_{g.spec.name}_s"] = g.ready_seconds or 0.0
     with step("filling the guests' memory"):
-        for g in guests.values():
+        to_fill = guests if part != "vms" else {}
+        for g in to_fill.values():
             lab.wait_client_reach(g.spec.ip, timeout=120)
 
         def fill(g: Guest) -> str:
@@ -191,7 +202,7 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
             )
 
         with ThreadPoolExecutor(max_workers=len(guests)) as pool:
-            bodies = dict(zip(guests, pool.map(fill, guests.values())))
+            bodies = dict(zip(to_fill, pool.map(fill, to_fill.values())))
         for name, body in bodies.items():
             want = FILL_MB[guests[name].spec.memory_mb]
             m = FILL_RE.search(body)
@@ -218,21 +229,21 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
         for g in guests.values():
             if "writer" not in lab.client_http_get(g.spec.ip, "/cgi-bin/writer?pace=1"):
                 raise LabError(f"guest {g.spec.name}: its disk writer did not start")
-        s0, b0 = watches["s0"], watches["b0"]
-        for r in range(1, ROUNDS + 1):
+        for r in range(1, rounds + 1 if part != "vms" else 1):
+            s0, b0 = watches["s0"], watches["b0"]
             with step(f"warm vs disk, round {r}"):
                 for w in (s0, b0):
                     _warm_cycle(wh, out, f"warm_r{r}", [w])
                 for w in (s0, b0):
                     _disk_cycle(wh, out, f"disk_r{r}_{w.guest.spec.name}", w)
             _save(lab, out)
-        small = [watches[f"s{i}"] for i in range(N_SMALL)]
-        for r in range(1, N_ROUNDS + 1):
+        small = [watches[f"s{i}"] for i in range(n_small)]
+        for r in range(1, N_ROUNDS + 1 if part != "disk" else 1):
             for n in (1, 3, N_SMALL):
                 with step(f"{n} VMs at once, round {r}"):
                     _warm_cycle(wh, out, f"vms{n}_r{r}", small[:n])
             _save(lab, out)
-        if os.environ.get("KEMARI_WARM_BENCH_KEXEC", "1") != "0":
+        if part != "disk" and os.environ.get("KEMARI_WARM_BENCH_KEXEC", "1") != "0":
             with step("a kexec with every VM"):
                 wh.fetch_kernel()
                 wh.load()

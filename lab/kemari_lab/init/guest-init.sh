@@ -176,14 +176,14 @@ cat > /www/cgi-bin/fill <<'CGI'
 echo "Content-Type: text/plain"
 echo
 mb=$(echo "$QUERY_STRING" | tr -cd '0-9')
-mkdir -p /fill
-grep -q ' /fill ' /proc/mounts || mount -t tmpfs -o size=$((${mb:-0} + 8))m fill /fill
+# /tmp is a tmpfs of half the memory by default: room for the data first.
+mount -o remount,size=$((${mb:-0} + 16))m /tmp 2>&1
 dd if=/dev/urandom of=/tmp/fill.seed bs=1M count=4 2>/dev/null
 read -r a _ < /proc/uptime
 i=0
-while [ $i -lt $((${mb:-0} / 4)) ]; do cat /tmp/fill.seed; i=$((i + 1)); done > /fill/data
+while [ $i -lt $((${mb:-0} / 4)) ]; do cat /tmp/fill.seed; i=$((i + 1)); done > /tmp/fill.data
 read -r b _ < /proc/uptime
-echo "KLAB-FILL mb=$(($(stat -c %s /fill/data) >> 20)) avail_kb=$(awk '/MemAvailable/{print $2}' /proc/meminfo) start=$a end=$b"
+echo "KLAB-FILL mb=$(($(stat -c %s /tmp/fill.data) >> 20)) avail_kb=$(awk '/MemAvailable/{print $2}' /proc/meminfo) start=$a end=$b"
 CGI
 cat > /www/cgi-bin/read <<'CGI'
 #!/bin/sh
