@@ -77,13 +77,15 @@ class Watch:
 
     def before(self) -> None:
         self._stats = self.conn.check()
-        self._clock = guest_clock(self.lab, self.guest.spec.ip)
+        self._clock = guest_clock(self.lab, self.guest.spec.ip, timeout=180)
 
     def after(self) -> tuple[float, float]:
         """(guest clock gap, client stall) since :meth:`before`, in seconds."""
         assert self._clock is not None
         self.conn.expect_progress(3, timeout=600)
-        clock = guest_clock(self.lab, self.guest.spec.ip)
+        # A guest just restored from disk answers slowly (every page of it
+        # faults in again): run 5 timed out at 10 s here.
+        clock = guest_clock(self.lab, self.guest.spec.ip, timeout=180)
         stats = self.conn.check()
         gap = (clock[0] - self._clock[0]) - (clock[1] - self._clock[1])
         stall = LongConnection.max_gap_in(
