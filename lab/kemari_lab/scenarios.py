@@ -33,7 +33,7 @@ from kemari_lab.roaming import roaming_guest
 from kemari_lab.soak import DiskWriter, soak
 from kemari_lab.soak_rounds import soak_round
 from kemari_lab.vhost import VirtualHost
-from kemari_lab import warm_bench
+from kemari_lab import warm_bench, warm_cache
 from kemari_lab.warm_reboot import WarmHost, guest_clock
 from kemari_lab.warm_reboot import lab_options as warm_lab_options
 
@@ -530,6 +530,13 @@ SCENARIOS: dict[str, Scenario] = {
             warm_bench.bench,
             (warm_bench.bench.__doc__ or "").split(",")[0],
             warm_bench.lab_options(),
+        ),
+        Scenario(
+            "warm-cache-bench",
+            1,
+            warm_cache.bench,
+            (warm_cache.bench.__doc__ or "").split(":")[0],
+            warm_cache.lab_options(),
         ),
         Scenario("soak", 2, soak, "kemari and qemu-microvm guests side by side under load; crashes per VMM"),
         Scenario(

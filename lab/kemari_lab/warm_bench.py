@@ -1,186 +1,338 @@
 """Measurements of a host's Warm-VM Reboot (docs/warm-reboot.md, "Measured").
 
-One virtual host with a 5 GiB persistent-memory region and a scratch disk
-(its own disk, ext4 at /disk). Four kemari guests (1 vCPU each): s0, s1,
-s2 of 512 MiB and b0 of 2 GiB, memory and disks on the region. In one run:
+One virtual host (3 GiB of RAM + a 6 GiB persistent-memory region, 9 GiB
+in all) and a scratch disk (its own disk, ext4 at /disk). Seven kemari
+guests of 1 vCPU, memory and disks on the region: s0–s5 of 512 MiB and b0
+of 2 GiB. Each guest first fills most of its memory with non-zero data
+(``/cgi-bin/fill``: a tmpfs file, 320 MiB and 1664 MiB), so that both the
+warm path and suspend-to-disk have the same, full, memory to keep; each has
+a client TCP connection (byte-checked echoes) open all along and a disk
+writer (synced records, one a second). In one run:
 
-1. flat in memory size: freeze then resume s0 alone, then b0 alone,
-   alternated, ROUNDS times each (`host-warm-reboot freeze` / `resume`:
-   the same commands as around a kexec, without the kexec between them);
-2. three VMs at once: s0, s1, s2 frozen and resumed together, ROUNDS times;
-3. the whole thing: every guest with a client TCP connection (byte-checked
-   echoes), frozen, the host kexecs, every guest resumed: each client's
-   stall and each guest's time from the freeze to running again;
-4. (b) suspend to disk: `kemarictl snapshot DIR --exit` of s0 and of b0 to
-   /disk, the host's caches dropped, `kemari --restore DIR`;
-5. (a) the guests rebooted with the host: each guest powers off, the host
-   kexecs, each guest boots again; time from the poweroff request until
-   each serves HTTP again.
+1. warm vs disk, 512 MiB vs 2 GiB, alternated, ROUNDS times: freeze then
+   resume s0 (`host-warm-reboot freeze` / `resume`, the commands around a
+   kexec, without the kexec), the same for b0; then (b) suspend to disk:
+   `kemarictl snapshot DIR --exit` of s0 to /disk and `sync`, the host's
+   caches dropped, `kemari --restore DIR` into its memory file again; b0
+   the same;
+2. 1, 3 and 6 VMs (s0; s0–s2; s0–s5) frozen and resumed together,
+   N_ROUNDS times, alternated;
+3. (unless KEMARI_WARM_BENCH_KEXEC=0) all seven through a kexec of the host.
+
+For every freeze/resume (and suspend/restore) each guest's downtime as it
+sees it: its clock gap (the client's wall time passed minus the guest's
+uptime passed, across the step) and its client's stall (the longest gap
+between echoes). At the end every connection must still be the same one
+(no reset, every echo byte-exact) and every guest's disk must hold every
+record its writer synced. The figures so far are also written, after each
+step, to ``warm-bench.json`` in the run directory.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kemari_lab.connection import LongConnection
 from kemari_lab.errors import LabError, step
 from kemari_lab.guests import Guest
 from kemari_lab.lab import Lab
-from kemari_lab.warm_reboot import REGION, WarmHost
+from kemari_lab.warm_reboot import REGION, WarmHost, guest_clock
 from kemari_lab.warm_reboot import lab_options as warm_lab_options
 
 ROUNDS = 3
+# KEMARI_WARM_BENCH_PART: all, or one half (the whole takes longer than a
+# lab run should on a loaded machine): disk (s0 and b0 filled, warm vs
+# suspend to disk) or vms (s0–s5 unfilled: 1/3/6 VMs and the kexec).
+PARTS = ("all", "disk", "vms")
+N_ROUNDS = 2
 SMALL_MB = 512
 BIG_MB = 2048
+N_SMALL = 6
+# Most of each guest's memory (MemTotal is ~470 MiB and ~1.95 GiB): in use.
+FILL_MB = {SMALL_MB: 320, BIG_MB: 1664}
+REGION_GIB = 6
+FILL_RE = re.compile(r"KLAB-FILL mb=(\d+) avail_kb=(\d+) start=([\d.]+) end=([\d.]+)")
+RECORDS_NOW_RE = re.compile(r"KLAB-RECORDS-NOW lines=(\d+) synced=(\d+) bad=(\d+)")
 
 
 def lab_options() -> dict[str, Any]:
-    return dict(warm_lab_options(region_gib=5), scratch_disk_gb=8)
+    return dict(warm_lab_options(region_gib=REGION_GIB), scratch_disk_gb=8)
+
+
+class Watch:
+    """One guest's view of a step: its clock gap and its client's stall."""
+
+    def __init__(self, lab: Lab, guest: Guest) -> None:
+        self.lab = lab
+        self.guest = guest
+        self.conn = LongConnection(lab, guest.spec.ip, interval=0.2, stall_limit=900)
+        self._clock: tuple[float, float, float] | None = None
+        self._stats: dict[str, Any] = {}
+
+    def before(self) -> None:
+        self._stats = self.conn.check()
+        self._clock = guest_clock(self.lab, self.guest.spec.ip, timeout=180)
+
+    def after(self) -> tuple[float, float]:
+        """(guest clock gap, client stall) since :meth:`before`, in seconds."""
+        assert self._clock is not None
+        self.conn.expect_progress(3, timeout=600)
+        # A guest just restored from disk answers slowly (every page of it
+        # faults in again): run 5 timed out at 10 s here.
+        clock = guest_clock(self.lab, self.guest.spec.ip, timeout=180)
+        stats = self.conn.check()
+        gap = (clock[0] - self._clock[0]) - (clock[1] - self._clock[1])
+        stall = LongConnection.max_gap_in(
+            stats, self._stats["elapsed_s"], stats["elapsed_s"]
+        )
+        return gap, stall
+
+
+def _record_watch(out: dict[str, float], prefix: str, watches: list[Watch]) -> None:
+    for w in watches:
+        gap, stall = w.after()
+        out[f"{prefix}_{w.guest.spec.name}_clock_gap_s"] = gap
+        out[f"{prefix}_{w.guest.spec.name}_stall_s"] = stall
+
+
+def _warm_cycle(
+    wh: WarmHost, out: dict[str, float], prefix: str, watches: list[Watch]
+) -> None:
+    """Freezes and resumes the watched guests together (no kexec)."""
+    for w in watches:
+        w.before()
+    f = wh.freeze([w.guest for w in watches])
+    res = wh.resume()
+    out[f"{prefix}_freeze_all_s"] = f["freeze_all_s"]
+    out[f"{prefix}_resume_all_s"] = res["resume_all_s"]
+    for w in watches:
+        n = w.guest.spec.name
+        out[f"{prefix}_{n}_freeze_s"] = f[f"frozen_{n}_s"]
+        out[f"{prefix}_{n}_resume_s"] = res[f"resumed_{n}_s"]
+    _record_watch(out, prefix, watches)
 
 
 def _running_after_restore(wh: WarmHost, g: Guest, directory: str) -> float:
-    """`kemari --restore DIR` in the background; the host-measured seconds
-    until `kemarictl info` says running."""
+    """`kemari --restore DIR` into the guest's memory file on the region, in
+    the background; the host-measured seconds until `kemarictl info` says running."""
     s = g.spec
     log = f"{g.console}.from-disk"  # its own: the console holds earlier exits
     return wh.timed(
-        f"rm -f {s.api_socket}; ( kemari --restore {directory} --api-socket {s.api_socket} > {log} 2>&1;"
+        f"rm -f {s.api_socket} {log}; ( kemari --restore {directory} --api-socket {s.api_socket}"
+        f" --memory-file {REGION}/vms/{s.name}/memory > {log} 2>&1;"
         f" echo KEMARI-EXIT=$? >> {log} ) >/dev/null 2>&1 &"
-        f" until kemarictl -s {s.api_socket} info 2>/dev/null | grep -q '\"state\": *\"running\"'; do"
+        f' until kemarictl -s {s.api_socket} info 2>/dev/null | grep -q \'"state": *"running"\'; do'
         f" grep -q KEMARI-EXIT= {log} 2>/dev/null && exit 1; sleep 0.02; done"
     )
 
 
-def _wait_gone(wh: WarmHost, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while wh.host.run("pidof kemari", check=False).ok:  # (busybox has no pgrep)
-        if time.monotonic() > deadline:
-            raise LabError(f"{wh.host.name}: kemari still runs {timeout:.0f}s after the guests' poweroff")
-        time.sleep(1)
+def _disk_cycle(wh: WarmHost, out: dict[str, float], prefix: str, w: Watch) -> None:
+    """(b) suspend to the host's disk and restore, caches dropped."""
+    g, h = w.guest, wh.host
+    d = f"/disk/snap-{g.spec.name}"
+    h.run(f"rm -rf {d}", timeout=300)
+    w.before()
+    out[f"{prefix}_snapshot_exit_s"] = wh.timed(
+        f"kemarictl -s {g.spec.api_socket} snapshot {d} --exit >/dev/null 2>&1 && sync"
+    )
+    out[f"{prefix}_image_mb"] = float(
+        h.run(f"du -sm {d} | cut -f1").output.strip() or 0
+    )
+    h.run("sync; echo 3 > /proc/sys/vm/drop_caches")
+    try:
+        out[f"{prefix}_restore_s"] = _running_after_restore(wh, g, d)
+    except LabError:
+        log = h.run(f"tail -30 {g.console}.from-disk", check=False).output
+        raise LabError(
+            f"{h.name}: restoring {g.spec.name} from {d} failed:\n{log}"
+        ) from None
+    gap, stall = w.after()
+    out[f"{prefix}_clock_gap_s"] = gap
+    out[f"{prefix}_stall_s"] = stall
+
+
+def _save(lab: Lab, out: dict[str, float]) -> None:
+    (lab.run_dir / "warm-bench.json").write_text(
+        json.dumps({k: round(v, 3) for k, v in out.items()}, indent=1)
+    )
 
 
 def bench(lab: Lab, vmm: str) -> dict[str, float]:
-    """Warm-VM Reboot figures: freeze/resume of 512 MiB vs 2 GiB, 3 VMs,
-    a kexec with 4 VMs, vs suspend to disk and vs rebooting the guests"""
+    """Warm-VM Reboot figures with guests whose memory is in use: warm vs
+    suspend to disk at 512 MiB and 2 GiB, 1/3/6 VMs, a kexec with seven"""
     if vmm != "kemari":
-        raise LabError(f"host-warm-reboot-bench measures kemari guests (--vmm kemari), not {vmm}")
+        raise LabError(
+            f"host-warm-reboot-bench measures kemari guests (--vmm kemari), not {vmm}"
+        )
     wh = WarmHost(lab.hosts[0])
     h = wh.host
     out: dict[str, float] = {}
     with step("preparing the region and the host's disk"):
         wh.prepare()
-        wh.fetch_kernel()
         h.run(
-            "for d in /sys/block/vd*; do [ \"$(cat $d/serial)\" = klab-scratch ] && dev=/dev/${d##*/}; done;"
+            'for d in /sys/block/vd*; do [ "$(cat $d/serial)" = klab-scratch ] && dev=/dev/${d##*/}; done;'
             " mkfs.ext4 -q -F $dev && mkdir -p /disk && mount $dev /disk",
             timeout=300,
         )
-    specs = [wh.spec(f"s{i}", i, SMALL_MB, vcpus=1) for i in range(3)] + [wh.spec("b0", 3, BIG_MB, vcpus=1)]
-    guests = {}
-    for spec in specs:
-        guests[spec.name] = wh.start(spec)
-    for g in guests.values():
-        g.check_boot(g.wait_ready(timeout=600))
-        out[f"boot_{g.spec.name}_s"] = g.ready_seconds or 0.0
-    s0, b0 = guests["s0"], guests["b0"]
-    small3 = [guests["s0"], guests["s1"], guests["s2"]]
+    part = os.environ.get("KEMARI_WARM_BENCH_PART", "all")
+    if part not in PARTS:
+        raise LabError(f"KEMARI_WARM_BENCH_PART={part}: one of {', '.join(PARTS)}")
+    rounds = int(os.environ.get("KEMARI_WARM_BENCH_ROUNDS", ROUNDS))
+    n_small = N_SMALL if part != "disk" else 1
+    specs = [wh.spec(f"s{i}", i, SMALL_MB, vcpus=1) for i in range(n_small)]
+    if part != "vms":
+        specs.append(wh.spec("b0", N_SMALL, BIG_MB, vcpus=1))
+    guests = {spec.name: wh.start(spec) for spec in specs}
+    with step("booting the guests"):
+        for g in guests.values():
+            g.check_boot(g.wait_ready(timeout=900))
+            out[f"boot_{g.spec.name}_s"] = g.ready_seconds or 0.0
+    with step("filling the guests' memory"):
+        to_fill = guests if part != "vms" else {}
+        for g in to_fill.values():
+            lab.wait_client_reach(g.spec.ip, timeout=120)
 
-    with step("freeze and resume, 512 MiB vs 2 GiB"):
-        for r in range(1, ROUNDS + 1):
-            for g in (s0, b0):
-                f = wh.freeze([g])
-                res = wh.resume()
-                out[f"flat_{g.spec.name}_r{r}_freeze_s"] = f[f"frozen_{g.spec.name}_s"]
-                out[f"flat_{g.spec.name}_r{r}_resume_s"] = res[f"resumed_{g.spec.name}_s"]
-    with step("three VMs at once"):
-        for r in range(1, ROUNDS + 1):
-            f = wh.freeze(small3)
-            res = wh.resume()
-            out[f"three_r{r}_freeze_all_s"] = f["freeze_all_s"]
-            out[f"three_r{r}_resume_all_s"] = res["resume_all_s"]
-    with step("kexec with four VMs"):
-        for g in guests.values():
-            lab.wait_client_reach(g.spec.ip)
-        conns = {n: LongConnection(lab, g.spec.ip, stall_limit=400).open() for n, g in guests.items()}
-        try:
-            for c in conns.values():
-                c.expect_progress(5)
-            before = {n: c.check() for n, c in conns.items()}
-            wh.load()
-            t0 = time.monotonic()
-            f = wh.freeze()
-            out["kexec4_freeze_all_s"] = f["freeze_all_s"]
-            out["kexec4_kexec_to_host_ready_s"] = wh.kexec()
-            wh.mount()
-            res = wh.resume()
-            out["kexec4_resume_all_s"] = res["resume_all_s"]
-            out["kexec4_freeze_to_all_resumed_s"] = time.monotonic() - t0
-            for n, c in conns.items():
-                c.expect_progress(10, timeout=300)
-                after = c.check()
-                out[f"kexec4_client_stall_{n}_s"] = LongConnection.max_gap_in(
-                    after, before[n]["elapsed_s"], after["elapsed_s"]
+        def fill(g: Guest) -> str:
+            return lab.client_http_get(
+                g.spec.ip, f"/cgi-bin/fill?{FILL_MB[g.spec.memory_mb]}", timeout=1200
+            )
+
+        with ThreadPoolExecutor(max_workers=len(guests)) as pool:
+            bodies = dict(zip(to_fill, pool.map(fill, to_fill.values())))
+        for name, body in bodies.items():
+            want = FILL_MB[guests[name].spec.memory_mb]
+            m = FILL_RE.search(body)
+            if m is None or int(m.group(1)) < want:
+                raise LabError(
+                    f"guest {name}: filling its memory answered {body.strip()!r}"
                 )
-            for c in conns.values():
-                c.close()
-        finally:
-            for c in conns.values():
-                c.abort()
-    with step("(b) suspend to disk and resume"):
-        for g in (s0, b0):
-            d = f"/disk/snap-{g.spec.name}"
-            out[f"disk_{g.spec.name}_snapshot_exit_s"] = wh.timed(
-                f"kemarictl -s {g.spec.api_socket} snapshot {d} --exit >/dev/null 2>&1 && sync"
-            )
-            out[f"disk_{g.spec.name}_image_mb"] = float(
-                h.run(f"du -sm {d} | cut -f1").output.strip() or 0
-            )
-            h.run("sync; echo 3 > /proc/sys/vm/drop_caches")
-            out[f"disk_{g.spec.name}_restore_s"] = _running_after_restore(wh, g, d)
-            lab.wait_client_reach(g.spec.ip, timeout=120)
-    with step("(a) the guests rebooted with the host"):
-        wh.fetch_kernel()
-        wh.load()
-        t0 = time.monotonic()
+            out[f"fill_{name}_mb"] = float(m.group(1))
+            out[f"fill_{name}_avail_after_mb"] = int(m.group(2)) / 1024
+            out[f"fill_{name}_s"] = float(m.group(4)) - float(m.group(3))
         for g in guests.values():
-            lab.client_http_get(g.spec.ip, "/cgi-bin/poweroff")
-        _wait_gone(wh)
-        out["cold_guests_off_s"] = time.monotonic() - t0
-        out["cold_kexec_to_host_ready_s"] = wh.kexec()
-        wh.mount()
-        wh.guests = []
-        h.run(f"rm -f {REGION}/vms/*/memory")
-        started = {}
-        for spec in specs:
-            started[spec.name] = wh.start(spec)
-        for n, g in started.items():
-            g.wait_ready(timeout=600)
-            lab.wait_client_reach(g.spec.ip, timeout=120)
-            out[f"cold_{n}_serving_again_s"] = time.monotonic() - t0
+            out[f"memory_file_{g.spec.name}_mb"] = float(
+                h.run(
+                    f"du -sm {REGION}/vms/{g.spec.name}/memory | cut -f1"
+                ).output.strip()
+                or 0
+            )
+    _save(lab, out)
+    watches = {n: Watch(lab, g) for n, g in guests.items()}
+    try:
+        for w in watches.values():
+            w.conn.open()
+            w.conn.expect_progress(3, timeout=120)
+        for g in guests.values():
+            if "writer" not in lab.client_http_get(g.spec.ip, "/cgi-bin/writer?pace=1"):
+                raise LabError(f"guest {g.spec.name}: its disk writer did not start")
+        for r in range(1, rounds + 1 if part != "vms" else 1):
+            s0, b0 = watches["s0"], watches["b0"]
+            with step(f"warm vs disk, round {r}"):
+                for w in (s0, b0):
+                    _warm_cycle(wh, out, f"warm_r{r}", [w])
+                for w in (s0, b0):
+                    _disk_cycle(wh, out, f"disk_r{r}_{w.guest.spec.name}", w)
+            _save(lab, out)
+        small = [watches[f"s{i}"] for i in range(n_small)]
+        for r in range(1, N_ROUNDS + 1 if part != "disk" else 1):
+            for n in (1, 3, N_SMALL):
+                with step(f"{n} VMs at once, round {r}"):
+                    _warm_cycle(wh, out, f"vms{n}_r{r}", small[:n])
+            _save(lab, out)
+        if part != "disk" and os.environ.get("KEMARI_WARM_BENCH_KEXEC", "1") != "0":
+            with step("a kexec with every VM"):
+                wh.fetch_kernel()
+                wh.load()
+                for w in watches.values():
+                    w.before()
+                t0 = time.monotonic()
+                f = wh.freeze()
+                out["kexec_freeze_all_s"] = f["freeze_all_s"]
+                out["kexec_kexec_to_host_ready_s"] = wh.kexec()
+                wh.mount()
+                res = wh.resume()
+                out["kexec_resume_all_s"] = res["resume_all_s"]
+                out["kexec_freeze_to_all_resumed_s"] = time.monotonic() - t0
+                for name in guests:
+                    out[f"kexec_{name}_freeze_s"] = f[f"frozen_{name}_s"]
+                    out[f"kexec_{name}_resume_s"] = res[f"resumed_{name}_s"]
+                _record_watch(out, "kexec", list(watches.values()))
+            _save(lab, out)
+        with step("checking every record and every connection"):
+            for g in guests.values():
+                body = lab.client_http_get(g.spec.ip, "/cgi-bin/records", timeout=120)
+                rec = RECORDS_NOW_RE.search(body)
+                if (
+                    rec is None
+                    or rec.group(1) != rec.group(2)
+                    or rec.group(3) != "0"
+                    or rec.group(2) == "0"
+                ):
+                    raise LabError(
+                        f"guest {g.spec.name}: its record log at the end: {body.strip()!r}"
+                    )
+                out[f"records_{g.spec.name}"] = float(rec.group(2))
+            for name, w in watches.items():
+                final = w.conn.close()
+                out[f"echoes_{name}"] = float(final["exchanges"])
+    finally:
+        for w in watches.values():
+            w.conn.abort()
     for g in wh.guests:
         lab.client_http_get(g.spec.ip, "/cgi-bin/poweroff")
-    _wait_gone(wh)
     out.update(summary(out))
+    _save(lab, out)
     return out
 
 
 def summary(times: dict[str, float]) -> dict[str, float]:
     """Medians and ratios of the figures above."""
 
-    def med(keys: list[str]) -> float:
-        vals = sorted(times[k] for k in keys if k in times)
-        return vals[len(vals) // 2] if vals else float("nan")
+    def med(pattern: str) -> float:
+        vals = [v for k, v in times.items() if re.fullmatch(pattern, k)]
+        return statistics.median(vals) if vals else float("nan")
+
+    def worst(pattern: str) -> float:
+        return max(
+            (v for k, v in times.items() if re.fullmatch(pattern, k)),
+            default=float("nan"),
+        )
 
     s: dict[str, float] = {}
+    for name, size in (("s0", "512m"), ("b0", "2g")):
+        for part in ("freeze", "resume"):
+            s[f"warm_{part}_{size}_median_s"] = med(rf"warm_r\d+_{name}_{part}_s")
+        s[f"warm_{size}_median_s"] = (
+            s[f"warm_freeze_{size}_median_s"] + s[f"warm_resume_{size}_median_s"]
+        )
+        s[f"disk_snapshot_{size}_median_s"] = med(rf"disk_r\d+_{name}_snapshot_exit_s")
+        s[f"disk_restore_{size}_median_s"] = med(rf"disk_r\d+_{name}_restore_s")
+        s[f"disk_{size}_median_s"] = (
+            s[f"disk_snapshot_{size}_median_s"] + s[f"disk_restore_{size}_median_s"]
+        )
+        s[f"disk_over_warm_{size}"] = (
+            s[f"disk_{size}_median_s"] / s[f"warm_{size}_median_s"]
+        )
+        s[f"warm_stall_{size}_median_s"] = med(rf"warm_r\d+_{name}_stall_s")
+        s[f"disk_stall_{size}_median_s"] = med(rf"disk_r\d+_{name}_stall_s")
+        s[f"warm_clock_gap_{size}_median_s"] = med(rf"warm_r\d+_{name}_clock_gap_s")
+        s[f"disk_clock_gap_{size}_median_s"] = med(rf"disk_r\d+_{name}_clock_gap_s")
     for part in ("freeze", "resume"):
-        small = med([f"flat_s0_r{r}_{part}_s" for r in range(1, ROUNDS + 1)])
-        big = med([f"flat_b0_r{r}_{part}_s" for r in range(1, ROUNDS + 1)])
-        s[f"{part}_512m_median_s"], s[f"{part}_2g_median_s"] = small, big
-        s[f"{part}_2g_over_512m"] = big / small if small else float("nan")
-    stalls = [v for k, v in times.items() if re.match(r"kexec4_client_stall_", k)]
-    s["warm_service_downtime_max_s"] = max(stalls, default=float("nan"))
-    cold = [v for k, v in times.items() if re.match(r"cold_.*_serving_again_s", k)]
-    s["cold_service_downtime_max_s"] = max(cold, default=float("nan"))
+        s[f"warm_{part}_2g_over_512m"] = (
+            s[f"warm_{part}_2g_median_s"] / s[f"warm_{part}_512m_median_s"]
+        )
+    for n in (1, 3, N_SMALL):
+        s[f"vms{n}_freeze_all_median_s"] = med(rf"vms{n}_r\d+_freeze_all_s")
+        s[f"vms{n}_resume_all_median_s"] = med(rf"vms{n}_r\d+_resume_all_s")
+        s[f"vms{n}_clock_gap_max_s"] = worst(rf"vms{n}_r\d+_s\d_clock_gap_s")
+        s[f"vms{n}_stall_max_s"] = worst(rf"vms{n}_r\d+_s\d_stall_s")
+    if "kexec_freeze_all_s" in times:
+        s["kexec_clock_gap_max_s"] = worst(r"kexec_\w+_clock_gap_s")
+        s["kexec_stall_max_s"] = worst(r"kexec_\w+_stall_s")
     return s

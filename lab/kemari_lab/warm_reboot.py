@@ -192,10 +192,10 @@ class WarmHost:
 CLOCK_RE = re.compile(r"KLAB-CLOCK uptime=([\d.]+) realtime=(\d+)")
 
 
-def guest_clock(lab: Any, ip: str) -> tuple[float, float, float]:
+def guest_clock(lab: Any, ip: str, timeout: float = 10) -> tuple[float, float, float]:
     """(client's time.time(), guest uptime, guest wall clock) from GET /cgi-bin/clock."""
     t = time.time()
-    body = lab.client_http_get(ip, "/cgi-bin/clock")
+    body = lab.client_http_get(ip, "/cgi-bin/clock", timeout=timeout)
     m = CLOCK_RE.search(body)
     if m is None:
         raise LabError(f"guest {ip}: /cgi-bin/clock answered {body!r}")

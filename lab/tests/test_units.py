@@ -580,3 +580,60 @@ def test_warm_reboot_step_lines_are_parsed() -> None:
     }
     opts = lab_options(3)
     assert opts["host_append"] == "memmap=3G!4G" and opts["host_memory_mb"] == 3072 + 3072
+
+
+def test_warm_bench_summary_takes_medians_and_ratios() -> None:
+    from kemari_lab.warm_bench import lab_options, summary
+
+    times: dict[str, float] = {}
+    for r, (f_small, f_big) in enumerate([(1.0, 1.1), (2.0, 2.4), (3.0, 2.2)], start=1):
+        times[f"warm_r{r}_s0_freeze_s"], times[f"warm_r{r}_b0_freeze_s"] = f_small, f_big
+        times[f"warm_r{r}_s0_resume_s"], times[f"warm_r{r}_b0_resume_s"] = 1.0, 1.0
+        times[f"disk_r{r}_b0_snapshot_exit_s"], times[f"disk_r{r}_b0_restore_s"] = 20.0, 12.8
+        times[f"vms6_r{r}_s{r}_stall_s"] = float(r)
+    s = summary(times)
+    assert s["warm_freeze_2g_over_512m"] == pytest.approx(2.2 / 2.0)
+    assert s["warm_2g_median_s"] == pytest.approx(3.2)
+    assert s["disk_over_warm_2g"] == pytest.approx(32.8 / 3.2)
+    assert s["vms6_stall_max_s"] == 3.0
+    assert lab_options()["host_memory_mb"] <= 9 * 1024
+
+
+def test_warm_cache_summary_and_http_bench(tmp_path: Path) -> None:
+    import http.server
+
+    from kemari_lab.warm_cache import summary
+
+    s = summary(
+        {
+            "warm_r1_read_before_mb_s": 500.0, "warm_r1_read_after_mb_s": 450.0,
+            "cold_r1_read_before_mb_s": 500.0, "cold_r1_read_after_mb_s": 30.0,
+            "warm_r1_http_before_mb_s": 40.0, "warm_r1_http_after_mb_s": 38.0,
+            "cold_r1_http_before_mb_s": 40.0, "cold_r1_http_after_mb_s": 10.0,
+        }
+    )  # fmt: skip
+    assert s["read_warm_after_over_cold_after"] == pytest.approx(15.0)
+    assert s["read_warm_after_over_before"] == pytest.approx(0.9)
+    assert s["http_warm_after_over_before"] == pytest.approx(0.95)
+    # The HTTP client against a real server on loopback: one file missing.
+    for i in range(3):
+        (tmp_path / f"f{i:03d}").write_bytes(b"x" * 1000)
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *a: object, **kw: object) -> None:
+            super().__init__(*a, directory=str(tmp_path), **kw)  # type: ignore[arg-type]
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        script = Path(__file__).resolve().parents[1] / "kemari_lab" / "http_bench.py"
+        addr = f"127.0.0.1:{srv.server_address[1]}"
+        ok = json.loads(subprocess.check_output([sys.executable, str(script), addr, "f", "3"], text=True))
+        assert ok["requests"] == 3 and ok["bytes"] == 3000 and ok["errors"] == 0 and ok["mb_s"] > 0
+        bad = json.loads(subprocess.check_output([sys.executable, str(script), addr, "f", "4"], text=True))
+        assert bad["errors"] == 1 and "f003" in bad["first_error"]
+    finally:
+        srv.shutdown()

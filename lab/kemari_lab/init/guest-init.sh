@@ -8,10 +8,16 @@
 # GET /cgi-bin/disk?TOKEN writes TOKEN to /mnt/klab-token.txt and reads it back;
 # GET /cgi-bin/poweroff makes the guest unmount its disk and power off;
 # GET /cgi-bin/writer starts the disk writer (load): numbered records appended
-# to /mnt/records.log, each synced, and a 256 KiB file rewritten with fsync;
+# to /mnt/records.log, each synced, and a 256 KiB file rewritten with fsync
+# (?pace=S: S seconds' pause after each);
 # GET /cgi-bin/records stops the writer and counts its records on the disk
 # (page cache dropped) against those it synced; GET /cgi-bin/clock prints the
 # guest's uptime and wall clock;
+# GET /cgi-bin/fill?MB fills MB MiB of its memory with non-zero data (a tmpfs
+# file: memory in use, as a loaded guest's), printing KLAB-FILL;
+# GET /cgi-bin/read?FILE reads /mnt/FILE (dd, 1 MiB blocks) and prints
+# KLAB-READ bytes=… start=… end=… (/proc/uptime); /www/data is /mnt/www
+# (files on the disk, served by httpd) when the disk has one;
 # GET /cgi-bin/reboot makes the guest stop the writer, unmount its disk and
 # reboot (`reboot -f`), printing KLAB-GUEST-REBOOT lines=<records on disk>;
 # before mounting, every boot prints KLAB-FS clean|dirty (the ext4
@@ -94,6 +100,8 @@ if [ -e /tmp/writer.pid ]; then
     exit 0
 fi
 boot=$(tr -cd '0-9' < /proc/sys/kernel/random/boot_id | cut -c1-9)
+# ?pace=S: a pause of S whole seconds after each record (a lighter load).
+pace=$(echo "$QUERY_STRING" | sed -n 's/.*pace=\([0-9]*\).*/\1/p')
 echo running > /tmp/writer.pid
 (
     n=0
@@ -101,6 +109,7 @@ echo running > /tmp/writer.pid
         n=$((n + 1))
         echo "rec $boot $n" >> /mnt/records.log && sync && echo "$n" > /tmp/writer.synced
         dd if=/dev/urandom of=/mnt/blob bs=64k count=4 conv=fsync 2>/dev/null
+        [ -n "$pace" ] && sleep "$pace"
     done
     rm -f /tmp/writer.pid
 ) >/dev/null 2>&1 </dev/null &
@@ -160,8 +169,39 @@ echo
 read -r up _ < /proc/uptime
 echo "KLAB-CLOCK uptime=$up realtime=$(date +%s)"
 CGI
+cat > /www/cgi-bin/fill <<'CGI'
+#!/bin/sh
+# GET /cgi-bin/fill?MB: MB MiB of non-zero data in a tmpfs file (a random
+# 4 MiB seed repeated), so that this much guest memory is in use.
+echo "Content-Type: text/plain"
+echo
+mb=$(echo "$QUERY_STRING" | tr -cd '0-9')
+# /tmp is a tmpfs of half the memory by default: room for the data first.
+mount -o remount,size=$((${mb:-0} + 16))m /tmp 2>&1
+dd if=/dev/urandom of=/tmp/fill.seed bs=1M count=4 2>/dev/null
+read -r a _ < /proc/uptime
+i=0
+while [ $i -lt $((${mb:-0} / 4)) ]; do cat /tmp/fill.seed; i=$((i + 1)); done > /tmp/fill.data
+read -r b _ < /proc/uptime
+echo "KLAB-FILL mb=$(($(stat -c %s /tmp/fill.data) >> 20)) avail_kb=$(awk '/MemAvailable/{print $2}' /proc/meminfo) start=$a end=$b"
+CGI
+cat > /www/cgi-bin/read <<'CGI'
+#!/bin/sh
+# GET /cgi-bin/read?FILE: reads /mnt/FILE once (1 MiB blocks); the time from /proc/uptime.
+echo "Content-Type: text/plain"
+echo
+f=/mnt/$(echo "$QUERY_STRING" | tr -cd 'A-Za-z0-9._-')
+read -r a _ < /proc/uptime
+if dd if="$f" of=/dev/null bs=1M 2>/dev/null; then
+    read -r b _ < /proc/uptime
+    echo "KLAB-READ bytes=$(stat -c %s "$f") start=$a end=$b"
+else
+    echo "KLAB-READ-FAIL $f"
+fi
+CGI
+[ -d /mnt/www ] && ln -s /mnt/www /www/data
 chmod +x /www/cgi-bin/poweroff /www/cgi-bin/disk /www/cgi-bin/writer /www/cgi-bin/reboot \
-    /www/cgi-bin/records /www/cgi-bin/clock
+    /www/cgi-bin/records /www/cgi-bin/clock /www/cgi-bin/fill /www/cgi-bin/read
 httpd -p 80 -h /www
 # Debian's busybox nc has no -k: -ll with -e is its persistent server.
 nc -ll -p 7 -e cat >/dev/null 2>&1 &

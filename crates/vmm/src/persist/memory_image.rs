@@ -223,6 +223,9 @@ pub fn load(
             expected: size,
         });
     }
+    if let MemoryBacking::File { path } = backing {
+        clear_named(path)?;
+    }
     let mem = GuestMemoryFile::create(size, backing)?;
     let mut buf = vec![0u8; CHUNK];
     for e in extents {
@@ -240,6 +243,20 @@ pub fn load(
         mem.file().write_all_at(data, e.offset).map_err(&err)?;
     }
     Ok(mem)
+}
+
+/// Empties a named memory file that already exists: the image writes only
+/// non-zero pages, so whatever an earlier VM left there would show through
+/// every zero page of the restored guest.
+fn clear_named(path: &Path) -> Result<(), ImageError> {
+    match std::fs::OpenOptions::new().write(true).open(path) {
+        Ok(f) => {
+            tracing::debug!(path = %path.display(), "emptying the memory file before the restore");
+            f.set_len(0).map_err(io_err(path))
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io_err(path)(e)),
+    }
 }
 
 #[cfg(test)]
@@ -280,6 +297,29 @@ mod tests {
                 ..
             })
         ));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_restore_into_an_existing_memory_file_leaves_nothing_of_its_old_content() {
+        let (dir, img, idx) = files("named");
+        let mem = GuestMemoryFile::create(32 << 20, &MemoryBacking::Memfd).unwrap();
+        mem.file().write_all_at(&[7u8; PAGE], 4 << 20).unwrap();
+        save(&mem, &img, &idx).unwrap();
+        // The file an earlier VM ran in, filled with its data.
+        let target = dir.join("guest-memory");
+        std::fs::write(&target, vec![0xaau8; 32 << 20]).unwrap();
+        let backing = MemoryBacking::File {
+            path: target.clone(),
+        };
+        let back = load(&img, &idx, 32 << 20, &backing).unwrap();
+        let mut p = vec![0u8; PAGE];
+        back.file().read_exact_at(&mut p, 4 << 20).unwrap();
+        assert!(p.iter().all(|&x| x == 7));
+        for offset in [0u64, (4 << 20) + PAGE as u64, (32 << 20) - PAGE as u64] {
+            back.file().read_exact_at(&mut p, offset).unwrap();
+            assert!(p.iter().all(|&x| x == 0), "old data at {offset:#x}");
+        }
         std::fs::remove_dir_all(dir).unwrap();
     }
 

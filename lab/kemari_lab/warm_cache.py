@@ -1,0 +1,268 @@
+"""Warm-cache Reboot with the lab's Debian guest (docs/warm-cache.md, "Measured").
+
+Two kemari guests on vh0 (1 vCPU, 1 GiB each), each with its own copy of a
+512 MiB ext4 disk served over NBD by ``kemari-nbd serve`` in the lab
+namespace (this machine, across the virtual host's network): ``warm`` opens
+it with ``--disk nbd://…,cache=512M``, ``cold`` without a cache. The disk
+holds ``big.bin`` (256 MiB of random data) and ``www/f000``…``f063`` (1 MiB
+each, served by the guest's httpd as ``/data/…``). Alternated, ROUNDS times,
+each guest in turn:
+
+1. reads big.bin twice (``/cgi-bin/read``, dd in the guest, timed with its
+   /proc/uptime): the second read is *before* — the guest's page cache warm;
+2. the client GETs the 64 files twice (``http_bench.py``, 4 at a time): the
+   second pass is *before*;
+3. ``reboot`` in the guest (in place: same kemari, checked by pid and
+   ``reboots``), then at once the same read (*after*) and the same HTTP
+   pass (*after*).
+
+Goals (issue 26): warm after ≥ 10x cold after and ≥ 90% of before for the
+read; HTTP after ≥ 90% of before. Run by hand (not in CI):
+``python3 -m kemari_lab run warm-cache-bench --vmm kemari``
+(KEMARI_WARM_CACHE_ROUNDS and KEMARI_WARM_CACHE_HTTP_FILES shorten it: on
+a loaded machine one HTTP pass of 64 MiB took 5 minutes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kemari_lab import images
+from kemari_lab.errors import LabError, step
+from kemari_lab.guests import Guest, GuestSpec
+from kemari_lab.lab import Lab
+from kemari_lab.shared_disk import NBD_PORT, SharedDisk
+
+ROUNDS = 2
+DISK_MB = 512
+BIG_MB = 256
+WWW_FILES = 64
+WWW_FILE_KB = 1024
+CACHE = "512M"
+GUEST_MB = 1024
+READ_RE = re.compile(r"KLAB-READ bytes=(\d+) start=([\d.]+) end=([\d.]+)")
+_HTTP_BENCH = Path(__file__).resolve().parent / "http_bench.py"
+
+
+def lab_options() -> dict[str, Any]:
+    return {"host_memory_mb": 4096}
+
+
+def build_disk(directory: Path) -> Path:
+    """The benchmark's ext4 image: the guest disk's hello.txt, big.bin, www/."""
+    out = directory / "warm-cache-disk.ext4"
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        (root / "hello.txt").write_text(images.GUEST_DISK_HELLO)
+        with (root / "big.bin").open("wb") as f:
+            for _ in range(BIG_MB):
+                f.write(os.urandom(1 << 20))
+        (root / "www").mkdir()
+        for i in range(WWW_FILES):
+            (root / "www" / f"f{i:03d}").write_bytes(os.urandom(WWW_FILE_KB << 10))
+        images.run(
+            [
+                "mkfs.ext4",
+                "-q",
+                "-F",
+                "-L",
+                "klabdisk",
+                "-d",
+                d,
+                str(out),
+                f"{DISK_MB}M",
+            ]
+        )
+    return out
+
+
+def read_mb_s(lab: Lab, ip: str) -> float:
+    """The guest reads big.bin once; MB/s as its clock measured it."""
+    body = lab.client_http_get(ip, "/cgi-bin/read?big.bin", timeout=900)
+    m = READ_RE.search(body)
+    if m is None or int(m.group(1)) != BIG_MB << 20:
+        raise LabError(f"guest {ip}: reading big.bin answered {body.strip()!r}")
+    return int(m.group(1)) / max(float(m.group(3)) - float(m.group(2)), 0.01) / 1e6
+
+
+def http_mb_s(lab: Lab, ip: str) -> float:
+    """The client GETs the guest's files (the first HTTP_FILES) once, 4 at a time; MB/s."""
+    files = int(os.environ.get("KEMARI_WARM_CACHE_HTTP_FILES", WWW_FILES))
+    cmd = [
+        sys.executable,
+        str(_HTTP_BENCH),
+        ip,
+        "data/f",
+        str(files),
+        "--concurrency",
+        "4",
+    ]
+    proc = lab.client(cmd, timeout=900)
+    try:
+        res = json.loads(proc.stdout)
+    except ValueError:
+        raise LabError(
+            f"http_bench against {ip} printed {proc.stdout!r} ({proc.stderr.strip()})"
+        ) from None
+    if res["errors"] or res["bytes"] != files * (WWW_FILE_KB << 10):
+        raise LabError(f"http_bench against {ip}: {res}")
+    return float(res["mb_s"])
+
+
+def cache_counters(guest: Guest) -> dict[str, float]:
+    """The disk cache's counters from `kemarictl metrics` (empty without a cache)."""
+
+    def find(node: Any) -> dict[str, Any] | None:
+        if isinstance(node, dict):
+            if "hit_bytes" in node and "miss_bytes" in node:
+                return node
+            for v in node.values():
+                if (found := find(v)) is not None:
+                    return found
+        elif isinstance(node, list):
+            for v in node:
+                if (found := find(v)) is not None:
+                    return found
+        return None
+
+    c = find(guest.ctl("metrics")) or {}
+    return {k: float(v) for k, v in c.items() if isinstance(v, (int, float))}
+
+
+def reboot(lab: Lab, guest: Guest, boots: int, pid: int) -> float:
+    """`reboot` in the guest; waits until it is ready again in the same kemari.
+    Returns the seconds from the request to KLAB-GUEST-READY."""
+    t0 = time.monotonic()
+    lab.client_http_get(guest.spec.ip, "/cgi-bin/reboot")
+    deadline = t0 + 300
+    while True:
+        console = guest.host.run(f"cat {guest.console}").output
+        if console.count("KLAB-GUEST-READY") > boots:
+            break
+        if "KLAB-VMM-EXIT" in console or time.monotonic() > deadline:
+            raise LabError(
+                f"guest {guest.spec.name} did not come back from its reboot:\n{console[-3000:]}"
+            )
+        time.sleep(0.5)
+    took = time.monotonic() - t0
+    info = guest.info()
+    if (
+        info.get("pid") != pid
+        or info.get("reboots") != boots
+        or info.get("state") != "running"
+    ):
+        raise LabError(
+            f"guest {guest.spec.name} after reboot {boots}: kemari answers {info} (pid was {pid})"
+        )
+    lab.wait_client_reach(guest.spec.ip, timeout=120)
+    return took
+
+
+def bench(lab: Lab, vmm: str) -> dict[str, float]:
+    """Warm-cache Reboot, Debian guest, disk over NBD: reads and HTTP right
+    after an in-place reboot with kemari's disk cache vs without, vs before"""
+    if vmm != "kemari":
+        raise LabError(
+            f"warm-cache-bench measures kemari's disk cache (--vmm kemari), not {vmm}"
+        )
+    host = lab.hosts[0]
+    out: dict[str, float] = {}
+    servers: list[SharedDisk] = []
+    try:
+        with step("building and serving the disks"):
+            image = build_disk(lab.run_dir)
+            for i, name in enumerate(("warm", "cold")):
+                servers.append(
+                    SharedDisk(
+                        lab, export=name, port=NBD_PORT + 2 * i, source=image
+                    ).start()
+                )
+            image.unlink()
+        guests: dict[str, Guest] = {}
+        for i, (name, server) in enumerate(zip(("warm", "cold"), servers)):
+            url = server.url + (f",cache={CACHE}" if name == "warm" else "")
+            spec = GuestSpec(
+                name=name,
+                vmm="kemari",
+                index=i,
+                vcpus=1,
+                memory_mb=GUEST_MB,
+                disk_url=url,
+            )
+            guests[name] = Guest(host, spec)
+            guests[name].start()
+        for g in guests.values():
+            g.check_boot(g.wait_ready(timeout=600))
+            lab.wait_client_reach(g.spec.ip, timeout=120)
+        pids = {n: int(g.info()["pid"]) for n, g in guests.items()}
+        boots = {n: 0 for n in guests}
+        for r in range(1, int(os.environ.get("KEMARI_WARM_CACHE_ROUNDS", ROUNDS)) + 1):
+            order = ("warm", "cold") if r % 2 else ("cold", "warm")
+            for name in order:
+                g, ip, p = guests[name], guests[name].spec.ip, f"{name}_r{r}"
+                with step(f"round {r}, {name}"):
+                    out[f"{p}_read_first_mb_s"] = read_mb_s(lab, ip)
+                    out[f"{p}_read_before_mb_s"] = read_mb_s(lab, ip)
+                    out[f"{p}_http_first_mb_s"] = http_mb_s(lab, ip)
+                    out[f"{p}_http_before_mb_s"] = http_mb_s(lab, ip)
+                    c0 = cache_counters(g)
+                    boots[name] += 1
+                    out[f"{p}_reboot_to_ready_s"] = reboot(
+                        lab, g, boots[name], pids[name]
+                    )
+                    out[f"{p}_read_after_mb_s"] = read_mb_s(lab, ip)
+                    out[f"{p}_http_after_mb_s"] = http_mb_s(lab, ip)
+                    c1 = cache_counters(g)
+                    for k in ("hit_bytes", "miss_bytes"):
+                        if k in c1:
+                            out[
+                                f"{p}_after_reboot_cache_{k.replace('_bytes', '')}_mb"
+                            ] = (c1[k] - c0.get(k, 0.0)) / (1 << 20)
+                    (lab.run_dir / "warm-cache-bench.json").write_text(
+                        json.dumps({k: round(v, 3) for k, v in out.items()}, indent=1)
+                    )
+        for g in guests.values():
+            lab.client_http_get(g.spec.ip, "/cgi-bin/poweroff")
+    finally:
+        for s in servers:
+            s.stop()
+            s.image.unlink(missing_ok=True)  # 512 MiB each, not kept with the run
+    out.update(summary(out))
+    return out
+
+
+def summary(times: dict[str, float]) -> dict[str, float]:
+    """Medians over the rounds and the ratios the goals name."""
+
+    def med(key: str) -> float:
+        vals = [v for k, v in times.items() if re.fullmatch(key, k)]
+        return statistics.median(vals) if vals else float("nan")
+
+    s: dict[str, float] = {}
+    for name in ("warm", "cold"):
+        for what in ("read_before", "read_after", "http_before", "http_after"):
+            s[f"{name}_{what}_median_mb_s"] = med(rf"{name}_r\d+_{what}_mb_s")
+    s["read_warm_after_over_cold_after"] = (
+        s["warm_read_after_median_mb_s"] / s["cold_read_after_median_mb_s"]
+    )
+    s["read_warm_after_over_before"] = (
+        s["warm_read_after_median_mb_s"] / s["warm_read_before_median_mb_s"]
+    )
+    s["read_cold_after_over_before"] = (
+        s["cold_read_after_median_mb_s"] / s["cold_read_before_median_mb_s"]
+    )
+    s["http_warm_after_over_before"] = (
+        s["warm_http_after_median_mb_s"] / s["warm_http_before_median_mb_s"]
+    )
+    s["http_cold_after_over_before"] = (
+        s["cold_http_after_median_mb_s"] / s["cold_http_before_median_mb_s"]
+    )
+    return s
