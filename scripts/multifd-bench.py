@@ -64,8 +64,8 @@ def sh(*args, check=True):
 def non_vcpu_ticks(pid):
     """CPU ticks `pid` used outside its vCPU threads (kemari names them
     vcpuN, QEMU `CPU n/KVM`): the process's utime + stime, which keeps the
-    time of threads that ended (a stream's sender), less its vCPU threads';
-    None once it is gone."""
+    time of threads that ended (a stream's sender), less its vCPU threads',
+    and how many vCPU threads it has; None once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
@@ -73,7 +73,7 @@ def non_vcpu_ticks(pid):
         tasks = os.listdir(f"/proc/{pid}/task")
     except (FileNotFoundError, ProcessLookupError):
         return None
-    vcpu = 0
+    vcpu, vcpus = 0, 0
     for t in tasks:
         try:
             with open(f"/proc/{pid}/task/{t}/comm") as f:
@@ -83,9 +83,10 @@ def non_vcpu_ticks(pid):
             with open(f"/proc/{pid}/task/{t}/stat") as f:
                 tf = f.read().rsplit(")", 1)[1].split()
             vcpu += int(tf[11]) + int(tf[12])
+            vcpus += 1
         except (FileNotFoundError, ProcessLookupError):
             continue
-    return whole - vcpu
+    return whole - vcpu, vcpus
 
 
 class CpuPoll:
@@ -95,8 +96,10 @@ class CpuPoll:
 
     def __init__(self, pid):
         self.pid = pid
-        self.first = non_vcpu_ticks(pid)
+        first = non_vcpu_ticks(pid)
+        self.first = first and first[0]
         self.last = self.first
+        self.vcpus = first[1] if first else 0
         self.stop = False
         self.t = threading.Thread(target=self._run, daemon=True)
         self.t.start()
@@ -106,7 +109,11 @@ class CpuPoll:
             v = non_vcpu_ticks(self.pid)
             if v is None:
                 return
-            self.last = v
+            # An exiting process's vCPU threads go first, their time into
+            # the process's: a sample with fewer vCPUs than before would
+            # count the guest's CPU. (A destination's vCPUs appear later.)
+            if v[1] >= self.vcpus:
+                self.last, self.vcpus = v
             time.sleep(0.02)
 
     def used(self):
