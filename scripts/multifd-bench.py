@@ -89,6 +89,26 @@ def non_vcpu_ticks(pid):
     return whole - vcpu, vcpus
 
 
+def runq_wait_ns(pid):
+    """{tid: ns waited on a run queue} of `pid`'s threads other than its
+    vCPUs (/proc/PID/task/TID/schedstat, second field)."""
+    out = {}
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except (FileNotFoundError, ProcessLookupError):
+        return out
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/comm") as f:
+                if f.read().startswith(("vcpu", "CPU ")):
+                    continue
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                out[t] = int(f.read().split()[1])
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue
+    return out
+
+
 class CpuPoll:
     """Polls a process's non-vCPU CPU from now on (every 20 ms); `used()`
     is the CPU seconds since the start, up to the last poll that saw the
@@ -100,6 +120,8 @@ class CpuPoll:
         self.first = first and first[0]
         self.last = self.first
         self.vcpus = first[1] if first else 0
+        self.wait0 = runq_wait_ns(pid)
+        self.wait = dict(self.wait0)
         self.stop = False
         self.t = threading.Thread(target=self._run, daemon=True)
         self.t.start()
@@ -114,7 +136,13 @@ class CpuPoll:
             # count the guest's CPU. (A destination's vCPUs appear later.)
             if v[1] >= self.vcpus:
                 self.last, self.vcpus = v
+            self.wait.update(runq_wait_ns(self.pid))
             time.sleep(0.02)
+
+    def waited(self):
+        """Seconds the process's non-vCPU threads waited on a run queue
+        (ready to run, another task on the CPU) since the start."""
+        return round(sum(v - self.wait0.get(t, 0) for t, v in self.wait.items()) / 1e9, 2)
 
     def used(self):
         self.stop = True
@@ -242,6 +270,7 @@ def kemari_one(w, net, conns, plain, port, max_bw):
             pass
         time.sleep(0.5)
         src_cpu, dst_cpu = cs.used(), cd.used()
+        src_wait, dst_wait = cs.waited(), cd.waited()
         rounds = [{k: float(v) for k, v in re.findall(r"\b(round|bytes|ms|mb_s|cpu_ms)=([\d.]+)", line)}
                   for line in read(f"{w}/src.out").splitlines() if "pre-copy round sent" in line]
         r1 = next((x for x in rounds if x.get("round") == 1), None)
@@ -249,7 +278,8 @@ def kemari_one(w, net, conns, plain, port, max_bw):
             "total_ms": float(rep["total_ms"]), "downtime_ms": float(rep["downtime_ms"]),
             "bytes": int(rep["bytes_sent"]), "round1_mb_s": r1 and round(r1["mb_s"], 1),
             "round1_bytes": r1 and int(r1["bytes"]), "round1_ms": r1 and round(r1["ms"], 1),
-            "src_cpu_s": src_cpu, "dst_cpu_s": dst_cpu, "rounds": rounds, "report": rep,
+            "src_cpu_s": src_cpu, "dst_cpu_s": dst_cpu, "src_runq_wait_s": src_wait,
+            "dst_runq_wait_s": dst_wait, "rounds": rounds, "report": rep,
         }
     finally:
         for p in (src, dst):
