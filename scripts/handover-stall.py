@@ -399,6 +399,7 @@ def main():
             "bench": "handover-stall",
             "command": "flock /work/bench.lock scripts/handover-stall.py " + " ".join(sys.argv[1:]),
             "started": started.isoformat(timespec="seconds"),
+            "git_commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], stdout=subprocess.PIPE, text=True).stdout.strip(),
             "host": {"cpus": os.cpu_count(), "loadavg_start": list(load0), "loadavg_end": list(os.getloadavg())},
             "tables": [{
                 "title": "a client's TCP echo stream at 256 KiB/s across a hand-over of a 256 MiB test guest: longest stall vs the VMM's downtime, ms",

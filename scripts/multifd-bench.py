@@ -465,6 +465,7 @@ def main():
             "schema": 1, "bench": "multifd",
             "command": "flock /work/bench.lock scripts/multifd-bench.py " + " ".join(sys.argv[1:]),
             "started": started.isoformat(timespec="seconds"),
+            "git_commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], stdout=subprocess.PIPE, text=True).stdout.strip(),
             "host": {"cpus": os.cpu_count(), "loadavg_start": list(load0), "loadavg_end": list(os.getloadavg())},
             "params": {"runs": a.runs, "variants": variants, "capped": a.capped, "max_bandwidth": a.max_bandwidth,
                        "guest": f"{MEMORY}, {CMDLINE}"},
