@@ -91,6 +91,12 @@ class EchoServer:
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self):
+        try:
+            self._serve()
+        except OSError:  # the client closed first (a failed check)
+            pass
+
+    def _serve(self):
         c, _ = self.ls.accept()
         while True:
             b = c.recv(65536)
