@@ -15,6 +15,7 @@ import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 
 class CleanupRegistry:
@@ -58,6 +59,19 @@ class CleanupRegistry:
         """Descriptions of the actions not run yet."""
         with self._lock:
             return [what for what, _ in self._actions.values()]
+
+
+def stop_process(proc: subprocess.Popen[Any], grace: float = 5) -> None:
+    """SIGTERM, then SIGKILL after `grace` seconds; waits for the end. Does
+    nothing to a process that has already ended."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=grace)
 
 
 def _safe(what: str, action: Callable[[], None]) -> None:

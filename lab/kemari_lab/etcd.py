@@ -147,12 +147,7 @@ class LabEtcd:
     def stop(self) -> None:
         for p in self._procs:
             if p is not None and p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(timeout=5)
+                cleanup.stop_process(p)
         if self._cleanup is not None:
             handle, self._cleanup = self._cleanup, None
             cleanup.forget(handle)

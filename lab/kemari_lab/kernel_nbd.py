@@ -58,7 +58,13 @@ from kemari_lab import images
 from kemari_lab.errors import LabError, step
 from kemari_lab.lab import Lab
 from kemari_lab.netns import BRIDGE_IP
-from kemari_lab.shared_disk import NBD_PORT, PROXY_PORT, RelocationProxy, SharedDisk, debugfs_cat
+from kemari_lab.shared_disk import (
+    NBD_PORT,
+    PROXY_PORT,
+    RelocationProxy,
+    SharedDisk,
+    debugfs_cat,
+)
 from kemari_lab.vhost import VirtualHost
 
 KiB = 1024

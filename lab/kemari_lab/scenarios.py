@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kemari_lab import images
+from kemari_lab import images, warm_bench, warm_cache
+from kemari_lab.connection import LongConnection
 from kemari_lab.errors import LabError, step
 from kemari_lab.fault_tolerance import (
     FenceService,
@@ -28,12 +29,10 @@ from kemari_lab.fleet import fleet
 from kemari_lab.guests import BOOTED_RE, Guest, GuestSpec, check_memory
 from kemari_lab.kernel_nbd import kernel_nbd
 from kemari_lab.lab import Lab
-from kemari_lab.connection import LongConnection
 from kemari_lab.roaming import roaming_guest
 from kemari_lab.soak import DiskWriter, soak
 from kemari_lab.soak_rounds import soak_round
 from kemari_lab.vhost import VirtualHost
-from kemari_lab import warm_bench, warm_cache
 from kemari_lab.warm_reboot import WarmHost, guest_clock
 from kemari_lab.warm_reboot import lab_options as warm_lab_options
 

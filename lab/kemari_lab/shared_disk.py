@@ -108,12 +108,7 @@ class KemariNbdProcess:
         """Stops the server (idempotent); its files stay in the run directory."""
         proc = self._proc
         if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+            cleanup.stop_process(proc)
         if self._cleanup is not None:
             handle, self._cleanup = self._cleanup, None
             cleanup.forget(handle)

@@ -160,12 +160,7 @@ class VirtualHost:
         if proc is None:
             return
         if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
+            cleanup.stop_process(proc)
         if proc.stdin:
             try:
                 proc.stdin.close()
