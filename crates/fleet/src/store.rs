@@ -84,7 +84,8 @@ impl Store {
             .with_timeout(rpc)
             .with_require_leader(true);
         if let Some(tls) = &spec.tls {
-            options = options.with_tls(ft::fence::etcd::helper::tls_options(tls).map_err(fail)?);
+            options = options
+                .with_tls(ft::fence::etcd::helper::tls_options(tls).map_err(FleetError::Spec)?);
         }
         let client = timeout(
             rpc * 2,

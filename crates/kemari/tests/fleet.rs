@@ -408,6 +408,37 @@ fn failing_ft_starts_are_paced() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// An agent that starts while etcd does not answer (frozen: its port
+/// accepts, nothing replies) keeps trying, paced, and registers once etcd
+/// answers again, instead of exiting.
+#[test]
+fn an_agent_waits_for_a_silent_etcd_and_then_registers() {
+    let _turn = one_at_a_time();
+    let dir = scratch("fleet-join");
+    let etcd = EtcdCluster::start(&dir, 1);
+    let fence = etcd.fence(PREFIX, TTL_S);
+    etcd.freeze();
+    let mut host = start_host(&dir, &fence, 0, "");
+    let log = dir.join("agent-h0.log");
+    let tries = |text: &str| text.matches("etcd did not answer; trying again").count();
+    wait_for("two failed joins", Duration::from_secs(60), || {
+        tries(&read_text(&log)) >= 2
+    });
+    assert!(
+        host._agent.0.try_wait().unwrap().is_none(),
+        "the agent ended: {}",
+        read_text(&log)
+    );
+    etcd.thaw();
+    wait_for("the agent registered", Duration::from_secs(60), || {
+        read_text(&log).contains("fleet agent: registered")
+    });
+    let text = read_text(&log);
+    assert!(text.contains("retry_in_ms=1000"), "{text}");
+    assert!(text.contains("retry_in_ms=2000"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Runs headless Chromium on `url` with `args`; its stdout.
 fn chromium(args: &[&str], url: &str) -> Vec<u8> {
     let out = run_with_timeout(

@@ -135,6 +135,36 @@ struct Agent {
 }
 
 /// Runs the agent until it fails to start (the error) or forever.
+/// Connects to etcd and takes this host's lease. An agent is a daemon
+/// that may start with its etcd cluster (or while etcd is loaded): while
+/// etcd does not answer it tries again, paced as failing `ft start`s are
+/// ([`backoff`]); any other error (a certificate file that cannot be read,
+/// a bad address) is the operator's to fix and ends the agent.
+async fn join_registry(spec: &EtcdSpec) -> Result<(Store, i64), FleetError> {
+    let mut pacing = Backoff::default();
+    loop {
+        let attempt = async {
+            let store = Store::connect(spec).await?;
+            let lease = store.grant(spec.ttl).await?;
+            Ok::<_, FleetError>((store, lease))
+        };
+        match attempt.await {
+            Ok(joined) => return Ok(joined),
+            Err(e @ FleetError::Etcd { .. }) => {
+                let pause = pacing.failed(Instant::now());
+                tracing::warn!(
+                    error = %e,
+                    failures = pacing.failures(),
+                    retry_in_ms = pause.as_millis() as u64,
+                    "fleet agent: etcd did not answer; trying again"
+                );
+                tokio::time::sleep(pause).await;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 pub async fn run(cfg: AgentConfig) -> Result<(), FleetError> {
     let key = std::fs::read(&cfg.key_file).map_err(|source| FleetError::File {
         what: "migration key file",
@@ -146,8 +176,7 @@ pub async fn run(cfg: AgentConfig) -> Result<(), FleetError> {
         path: cfg.vm_dir.display().to_string(),
         source,
     })?;
-    let store = Store::connect(&cfg.spec).await?;
-    let lease = store.grant(cfg.spec.ttl).await?;
+    let (store, lease) = join_registry(&cfg.spec).await?;
     let shown = http::Shown::default();
     let http_addr = match &cfg.http {
         Some(addr) => Some(http::serve(addr, cfg.host.clone(), shown.clone())?),
