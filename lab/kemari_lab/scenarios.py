@@ -153,6 +153,10 @@ FS_RE = re.compile(r"KLAB-FS (clean|dirty)[^\n]*")
 RECORDS_RE = re.compile(r"KLAB-RECORDS lines=(\d+) bad=(\d+)")
 
 
+# How long a request to a guest whose disk writer runs may take (connect included).
+REBOOT_REQUEST_S = 60
+
+
 def guest_reboots(lab: Lab, vmm: str) -> dict[str, float]:
     """A kemari guest on vh0 runs `reboot` 5 times while writing its disk (a
     writer appending synced records and rewriting a file with fsync): it
@@ -168,11 +172,15 @@ def guest_reboots(lab: Lab, vmm: str) -> dict[str, float]:
     pid = first["pid"]
     for boot in range(1, GUEST_REBOOTS + 1):
         with step(f"reboot {boot} of {GUEST_REBOOTS}"):
-            if "writer started" not in lab.client_http_get(ip, "/cgi-bin/writer"):
+            # A guest whose writer syncs on a loaded TCG host may take more
+            # than the default 10 s to accept a connection (seen in CI: the
+            # reboot request's connect timed out; it passed when re-run on a
+            # quiet host): these requests are about the reboot, not latency.
+            if "writer started" not in lab.client_http_get(ip, "/cgi-bin/writer", timeout=REBOOT_REQUEST_S):
                 raise LabError(f"{host.name}: the guest's disk writer did not start")
             time.sleep(3)  # under load: the writer syncs records meanwhile
             t0 = time.monotonic()
-            lab.client_http_get(ip, "/cgi-bin/reboot")
+            lab.client_http_get(ip, "/cgi-bin/reboot", timeout=REBOOT_REQUEST_S)
             deadline = t0 + 240
             while True:
                 console = guest.console_text()
