@@ -4,25 +4,14 @@
 //! A sync: pause the vCPUs, harvest the pages dirtied since the last sync
 //! (guest writes from the KVM dirty ring, VMM writes from its own queue),
 //! copy them and save the whole VM state, **resume the vCPUs**, then send
-//! the epoch; its outputs go once the standby acknowledged it. The guest is
-//! paused only for the capture; the transfer overlaps with its execution,
-//! while the outputs — the only thing the outside world can see — wait.
-//!
-//! Event-driven syncs are **pipelined**: the gate answers a batch with its
-//! epoch as ticket ([`Release::AtTicket`]) and the device event loop serves
-//! everything else meanwhile, including the next batch of outputs, which
-//! becomes the next epoch while the first is still in flight (up to
-//! [`MAX_IN_FLIGHT`]). Acknowledgements come in epoch order, and the loop
-//! performs batches in that order, so only acknowledged epochs' outputs
-//! ever leave the VM.
+//! the epoch and wait for the standby's acknowledgement before the outputs
+//! go. The guest is paused only for the capture; the transfer overlaps with
+//! its execution, while the outputs — the only thing the outside world can
+//! see — wait.
 
-use std::collections::VecDeque;
-use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-
-use vmm_sys_util::eventfd::EventFd;
 
 use vmm::machine::{MachineCore, PauseLength};
 use vmm::memory::GuestMemoryMmap;
@@ -32,29 +21,13 @@ use vmm::persist::format;
 use transfer::message::{Kind, Message};
 use transfer::pages::{PageFrame, MAX_PAGES_PER_FRAME};
 use transfer::precopy::read_page;
-use transfer::{Peer, TransferError};
+use transfer::TransferError;
 
 use crate::epoch::pack_state;
 use crate::kept::{KeptPages, COLD_RESET};
 use crate::link::Link;
 use crate::status::{FtShared, FtState};
 use crate::{FtError, SyncMode};
-
-/// Epochs sent and not yet acknowledged, at most (a batch beyond it waits,
-/// on the event loop, for the oldest acknowledgement). Default; the
-/// environment's `KEMARI_FT_MAX_IN_FLIGHT` overrides it (1 = no pipeline).
-pub const MAX_IN_FLIGHT: usize = 4;
-
-/// An epoch sent, waiting for its acknowledgement.
-#[derive(Debug, Clone, Copy)]
-struct Sent {
-    epoch: u64,
-    started: Instant,
-    pause: Duration,
-    pages: u64,
-    bytes: u64,
-    outputs: u64,
-}
 
 /// The output gate of a protected VM.
 pub struct FtGate {
@@ -77,12 +50,6 @@ pub struct FtGate {
     /// The standby's copy of the pages left writable.
     kept: Mutex<KeptPages>,
     shared: Arc<FtShared>,
-    /// Epochs sent, not yet acknowledged, oldest first.
-    in_flight: Mutex<VecDeque<Sent>>,
-    max_in_flight: usize,
-    /// Wakes the event loop: an acknowledgement read by another thread,
-    /// the standby lost.
-    wake: Arc<EventFd>,
 }
 
 impl std::fmt::Debug for FtGate {
@@ -128,18 +95,8 @@ impl FtGate {
         keep_writable: usize,
         hold_vcpus: bool,
         shared: Arc<FtShared>,
-    ) -> Result<Self, FtError> {
-        let wake =
-            Arc::new(EventFd::new(libc::EFD_NONBLOCK).map_err(|e| {
-                TransferError::io(Peer::Standby, "making the gate's eventfd", None, e)
-            })?);
-        link.set_waker(wake.clone());
-        let max_in_flight = std::env::var("KEMARI_FT_MAX_IN_FLIGHT")
-            .ok()
-            .and_then(|v| v.trim().parse::<usize>().ok())
-            .filter(|&n| n > 0)
-            .unwrap_or(MAX_IN_FLIGHT);
-        Ok(FtGate {
+    ) -> Self {
+        FtGate {
             core,
             mode,
             link: Mutex::new(Some(link)),
@@ -150,10 +107,7 @@ impl FtGate {
             keep_writable,
             kept: Mutex::new(KeptPages::default()),
             shared,
-            in_flight: Mutex::new(VecDeque::new()),
-            max_in_flight,
-            wake,
-        })
+        }
     }
 
     fn current_link(&self) -> Option<Arc<Link>> {
@@ -168,65 +122,6 @@ impl FtGate {
         batch: &[OutputEvent],
         extra: Vec<u64>,
     ) -> Result<(), FtError> {
-        let mut held = false;
-        let epoch = self.capture_and_send(link, batch, extra, self.hold_vcpus, &mut held);
-        let waited = epoch.and_then(|epoch| {
-            link.wait("waiting for the standby to acknowledge an epoch", |l| {
-                l.acked() >= epoch
-            })?;
-            Ok(())
-        });
-        if held {
-            self.core.resume_vcpus()?;
-        }
-        waited?;
-        self.complete_acked(link);
-        Ok(())
-    }
-
-    /// Records the epochs the standby acknowledged; returns the last one.
-    fn complete_acked(&self, link: &Link) -> u64 {
-        let acked = link.acked();
-        let mut in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
-        while let Some(s) = in_flight.front().copied().filter(|s| s.epoch <= acked) {
-            in_flight.pop_front();
-            let delay = s.started.elapsed();
-            tracing::debug!(
-                epoch = s.epoch,
-                acked_us = delay.as_micros() as u64,
-                "sync acknowledged"
-            );
-            self.shared
-                .record_sync(s.epoch, s.pages, s.bytes, s.outputs, s.pause, delay);
-        }
-        acked
-    }
-
-    /// Captures one epoch (plus pages `extra` found dirty earlier) and
-    /// sends it, first waiting for the oldest acknowledgement if
-    /// `max_in_flight` epochs are in flight; returns the epoch. With
-    /// `hold`, the vCPUs stay paused once captured (`held` says so: the
-    /// caller resumes them, also on error).
-    fn capture_and_send(
-        &self,
-        link: &Link,
-        batch: &[OutputEvent],
-        extra: Vec<u64>,
-        hold: bool,
-        held: &mut bool,
-    ) -> Result<u64, FtError> {
-        let oldest = {
-            let in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
-            (in_flight.len() >= self.max_in_flight)
-                .then(|| in_flight.front().map(|s| s.epoch))
-                .flatten()
-        };
-        if let Some(oldest) = oldest {
-            link.wait("waiting for the standby to acknowledge an epoch", |l| {
-                l.acked() >= oldest
-            })?;
-            self.complete_acked(link);
-        }
         let started = Instant::now();
         let epoch = self.epoch.load(Ordering::SeqCst) + 1;
         let mut pool = self.frames.lock().unwrap_or_else(|p| p.into_inner());
@@ -274,8 +169,8 @@ impl FtGate {
             );
             Ok((pfns.len() as u64, frames, state, kept_stats))
         })();
-        *held = hold && captured.is_ok();
-        let resumed = if *held {
+        let hold = self.hold_vcpus && captured.is_ok();
+        let resumed = if hold {
             Ok(())
         } else {
             self.core.resume_vcpus()
@@ -284,7 +179,7 @@ impl FtGate {
         let (pages, frames, state, (kept, skipped)) = captured?;
         resumed?;
         self.shared.record_kept(kept, skipped);
-        self.send_epoch(
+        let result = self.send_epoch(
             link,
             epoch,
             batch,
@@ -293,8 +188,11 @@ impl FtGate {
             state,
             started,
             pause,
-        )?;
-        Ok(epoch)
+        );
+        if hold {
+            self.core.resume_vcpus()?;
+        }
+        result
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -309,9 +207,6 @@ impl FtGate {
         started: Instant,
         pause: Duration,
     ) -> Result<(), FtError> {
-        // The standby unpacks each state against the one before it in the
-        // stream (epochs apply in order): the delta is against the last
-        // epoch *sent*.
         let outputs: u64 = batch.iter().map(|e| u64::from(e.requests)).sum();
         // Encoding takes a few µs (binary state, LZ4 delta): the whole
         // epoch then goes out in one write, and the standby wakes once for
@@ -336,52 +231,32 @@ impl FtGate {
             })?;
             w.send(Kind::State, &packed)
         })?;
+        let t_sent = started.elapsed();
+        link.wait("waiting for the standby to acknowledge an epoch", |l| {
+            l.acked() >= epoch
+        })?;
         tracing::debug!(
             epoch,
             pause_us = pause.as_micros() as u64,
-            sent_us = started.elapsed().as_micros() as u64,
+            sent_us = t_sent.as_micros() as u64,
+            acked_us = started.elapsed().as_micros() as u64,
             state_bytes = state.len(),
             packed_bytes = packed_len,
-            "sync sent"
+            "sync done"
         );
         self.epoch.store(epoch, Ordering::SeqCst);
         *self.prev_state.lock().unwrap_or_else(|p| p.into_inner()) = state;
-        self.in_flight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push_back(Sent {
-                epoch,
-                started,
-                pause,
-                pages,
-                bytes,
-                outputs,
-            });
+        self.shared
+            .record_sync(epoch, pages, bytes, outputs, pause, started.elapsed());
         Ok(())
     }
 
-    /// One epoch for `batch`, waited for (periodic checkpoints, or vCPUs
-    /// held until the acknowledgement).
     fn sync(&self, batch: &[OutputEvent]) {
         let Some(link) = self.current_link() else {
             return;
         };
         if let Err(e) = self.sync_epoch(&link, batch, Vec::new()) {
             self.degrade(&e.to_string());
-        }
-    }
-
-    /// One epoch for `batch`, not waited for: its ticket.
-    fn sync_pipelined(&self, batch: &[OutputEvent]) -> Release {
-        let Some(link) = self.current_link() else {
-            return Release::Now;
-        };
-        match self.capture_and_send(&link, batch, Vec::new(), false, &mut false) {
-            Ok(epoch) => Release::AtTicket(epoch),
-            Err(e) => {
-                self.degrade(&e.to_string());
-                Release::Now
-            }
         }
     }
 
@@ -399,8 +274,6 @@ impl FtGate {
             if let Err(e) = self.core.dirty_tracker().stop() {
                 tracing::warn!(error = %e, "cannot stop dirty tracking");
             }
-            // Outputs in flight go now: wake the event loop.
-            let _ = self.wake.write(1);
         }
     }
 
@@ -413,7 +286,6 @@ impl FtGate {
             });
             link.close();
             let _ = self.core.dirty_tracker().stop();
-            let _ = self.wake.write(1);
         }
         self.shared.set_state(FtState::Unprotected);
         tracing::info!(reason, "fault tolerance stopped");
@@ -430,33 +302,11 @@ impl OutputGate for FtGate {
         match self.mode {
             SyncMode::Periodic(_) if self.is_protecting() => Release::AtCheckpoint,
             SyncMode::Periodic(_) => Release::Now,
-            SyncMode::EventDriven if self.hold_vcpus => {
+            SyncMode::EventDriven => {
                 self.sync(batch);
                 Release::Now
             }
-            SyncMode::EventDriven => self.sync_pipelined(batch),
         }
-    }
-
-    fn release_fds(&self) -> Vec<RawFd> {
-        let mut fds = vec![self.wake.as_raw_fd()];
-        if let Some(link) = self.current_link() {
-            fds.push(link.socket_fd());
-        }
-        fds
-    }
-
-    fn released(&self) -> u64 {
-        let _ = self.wake.read();
-        let Some(link) = self.current_link() else {
-            // Unprotected: everything goes.
-            return u64::MAX;
-        };
-        if let Err(e) = link.poll() {
-            self.degrade(&e.to_string());
-            return u64::MAX;
-        }
-        self.complete_acked(&link)
     }
 
     fn checkpoint_interval(&self) -> Option<Duration> {

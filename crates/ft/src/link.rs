@@ -1,15 +1,13 @@
 //! The primary's end of the sync link. No thread sits in a read: whoever
-//! waits for an answer (the device event loop, which watches the socket
-//! while epochs are in flight; a blocking sync; the initial
+//! waits for an answer (a sync on the device event loop, the initial
 //! synchronization) reads the socket itself — an acknowledgement costs no
 //! extra thread wake-up — and the heartbeat thread drains what arrived
 //! while nobody waited, which is how a silent standby is noticed between
-//! syncs (an acknowledgement it reads wakes the event loop through the
-//! gate's eventfd).
+//! syncs.
 
 use std::io::{BufReader, BufWriter};
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -18,7 +16,6 @@ use transfer::channel::Channel;
 use transfer::link::RoundLink;
 use transfer::message::{Kind, Message};
 use transfer::{Peer, TransferError};
-use vmm_sys_util::eventfd::EventFd;
 
 use crate::gate::FtGate;
 
@@ -37,9 +34,6 @@ pub struct Link {
     acked: AtomicU64,
     round_acked: AtomicU32,
     timeout: Duration,
-    /// Written when the heartbeat thread read an acknowledgement (the
-    /// event loop waiting for it would otherwise not wake).
-    waker: OnceLock<Arc<EventFd>>,
 }
 
 impl std::fmt::Debug for Link {
@@ -83,7 +77,6 @@ impl Link {
             acked: AtomicU64::new(0),
             round_acked: AtomicU32::new(0),
             timeout,
-            waker: OnceLock::new(),
         });
         let beat = Arc::downgrade(&link);
         std::thread::Builder::new()
@@ -96,51 +89,6 @@ impl Link {
     /// The socket (to shut down on cancel).
     pub fn socket(&self) -> &TcpStream {
         &self.socket
-    }
-
-    /// The socket's fd: readable when the standby answered.
-    pub fn socket_fd(&self) -> RawFd {
-        self.socket.as_raw_fd()
-    }
-
-    /// `waker` is written whenever the heartbeat thread reads an
-    /// acknowledgement.
-    pub(crate) fn set_waker(&self, waker: Arc<EventFd>) {
-        let _ = self.waker.set(waker);
-    }
-
-    /// Reads every complete answer that waits, without waiting for more
-    /// (a frame already begun is read to its end).
-    pub fn poll(&self) -> Result<(), TransferError> {
-        let mut reader = self.reader.lock().unwrap_or_else(|p| p.into_inner());
-        self.drain_locked(&mut reader)?;
-        // A closed socket stays readable with nothing to read: say so, or
-        // whoever watches it would wake for ever.
-        let mut byte = 0u8;
-        // SAFETY: a one-byte read into a local, peeked (nothing consumed)
-        // and non-blocking, on a socket this link owns.
-        let n = unsafe {
-            libc::recv(
-                self.socket.as_raw_fd(),
-                (&mut byte as *mut u8).cast(),
-                1,
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
-        };
-        let err = std::io::Error::last_os_error();
-        if n == 0
-            || (n < 0
-                && !matches!(
-                    err.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
-                ))
-        {
-            return Err(TransferError::Closed {
-                peer: Peer::Standby,
-                phase: "waiting for the standby to acknowledge an epoch".into(),
-            });
-        }
-        Ok(())
     }
 
     /// Sends what `f` writes, as one flush; returns the payload bytes.
@@ -223,21 +171,10 @@ impl Link {
         let Ok(mut reader) = self.reader.try_lock() else {
             return Ok(());
         };
-        let before = self.acked();
-        let result = self.drain_locked(&mut reader);
-        if self.acked() != before {
-            if let Some(w) = self.waker.get() {
-                let _ = w.write(1);
-            }
-        }
-        result
-    }
-
-    fn drain_locked(&self, reader: &mut Reader) -> Result<(), TransferError> {
         while !reader.0.stream().buffer().is_empty()
             || transfer::sys::bytes_waiting(self.socket.as_fd()) > 0
         {
-            self.read_one(reader)?;
+            self.read_one(&mut reader)?;
         }
         Ok(())
     }

@@ -182,7 +182,7 @@ fn initial_sync(
         opts.keep_writable,
         env_flag(std::env::var_os("KEMARI_FT_HOLD_VCPUS")),
         shared.clone(),
-    )?);
+    ));
     let _ = on_lost.set(Arc::downgrade(&gate));
     gate.sync_epoch(link, &[], pre.carry)?;
     machine.set_output_gate(gate.clone())?;

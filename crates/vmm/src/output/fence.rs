@@ -93,19 +93,6 @@ impl OutputGate for FencedGate {
     fn console_may_write(&self) -> bool {
         self.inner.console_may_write() && self.slot.holds()
     }
-
-    fn release_fds(&self) -> Vec<std::os::fd::RawFd> {
-        self.inner.release_fds()
-    }
-
-    fn released(&self) -> u64 {
-        // No ticket goes once the fence stopped holding.
-        if self.slot.holds() {
-            self.inner.released()
-        } else {
-            0
-        }
-    }
 }
 
 #[cfg(test)]

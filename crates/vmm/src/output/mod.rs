@@ -56,11 +56,6 @@ pub enum Release {
     Now,
     /// After the next checkpoint ([`OutputGate::checkpoint`]).
     AtCheckpoint,
-    /// Once [`OutputGate::released`] reaches this ticket (an epoch sent,
-    /// not yet acknowledged). Meanwhile the event loop serves everything
-    /// else, and later batches may get later tickets; batches go in the
-    /// order they were handed to the gate.
-    AtTicket(u64),
 }
 
 /// Decides when device outputs may proceed. Called from the device event
@@ -89,20 +84,6 @@ pub trait OutputGate: Send + Sync + fmt::Debug {
     /// (see [`crate::devices::console_buffer`]).
     fn console_may_write(&self) -> bool {
         true
-    }
-
-    /// Fds the event loop watches (readable) for tickets
-    /// ([`Release::AtTicket`]) to be released; after each wake-up it asks
-    /// [`released`](Self::released) and then this list again (an fd gone
-    /// from it is no longer watched).
-    fn release_fds(&self) -> Vec<std::os::fd::RawFd> {
-        Vec::new()
-    }
-
-    /// Every ticket up to this one may go now; must not block for long
-    /// (the default: every ticket).
-    fn released(&self) -> u64 {
-        u64::MAX
     }
 }
 
