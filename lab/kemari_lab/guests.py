@@ -211,6 +211,27 @@ class Guest:
             raise LabError(f"{h.name}: kemarictl {args} printed no JSON: {res.output!r}") from None
         return answer
 
+    def diagnostics(self, console_chars: int = 2000) -> str:
+        """What to read when the guest stops answering: kemari's devices (request
+        counters; each queue's position against the guest's avail index, and
+        the unacknowledged interrupt status) and the end of the console. Best
+        effort: never raises."""
+        parts = []
+        if self.spec.vmm == "kemari":
+            try:
+                for d in self.ctl("metrics", timeout=30).get("devices", []):
+                    parts.append(
+                        f"  {d.get('name')}: counters {d.get('counters')} queues {d.get('queues')}"
+                        f" interrupt_status {d.get('interrupt_status')}"
+                    )
+            except Exception as e:  # noqa: BLE001 - diagnostics must not hide the failure
+                parts.append(f"  kemarictl metrics: {e}")
+        try:
+            parts.append("console:\n" + self.console_text()[-console_chars:])
+        except Exception as e:  # noqa: BLE001
+            parts.append(f"console: {e}")
+        return f"{self.spec.name} on {self.host.name}:\n" + "\n".join(parts)
+
     def info(self) -> dict[str, Any]:
         """`kemarictl info` where the guest runs: state, vCPUs, memory, uptime, pid."""
         return self.ctl("info")

@@ -79,7 +79,10 @@ class RoamingGuest:
         """The guest writes a fresh token to its disk, syncs, drops its caches and
         reads it back (GET /cgi-bin/disk from the client); returns the token."""
         token = f"{label}-{secrets.token_hex(8)}"
-        body = self.lab.client_http_get(self.guest.spec.ip, f"/cgi-bin/disk?{token}", timeout=timeout)
+        try:
+            body = self.lab.client_http_get(self.guest.spec.ip, f"/cgi-bin/disk?{token}", timeout=timeout)
+        except LabError as e:
+            raise LabError(f"{e}\n{self.guest.diagnostics()}") from None
         if f"KLAB-DISK-OK {token}" not in body:
             raise LabError(f"{self.host.name}: guest {self.guest.spec.name} disk write/read-back failed: {body!r}")
         self.last_token = token

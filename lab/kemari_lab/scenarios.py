@@ -176,11 +176,14 @@ def guest_reboots(lab: Lab, vmm: str) -> dict[str, float]:
             # than the default 10 s to accept a connection (seen in CI: the
             # reboot request's connect timed out; it passed when re-run on a
             # quiet host): these requests are about the reboot, not latency.
-            if "writer started" not in lab.client_http_get(ip, "/cgi-bin/writer", timeout=REBOOT_REQUEST_S):
-                raise LabError(f"{host.name}: the guest's disk writer did not start")
-            time.sleep(3)  # under load: the writer syncs records meanwhile
-            t0 = time.monotonic()
-            lab.client_http_get(ip, "/cgi-bin/reboot", timeout=REBOOT_REQUEST_S)
+            try:
+                if "writer started" not in lab.client_http_get(ip, "/cgi-bin/writer", timeout=REBOOT_REQUEST_S):
+                    raise LabError(f"{host.name}: the guest's disk writer did not start")
+                time.sleep(3)  # under load: the writer syncs records meanwhile
+                t0 = time.monotonic()
+                lab.client_http_get(ip, "/cgi-bin/reboot", timeout=REBOOT_REQUEST_S)
+            except LabError as e:
+                raise LabError(f"{e}\n{guest.diagnostics()}") from None
             deadline = t0 + 240
             while True:
                 console = guest.console_text()

@@ -112,11 +112,18 @@ impl AttachedDevice {
     /// `info` with current counters.
     pub fn info_with_counters(&self) -> DeviceInfo {
         let mut info = self.info.clone();
-        info.counters = self
-            .device
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .counters();
+        {
+            let device = self.device.lock().unwrap_or_else(|p| p.into_inner());
+            info.counters = device.counters();
+            info.queues = device.queue_views();
+        }
+        // Not under the device's lock: the transport takes it itself.
+        info.interrupt_status = Some(
+            self.transport
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .interrupt_status(),
+        );
         info
     }
 }
@@ -337,6 +344,8 @@ fn wire(
             gsi,
             backend,
             counters: Default::default(),
+            queues: Vec::new(),
+            interrupt_status: None,
         },
         device,
         queue_events,

@@ -32,6 +32,13 @@ pub struct DeviceInfo {
     pub backend: String,
     /// Request counters.
     pub counters: DeviceCounters,
+    /// A virtio device's queues while its driver runs it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub queues: Vec<crate::devices::virtio::QueueView>,
+    /// A virtio device's InterruptStatus register (non-zero: an interrupt
+    /// the guest has not acknowledged yet).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interrupt_status: Option<u32>,
 }
 
 /// A device address as a `0x` hex string in JSON.
@@ -77,6 +84,8 @@ mod hex_address {
                 gsi: 5,
                 backend: "disk.img".into(),
                 counters: DeviceCounters::default(),
+                queues: Vec::new(),
+                interrupt_status: None,
             }
         }
 

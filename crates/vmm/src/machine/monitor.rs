@@ -223,6 +223,8 @@ impl MachineStatus {
                 bytes_out: serial.bytes_out(),
                 ..Default::default()
             },
+            queues: Vec::new(),
+            interrupt_status: None,
         }];
         drop(serial);
         list.extend(core.virtio.iter().map(|d| d.info_with_counters()));

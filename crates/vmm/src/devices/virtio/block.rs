@@ -23,8 +23,8 @@ use self::request::{
     MAX_RANGES, MAX_RANGE_SECTORS, RANGE_FLAG_UNMAP,
 };
 use super::{
-    Activation, DeviceCounters, PendingOutputs, QueueProgress, VirtioDevice, VirtioError,
-    VirtioInterrupt, FEATURE_VERSION_1, TYPE_BLOCK,
+    Activation, DeviceCounters, PendingOutputs, QueueProgress, QueueView, VirtioDevice,
+    VirtioError, VirtioInterrupt, FEATURE_VERSION_1, TYPE_BLOCK,
 };
 use crate::devices::block_backend::{BlockBackend, ReleasedBackend, SECTOR_SIZE};
 use crate::memory::GuestMemoryMmap;
@@ -491,6 +491,13 @@ impl VirtioDevice for Block {
             cache: self.backend.cache_counters(),
             ..self.counters.clone()
         }
+    }
+
+    fn queue_views(&self) -> Vec<QueueView> {
+        self.active
+            .as_ref()
+            .map(|a| vec![QueueView::of(&a.queue, &a.mem)])
+            .unwrap_or_default()
     }
 
     fn queue_progress(&self) -> Vec<QueueProgress> {

@@ -105,6 +105,37 @@ pub struct Activation {
     pub acked_features: u64,
 }
 
+/// One queue as the API shows it (`kemarictl devices`): where the device is
+/// and what the guest has published. Requests that stay `waiting` while the
+/// device is idle mean a lost notification.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct QueueView {
+    /// Next available-ring entry the device will read.
+    pub next_avail: u16,
+    /// Next used-ring entry the device will write.
+    pub next_used: u16,
+    /// The avail index the guest has published (None: unreadable ring).
+    pub avail_idx: Option<u16>,
+    /// Requests published and not yet taken by the device.
+    pub waiting: u16,
+}
+
+impl QueueView {
+    /// `queue` now, reading the guest's avail index from `mem`.
+    pub fn of(queue: &Queue, mem: &GuestMemoryMmap) -> Self {
+        let avail_idx = queue
+            .avail_idx(mem, std::sync::atomic::Ordering::Acquire)
+            .ok()
+            .map(|w| w.0);
+        QueueView {
+            next_avail: queue.next_avail(),
+            next_used: queue.next_used(),
+            avail_idx,
+            waiting: avail_idx.map_or(0, |a| a.wrapping_sub(queue.next_avail())),
+        }
+    }
+}
+
 /// Requests waiting on a device's output queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PendingOutputs {
@@ -187,6 +218,10 @@ pub trait VirtioDevice: Send {
     /// Progress in each queue while activated (one entry per queue); empty when
     /// not activated or not tracked.
     fn queue_progress(&self) -> Vec<QueueProgress> {
+        Vec::new()
+    }
+    /// Each queue as the API shows it, while activated (empty otherwise).
+    fn queue_views(&self) -> Vec<QueueView> {
         Vec::new()
     }
 }

@@ -25,8 +25,8 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 use super::block::request::{RawDesc, MAX_DESCRIPTORS};
 use super::tap::{Tap, VNET_HDR_LEN};
 use super::{
-    Activation, DeviceCounters, PendingOutputs, QueueProgress, VirtioDevice, VirtioError,
-    VirtioInterrupt, FEATURE_VERSION_1, TYPE_NET,
+    Activation, DeviceCounters, PendingOutputs, QueueProgress, QueueView, VirtioDevice,
+    VirtioError, VirtioInterrupt, FEATURE_VERSION_1, TYPE_NET,
 };
 use crate::memory::GuestMemoryMmap;
 
@@ -485,6 +485,13 @@ impl VirtioDevice for Net {
 
     fn counters(&self) -> DeviceCounters {
         self.counters.clone()
+    }
+
+    fn queue_views(&self) -> Vec<QueueView> {
+        self.active
+            .as_ref()
+            .map(|a| vec![QueueView::of(&a.rx, &a.mem), QueueView::of(&a.tx, &a.mem)])
+            .unwrap_or_default()
     }
 
     fn queue_progress(&self) -> Vec<QueueProgress> {

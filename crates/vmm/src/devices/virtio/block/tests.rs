@@ -306,6 +306,31 @@ fn output_batches_stop_where_the_gate_looked() {
 }
 
 #[test]
+fn queue_views_show_requests_the_device_has_not_taken() {
+    let mut f = fixture(
+        Box::new(MemoryBackend::new(1 << 20, false)),
+        FEATURE_VERSION_1 | features::EVENT_IDX,
+    );
+    let view = |f: &Fixture| f.blk.queue_views()[0];
+    assert_eq!(view(&f).waiting, 0);
+    f.header(types::FLUSH, 0);
+    for head in [0u16, 2] {
+        f.ring
+            .add_chain(head, &[(HDR, 16, false), (STATUS, 1, true)]);
+    }
+    let v = view(&f);
+    assert_eq!(
+        (v.next_avail, v.next_used, v.avail_idx, v.waiting),
+        (0, 0, Some(2), 2)
+    );
+    f.blk.serve_outputs_until(1);
+    let v = view(&f);
+    assert_eq!((v.next_avail, v.next_used, v.waiting), (1, 1, 1));
+    f.blk.reset();
+    assert!(f.blk.queue_views().is_empty(), "no queues once reset");
+}
+
+#[test]
 fn read_only_disk_refuses_writes_with_ioerr() {
     let path = temp_image("ro", 64 << 10);
     let backend = RawFileBackend::open(&path, true).unwrap();
