@@ -227,6 +227,13 @@ class Guest:
             except Exception as e:  # noqa: BLE001 - diagnostics must not hide the failure
                 parts.append(f"  kemarictl metrics: {e}")
         try:
+            # A seccomp kill (kemari exits 159, SIGSYS) names its call here.
+            audit = self.host.run("dmesg | grep -a 'type=1326' | tail -5", timeout=30, check=False).output.strip()
+            if audit:
+                parts.append("  seccomp (dmesg): " + audit)
+        except Exception as e:  # noqa: BLE001
+            parts.append(f"  dmesg: {e}")
+        try:
             parts.append("console:\n" + self.console_text()[-console_chars:])
         except Exception as e:  # noqa: BLE001
             parts.append(f"console: {e}")

@@ -352,7 +352,9 @@ def fault_tolerance(lab: Lab, vmm: str, failure: str = "power") -> dict[str, flo
             if primary.alive():
                 raise LabError(f"{primary.name}: still running after the standby fenced it")
             primary.kill()  # forgets the fenced host (its console stays logged)
+            t = time.monotonic()
             rg.check_disk("after")
+            disk_after_failover_s = time.monotonic() - t
             fence_cmd_ms = time_fence_command(standby, fence.command, primary.ip)
 
         def gap_in(start_s: float, end_s: float) -> float:
@@ -378,6 +380,7 @@ def fault_tolerance(lab: Lab, vmm: str, failure: str = "power") -> dict[str, flo
             disk_write_protected_s=disk_protected_s,
             disk_write_protected_syncs=float(after_disk["syncs"] - first["syncs"]),
             disk_write_protected_outputs=float(after_disk["outputs"] - first["outputs"]),
+            disk_write_after_failover_s=disk_after_failover_s,
             ft_standby_epoch=float(s["epoch"]),
             ft_failover_epoch=float(over["epoch"]),
             ft_failover_ms=float(over.get("failover_ms") or -1),  # kemari: primary declared lost -> VM running
