@@ -185,3 +185,34 @@ fn a_forbidden_call_on_a_vcpu_thread_kills_the_vmm_with_sigsys() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+#[cfg_attr(
+    not(feature = "fault-injection"),
+    ignore = "needs --features fault-injection"
+)]
+fn glibcs_own_read_only_open_on_a_device_or_vcpu_thread_is_allowed() {
+    // glibc's malloc opens /proc/sys/vm/overcommit_memory, once, on the
+    // first thread that shrinks an arena: in the lab that was the device
+    // thread after an in-place reboot, and kemari died of SIGSYS.
+    let dir = scratch("harden-glibc-open");
+    let elf = build_stub(&dir, false, 0, 1);
+    let mut cmd = kemari();
+    cmd.arg("--kernel")
+        .arg(&elf)
+        .args(["--memory", "64M", "--serial", "null"])
+        .env("KEMARI_FAULT_GLIBC_OPEN", "devices,vcpu");
+    let out = run_with_timeout(&mut cmd, Duration::from_secs(30));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {stderr}", out.status);
+    // The injection ran on both kinds of thread (the stub powered off after).
+    for kind in ["devices", "vcpu"] {
+        assert!(
+            stderr
+                .lines()
+                .any(|l| l.contains("glibc's read-only open") && l.contains(kind)),
+            "no injected open on the {kind} thread: {stderr}"
+        );
+    }
+}

@@ -419,11 +419,22 @@ fn read_only_open() -> SeccompRule {
 /// `KEMARI_FAULT_FORBIDDEN_SYSCALL` names this kind of thread (`vcpu`), the
 /// thread makes a call its filter forbids — opening a socket — so that a
 /// test sees the process die of SIGSYS.
+/// And if `KEMARI_FAULT_GLIBC_OPEN` names it (comma-separated kinds:
+/// `vcpu`, `devices`), the thread opens `/proc/sys/vm/overcommit_memory`
+/// read-only as glibc's malloc does on its own: the process must live on.
 #[cfg(feature = "fault-injection")]
 pub fn make_a_forbidden_call_if_asked(kind: &str) {
     if std::env::var("KEMARI_FAULT_FORBIDDEN_SYSCALL").is_ok_and(|v| v == kind) {
         tracing::warn!(thread = kind, "fault injection: a forbidden system call");
         let _ = crate::sys::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+    }
+    if std::env::var("KEMARI_FAULT_GLIBC_OPEN").is_ok_and(|v| v.split(',').any(|k| k == kind)) {
+        let opened = std::fs::File::open("/proc/sys/vm/overcommit_memory").is_ok();
+        tracing::warn!(
+            thread = kind,
+            opened,
+            "fault injection: glibc's read-only open of /proc/sys/vm/overcommit_memory"
+        );
     }
 }
 

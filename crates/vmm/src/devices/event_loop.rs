@@ -104,6 +104,7 @@ impl EventLoopAhead {
             .spawn(move || {
                 // Its filter now, ahead of the hand-over's pause.
                 crate::seccomp::confine_this_thread(crate::seccomp::ThreadFilter::Devices);
+                crate::seccomp::make_a_forbidden_call_if_asked("devices");
                 if let Ok(run) = runs.recv() {
                     run();
                 }
