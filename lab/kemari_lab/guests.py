@@ -243,9 +243,9 @@ class Guest:
         """`kemarictl info` where the guest runs: state, vCPUs, memory, uptime, pid."""
         return self.ctl("info")
 
-    def console_text(self) -> str:
+    def console_text(self, timeout: float = 60) -> str:
         """The guest's console so far (also saved beside the virtual host's log)."""
-        text = self.host.run(f"cat {self.console}").output
+        text = self.host.run(f"cat {self.console}", timeout=timeout).output
         (self.host.run_dir / f"{self.host.name}-{self.spec.name}.console").write_text(text)
         return text
 

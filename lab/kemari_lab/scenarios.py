@@ -186,7 +186,9 @@ def guest_reboots(lab: Lab, vmm: str) -> dict[str, float]:
                 raise LabError(f"{e}\n{guest.diagnostics()}") from None
             deadline = t0 + 240
             while True:
-                console = guest.console_text()
+                # The wait's deadline bounds each read too: a booting nested
+                # guest can hold the virtual host's CPUs for tens of seconds.
+                console = guest.console_text(timeout=max(60.0, deadline - time.monotonic()))
                 if console.count("KLAB-GUEST-READY") > boot:
                     break
                 if "KLAB-VMM-EXIT" in console or time.monotonic() > deadline:
