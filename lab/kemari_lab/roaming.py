@@ -75,9 +75,12 @@ class RoamingGuest:
         """Live-migrates the guest to virtual host `index`; returns kemari's report."""
         return live_migrate(self.guest, self.lab.hosts[index], **limits)
 
-    def check_disk(self, label: str, timeout: float = 30) -> str:
+    def check_disk(self, label: str, timeout: float = 90) -> str:
         """The guest writes a fresh token to its disk, syncs, drops its caches and
-        reads it back (GET /cgi-bin/disk from the client); returns the token."""
+        reads it back (GET /cgi-bin/disk from the client); returns the token.
+        It takes 0.5-5 s; the timeout leaves room for the virtual host's
+        stalls (its CPUs held by the nested guest for tens of seconds at
+        times), and a failure prints the VMM's queues and console."""
         token = f"{label}-{secrets.token_hex(8)}"
         try:
             body = self.lab.client_http_get(self.guest.spec.ip, f"/cgi-bin/disk?{token}", timeout=timeout)
