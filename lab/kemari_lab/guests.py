@@ -214,8 +214,9 @@ class Guest:
     def diagnostics(self, console_chars: int = 2000) -> str:
         """What to read when the guest stops answering: kemari's devices (request
         counters; each queue's position against the guest's avail index, and
-        the unacknowledged interrupt status) and the end of the console. Best
-        effort: never raises."""
+        the unacknowledged interrupt status), seccomp kills in the virtual
+        host's kernel log, and the end of the console. Best effort: never
+        raises."""
         parts = []
         if self.spec.vmm == "kemari":
             try:
