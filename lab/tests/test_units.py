@@ -615,6 +615,17 @@ def test_warm_cache_summary_and_http_bench(tmp_path: Path) -> None:
     assert s["read_warm_after_over_cold_after"] == pytest.approx(15.0)
     assert s["read_warm_after_over_before"] == pytest.approx(0.9)
     assert s["http_warm_after_over_before"] == pytest.approx(0.95)
+    # The floor run: the cached guest against one whose disk is in RAM.
+    f = summary(
+        {
+            "warm_r1_read_before_mb_s": 170.0, "warm_r1_read_after_mb_s": 2.6,
+            "ram_r1_read_before_mb_s": 172.0, "ram_r1_read_after_mb_s": 2.5,
+            "warm_r1_http_before_mb_s": 4.0, "warm_r1_http_after_mb_s": 4.1,
+            "ram_r1_http_before_mb_s": 4.0, "ram_r1_http_after_mb_s": 4.0,
+        }
+    )  # fmt: skip
+    assert f["read_warm_after_over_ram_after"] == pytest.approx(1.04)
+    assert "read_warm_after_over_cold_after" not in f
     # The HTTP client against a real server on loopback: one file missing.
     for i in range(3):
         (tmp_path / f"f{i:03d}").write_bytes(b"x" * 1000)
