@@ -57,6 +57,10 @@ N_SMALL = 6
 # Most of each guest's memory (MemTotal is ~470 MiB and ~1.95 GiB): in use.
 FILL_MB = {SMALL_MB: 320, BIG_MB: 1664}
 REGION_GIB = 6
+# Suspend to disk of a filled 2 GiB guest writes (and restore reads) ~1.8 GB
+# through the virtual host's emulated disk at ~4-7 MB/s (run 5): minutes
+# each way, more than the 600 s a timed host command gets by default.
+DISK_STEP_TIMEOUT = 1800
 FILL_RE = re.compile(r"KLAB-FILL mb=(\d+) avail_kb=(\d+) start=([\d.]+) end=([\d.]+)")
 RECORDS_NOW_RE = re.compile(r"KLAB-RECORDS-NOW lines=(\d+) synced=(\d+) bad=(\d+)")
 
@@ -128,7 +132,8 @@ def _running_after_restore(wh: WarmHost, g: Guest, directory: str) -> float:
         f" --memory-file {REGION}/vms/{s.name}/memory > {log} 2>&1;"
         f" echo KEMARI-EXIT=$? >> {log} ) >/dev/null 2>&1 &"
         f' until kemarictl -s {s.api_socket} info 2>/dev/null | grep -q \'"state": *"running"\'; do'
-        f" grep -q KEMARI-EXIT= {log} 2>/dev/null && exit 1; sleep 0.02; done"
+        f" grep -q KEMARI-EXIT= {log} 2>/dev/null && exit 1; sleep 0.02; done",
+        timeout=DISK_STEP_TIMEOUT,
     )
 
 
@@ -139,7 +144,8 @@ def _disk_cycle(wh: WarmHost, out: dict[str, float], prefix: str, w: Watch) -> N
     h.run(f"rm -rf {d}", timeout=300)
     w.before()
     out[f"{prefix}_snapshot_exit_s"] = wh.timed(
-        f"kemarictl -s {g.spec.api_socket} snapshot {d} --exit >/dev/null 2>&1 && sync"
+        f"kemarictl -s {g.spec.api_socket} snapshot {d} --exit >/dev/null 2>&1 && sync",
+        timeout=DISK_STEP_TIMEOUT,
     )
     out[f"{prefix}_image_mb"] = float(
         h.run(f"du -sm {d} | cut -f1").output.strip() or 0
