@@ -14,7 +14,9 @@ writer (synced records, one a second). In one run:
    kexec, without the kexec), the same for b0; then (b) suspend to disk:
    `kemarictl snapshot DIR --exit` of s0 to /disk and `sync`, the host's
    caches dropped, `kemari --restore DIR` into its memory file again; b0
-   the same;
+   the same; then KEMARI_WARM_BENCH_WARM_ROUNDS (default 0) more rounds of
+   the warm freeze/resume alone, the size going first alternating (cheap
+   samples for the flatness ratio);
 2. 1, 3 and 6 VMs (s0; s0–s2; s0–s5) frozen and resumed together,
    N_ROUNDS times, alternated;
 3. (unless KEMARI_WARM_BENCH_KEXEC=0) all seven through a kexec of the host.
@@ -163,6 +165,21 @@ def _disk_cycle(wh: WarmHost, out: dict[str, float], prefix: str, w: Watch) -> N
     out[f"{prefix}_stall_s"] = stall
 
 
+def env_rounds(name: str, default: int) -> int:
+    """A round count from the environment (0 or more)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdigit():
+        raise LabError(f"{name}={text}: a number of rounds (0 or more)")
+    return int(text)
+
+
+def warm_order(r: int, pair: list[Watch]) -> list[Watch]:
+    """The warm-only rounds alternate which size goes first (no order bias)."""
+    return pair if r % 2 else pair[::-1]
+
+
 def _save(lab: Lab, out: dict[str, float]) -> None:
     (lab.run_dir / "warm-bench.json").write_text(
         json.dumps({k: round(v, 3) for k, v in out.items()}, indent=1)
@@ -189,7 +206,8 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
     part = os.environ.get("KEMARI_WARM_BENCH_PART", "all")
     if part not in PARTS:
         raise LabError(f"KEMARI_WARM_BENCH_PART={part}: one of {', '.join(PARTS)}")
-    rounds = int(os.environ.get("KEMARI_WARM_BENCH_ROUNDS", ROUNDS))
+    rounds = env_rounds("KEMARI_WARM_BENCH_ROUNDS", ROUNDS)
+    warm_rounds = env_rounds("KEMARI_WARM_BENCH_WARM_ROUNDS", 0)
     n_small = N_SMALL if part != "disk" else 1
     specs = [wh.spec(f"s{i}", i, SMALL_MB, vcpus=1) for i in range(n_small)]
     if part != "vms":
@@ -244,6 +262,11 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
                     _warm_cycle(wh, out, f"warm_r{r}", [w])
                 for w in (s0, b0):
                     _disk_cycle(wh, out, f"disk_r{r}_{w.guest.spec.name}", w)
+            _save(lab, out)
+        for r in range(rounds + 1, rounds + 1 + warm_rounds if part != "vms" else 1):
+            with step(f"warm only, round {r}"):
+                for w in warm_order(r, [watches["s0"], watches["b0"]]):
+                    _warm_cycle(wh, out, f"warm_r{r}", [w])
             _save(lab, out)
         small = [watches[f"s{i}"] for i in range(n_small)]
         for r in range(1, N_ROUNDS + 1 if part != "disk" else 1):

@@ -599,6 +599,22 @@ def test_warm_bench_summary_takes_medians_and_ratios() -> None:
     assert lab_options()["host_memory_mb"] <= 9 * 1024
 
 
+def test_warm_bench_round_counts_and_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kemari_lab.errors import LabError
+    from kemari_lab.warm_bench import env_rounds, warm_order
+
+    monkeypatch.delenv("KLAB_TEST_ROUNDS", raising=False)
+    assert env_rounds("KLAB_TEST_ROUNDS", 3) == 3
+    monkeypatch.setenv("KLAB_TEST_ROUNDS", "0")
+    assert env_rounds("KLAB_TEST_ROUNDS", 3) == 0
+    monkeypatch.setenv("KLAB_TEST_ROUNDS", "-1")
+    with pytest.raises(LabError, match="KLAB_TEST_ROUNDS=-1"):
+        env_rounds("KLAB_TEST_ROUNDS", 3)
+    pair = ["s0", "b0"]
+    assert warm_order(3, pair) == ["s0", "b0"]  # type: ignore[arg-type]
+    assert warm_order(4, pair) == ["b0", "s0"]  # type: ignore[arg-type]
+
+
 def test_warm_cache_summary_and_http_bench(tmp_path: Path) -> None:
     import http.server
 
