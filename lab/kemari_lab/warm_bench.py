@@ -42,7 +42,7 @@ from typing import Any
 
 from kemari_lab.connection import LongConnection
 from kemari_lab.errors import LabError, step
-from kemari_lab.guests import Guest
+from kemari_lab.guests import Guest, vmm_log
 from kemari_lab.lab import Lab
 from kemari_lab.warm_reboot import REGION, WarmHost, guest_clock
 from kemari_lab.warm_reboot import lab_options as warm_lab_options
@@ -63,6 +63,10 @@ REGION_GIB = 6
 # through the virtual host's emulated disk at ~4-7 MB/s (run 5): minutes
 # each way, more than the 600 s a timed host command gets by default.
 DISK_STEP_TIMEOUT = 1800
+# kemari logs its own set-up time of each (re)start at this level: what of
+# a resume is kemari's (KVM, memory slots, devices, vCPUs) and what is the
+# script's (process start, polling `kemarictl info`).
+LOG_LEVEL = "info,vmm::machine::builder=debug"
 FILL_RE = re.compile(r"KLAB-FILL mb=(\d+) avail_kb=(\d+) start=([\d.]+) end=([\d.]+)")
 RECORDS_NOW_RE = re.compile(r"KLAB-RECORDS-NOW lines=(\d+) synced=(\d+) bad=(\d+)")
 
@@ -122,6 +126,31 @@ def _warm_cycle(
         out[f"{prefix}_{n}_freeze_s"] = f[f"frozen_{n}_s"]
         out[f"{prefix}_{n}_resume_s"] = res[f"resumed_{n}_s"]
     _record_watch(out, prefix, watches)
+    for w in watches:
+        out.update(setup_times(w.guest.console_text(), f"{prefix}_{w.guest.spec.name}"))
+
+
+def setup_times(console: str, prefix: str) -> dict[str, float]:
+    """kemari's own timing of its last (re)start in a console (LOG_LEVEL):
+    from its start of the set-up to the memory mapped, the KVM memory slots
+    made, the devices, the vCPUs, and running (``machine set-up timing``,
+    µs) as ``{prefix}_kemari_<part>_s``; nothing without that log line."""
+    events = vmm_log(console, "machine set-up timing")
+    if not events:
+        return {}
+    fields = events[-1].get("fields", {})
+    parts = {
+        "memory": "memory_us",
+        "memslots": "memslots_done_us",
+        "devices": "devices_done_us",
+        "vcpus": "vcpus_done_us",
+        "started": "started_us",
+    }
+    return {
+        f"{prefix}_kemari_{part}_s": int(fields[key]) / 1e6
+        for part, key in parts.items()
+        if key in fields
+    }
 
 
 def _running_after_restore(wh: WarmHost, g: Guest, directory: str) -> float:
@@ -212,6 +241,8 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
     specs = [wh.spec(f"s{i}", i, SMALL_MB, vcpus=1) for i in range(n_small)]
     if part != "vms":
         specs.append(wh.spec("b0", N_SMALL, BIG_MB, vcpus=1))
+    for spec in specs:
+        spec.log_level = LOG_LEVEL
     guests = {spec.name: wh.start(spec) for spec in specs}
     with step("booting the guests"):
         for g in guests.values():
@@ -348,11 +379,14 @@ def summary(times: dict[str, float]) -> dict[str, float]:
         s[f"disk_over_warm_{size}"] = (
             s[f"disk_{size}_median_s"] / s[f"warm_{size}_median_s"]
         )
+        s[f"warm_kemari_started_{size}_median_s"] = med(
+            rf"warm_r\d+_{name}_kemari_started_s"
+        )
         s[f"warm_stall_{size}_median_s"] = med(rf"warm_r\d+_{name}_stall_s")
         s[f"disk_stall_{size}_median_s"] = med(rf"disk_r\d+_{name}_stall_s")
         s[f"warm_clock_gap_{size}_median_s"] = med(rf"warm_r\d+_{name}_clock_gap_s")
         s[f"disk_clock_gap_{size}_median_s"] = med(rf"disk_r\d+_{name}_clock_gap_s")
-    for part in ("freeze", "resume"):
+    for part in ("freeze", "resume", "kemari_started"):
         s[f"warm_{part}_2g_over_512m"] = (
             s[f"warm_{part}_2g_median_s"] / s[f"warm_{part}_512m_median_s"]
         )

@@ -132,7 +132,11 @@ class WarmHost:
             raise LabError(f"{self.host.name}: loading the next kernel failed: see /tmp/kexec-load.log")
 
     def write_table(self, guests: list[Guest]) -> None:
-        lines = "\n".join(f"{g.spec.name} {g.spec.api_socket} br0:{g.spec.tap} {g.console}" for g in guests)
+        # The resumed kemari logs as the first one did (log_args: none, or
+        # --log-level … --log-json, a word each: no spaces in the level).
+        lines = "\n".join(
+            f"{g.spec.name} {g.spec.api_socket} br0:{g.spec.tap} {g.console}{g.spec.log_args}" for g in guests
+        )
         self.host.run(f"cat > {TABLE} <<'EOF'\n{lines}\nEOF")
 
     def save_consoles(self, suffix: str) -> None:

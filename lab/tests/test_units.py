@@ -615,6 +615,23 @@ def test_warm_bench_round_counts_and_order(monkeypatch: pytest.MonkeyPatch) -> N
     assert warm_order(4, pair) == ["b0", "s0"]  # type: ignore[arg-type]
 
 
+def test_warm_bench_reads_kemaris_last_setup_timing() -> None:
+    from kemari_lab.warm_bench import setup_times
+
+    def line(started_us: int) -> str:
+        fields = {
+            "message": "machine set-up timing", "memory_us": 900, "memslots_done_us": 1500,
+            "devices_done_us": 4000, "vcpus_done_us": 9000, "started_us": started_us,
+        }
+        return json.dumps({"timestamp": "t", "level": "DEBUG", "fields": fields, "target": "vmm::machine::builder"})
+
+    console = "\n".join(["KLAB-GUEST-READY ip=10.0.0.1/24", line(250_000), "guest text", line(120_000)])
+    t = setup_times(console, "warm_r1_b0")
+    assert t["warm_r1_b0_kemari_started_s"] == pytest.approx(0.12)  # the last start
+    assert t["warm_r1_b0_kemari_memslots_s"] == pytest.approx(0.0015)
+    assert setup_times("no kemari log here", "x") == {}
+
+
 def test_warm_cache_summary_and_http_bench(tmp_path: Path) -> None:
     import http.server
 
