@@ -198,8 +198,19 @@ CLOCK_RE = re.compile(r"KLAB-CLOCK uptime=([\d.]+) realtime=(\d+)")
 
 def guest_clock(lab: Any, ip: str, timeout: float = 10) -> tuple[float, float, float]:
     """(client's time.time(), guest uptime, guest wall clock) from GET /cgi-bin/clock."""
-    t = time.time()
-    body = lab.client_http_get(ip, "/cgi-bin/clock", timeout=timeout)
+    # Retried until `timeout`: a new connection can fail at once ("No route
+    # to host": the client's ARP entry lapsed while the host was busy; bench
+    # run 8 ended there with the guest's echo connection going on).
+    deadline = time.monotonic() + timeout
+    while True:
+        t = time.time()
+        try:
+            body = lab.client_http_get(ip, "/cgi-bin/clock", timeout=max(1.0, deadline - time.monotonic()))
+            break
+        except LabError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
     m = CLOCK_RE.search(body)
     if m is None:
         raise LabError(f"guest {ip}: /cgi-bin/clock answered {body!r}")
