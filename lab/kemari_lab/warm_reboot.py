@@ -200,7 +200,7 @@ def guest_clock(lab: Any, ip: str, timeout: float = 10) -> tuple[float, float, f
     """(client's time.time(), guest uptime, guest wall clock) from GET /cgi-bin/clock."""
     # Retried until `timeout`: a new connection can fail at once ("No route
     # to host": the client's ARP entry lapsed while the host was busy; bench
-    # run 8 ended there with the guest's echo connection going on).
+    # run 9 ended there with the guest's echo connection going on).
     deadline = time.monotonic() + timeout
     while True:
         t = time.time()
