@@ -14,7 +14,9 @@ writer (synced records, one a second). In one run:
    kexec, without the kexec), the same for b0; then (b) suspend to disk:
    `kemarictl snapshot DIR --exit` of s0 to /disk and `sync`, the host's
    caches dropped, `kemari --restore DIR` into its memory file again; b0
-   the same;
+   the same; then KEMARI_WARM_BENCH_WARM_ROUNDS (default 0) more rounds of
+   the warm freeze/resume alone, the size going first alternating (cheap
+   samples for the flatness ratio);
 2. 1, 3 and 6 VMs (s0; s0–s2; s0–s5) frozen and resumed together,
    N_ROUNDS times, alternated;
 3. (unless KEMARI_WARM_BENCH_KEXEC=0) all seven through a kexec of the host.
@@ -40,7 +42,7 @@ from typing import Any
 
 from kemari_lab.connection import LongConnection
 from kemari_lab.errors import LabError, step
-from kemari_lab.guests import Guest
+from kemari_lab.guests import Guest, vmm_log
 from kemari_lab.lab import Lab
 from kemari_lab.warm_reboot import REGION, WarmHost, guest_clock
 from kemari_lab.warm_reboot import lab_options as warm_lab_options
@@ -57,6 +59,14 @@ N_SMALL = 6
 # Most of each guest's memory (MemTotal is ~470 MiB and ~1.95 GiB): in use.
 FILL_MB = {SMALL_MB: 320, BIG_MB: 1664}
 REGION_GIB = 6
+# Suspend to disk of a filled 2 GiB guest writes (and restore reads) ~1.8 GB
+# through the virtual host's emulated disk at ~4-7 MB/s (run 5): minutes
+# each way, more than the 600 s a timed host command gets by default.
+DISK_STEP_TIMEOUT = 1800
+# kemari logs its own set-up time of each (re)start at this level: what of
+# a resume is kemari's (KVM, memory slots, devices, vCPUs) and what is the
+# script's (process start, polling `kemarictl info`).
+LOG_LEVEL = "info,vmm::machine::builder=debug"
 FILL_RE = re.compile(r"KLAB-FILL mb=(\d+) avail_kb=(\d+) start=([\d.]+) end=([\d.]+)")
 RECORDS_NOW_RE = re.compile(r"KLAB-RECORDS-NOW lines=(\d+) synced=(\d+) bad=(\d+)")
 
@@ -116,6 +126,31 @@ def _warm_cycle(
         out[f"{prefix}_{n}_freeze_s"] = f[f"frozen_{n}_s"]
         out[f"{prefix}_{n}_resume_s"] = res[f"resumed_{n}_s"]
     _record_watch(out, prefix, watches)
+    for w in watches:
+        out.update(setup_times(w.guest.console_text(), f"{prefix}_{w.guest.spec.name}"))
+
+
+def setup_times(console: str, prefix: str) -> dict[str, float]:
+    """kemari's own timing of its last (re)start in a console (LOG_LEVEL):
+    from its start of the set-up to the memory mapped, the KVM memory slots
+    made, the devices, the vCPUs, and running (``machine set-up timing``,
+    µs) as ``{prefix}_kemari_<part>_s``; nothing without that log line."""
+    events = vmm_log(console, "machine set-up timing")
+    if not events:
+        return {}
+    fields = events[-1].get("fields", {})
+    parts = {
+        "memory": "memory_us",
+        "memslots": "memslots_done_us",
+        "devices": "devices_done_us",
+        "vcpus": "vcpus_done_us",
+        "started": "started_us",
+    }
+    return {
+        f"{prefix}_kemari_{part}_s": int(fields[key]) / 1e6
+        for part, key in parts.items()
+        if key in fields
+    }
 
 
 def _running_after_restore(wh: WarmHost, g: Guest, directory: str) -> float:
@@ -128,7 +163,8 @@ def _running_after_restore(wh: WarmHost, g: Guest, directory: str) -> float:
         f" --memory-file {REGION}/vms/{s.name}/memory > {log} 2>&1;"
         f" echo KEMARI-EXIT=$? >> {log} ) >/dev/null 2>&1 &"
         f' until kemarictl -s {s.api_socket} info 2>/dev/null | grep -q \'"state": *"running"\'; do'
-        f" grep -q KEMARI-EXIT= {log} 2>/dev/null && exit 1; sleep 0.02; done"
+        f" grep -q KEMARI-EXIT= {log} 2>/dev/null && exit 1; sleep 0.02; done",
+        timeout=DISK_STEP_TIMEOUT,
     )
 
 
@@ -139,7 +175,8 @@ def _disk_cycle(wh: WarmHost, out: dict[str, float], prefix: str, w: Watch) -> N
     h.run(f"rm -rf {d}", timeout=300)
     w.before()
     out[f"{prefix}_snapshot_exit_s"] = wh.timed(
-        f"kemarictl -s {g.spec.api_socket} snapshot {d} --exit >/dev/null 2>&1 && sync"
+        f"kemarictl -s {g.spec.api_socket} snapshot {d} --exit >/dev/null 2>&1 && sync",
+        timeout=DISK_STEP_TIMEOUT,
     )
     out[f"{prefix}_image_mb"] = float(
         h.run(f"du -sm {d} | cut -f1").output.strip() or 0
@@ -155,6 +192,21 @@ def _disk_cycle(wh: WarmHost, out: dict[str, float], prefix: str, w: Watch) -> N
     gap, stall = w.after()
     out[f"{prefix}_clock_gap_s"] = gap
     out[f"{prefix}_stall_s"] = stall
+
+
+def env_rounds(name: str, default: int) -> int:
+    """A round count from the environment (0 or more)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdigit():
+        raise LabError(f"{name}={text}: a number of rounds (0 or more)")
+    return int(text)
+
+
+def warm_order(r: int, pair: list[Watch]) -> list[Watch]:
+    """The warm-only rounds alternate which size goes first (no order bias)."""
+    return pair if r % 2 else pair[::-1]
 
 
 def _save(lab: Lab, out: dict[str, float]) -> None:
@@ -183,11 +235,14 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
     part = os.environ.get("KEMARI_WARM_BENCH_PART", "all")
     if part not in PARTS:
         raise LabError(f"KEMARI_WARM_BENCH_PART={part}: one of {', '.join(PARTS)}")
-    rounds = int(os.environ.get("KEMARI_WARM_BENCH_ROUNDS", ROUNDS))
+    rounds = env_rounds("KEMARI_WARM_BENCH_ROUNDS", ROUNDS)
+    warm_rounds = env_rounds("KEMARI_WARM_BENCH_WARM_ROUNDS", 0)
     n_small = N_SMALL if part != "disk" else 1
     specs = [wh.spec(f"s{i}", i, SMALL_MB, vcpus=1) for i in range(n_small)]
     if part != "vms":
         specs.append(wh.spec("b0", N_SMALL, BIG_MB, vcpus=1))
+    for spec in specs:
+        spec.log_level = LOG_LEVEL
     guests = {spec.name: wh.start(spec) for spec in specs}
     with step("booting the guests"):
         for g in guests.values():
@@ -239,6 +294,11 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
                 for w in (s0, b0):
                     _disk_cycle(wh, out, f"disk_r{r}_{w.guest.spec.name}", w)
             _save(lab, out)
+        for r in range(rounds + 1, rounds + 1 + warm_rounds if part != "vms" else 1):
+            with step(f"warm only, round {r}"):
+                for w in warm_order(r, [watches["s0"], watches["b0"]]):
+                    _warm_cycle(wh, out, f"warm_r{r}", [w])
+            _save(lab, out)
         small = [watches[f"s{i}"] for i in range(n_small)]
         for r in range(1, N_ROUNDS + 1 if part != "disk" else 1):
             for n in (1, 3, N_SMALL):
@@ -265,8 +325,15 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
                 _record_watch(out, "kexec", list(watches.values()))
             _save(lab, out)
         with step("checking every record and every connection"):
+            # Every guest is checked (not only up to the first failure), and
+            # each failure comes with its kemari's device queues and console.
+            failed = []
             for g in guests.values():
-                body = lab.client_http_get(g.spec.ip, "/cgi-bin/records", timeout=120)
+                try:
+                    body = lab.client_http_get(g.spec.ip, "/cgi-bin/records", timeout=120)
+                except LabError as e:
+                    failed.append(f"guest {g.spec.name}: {e}\n{g.diagnostics()}")
+                    continue
                 rec = RECORDS_NOW_RE.search(body)
                 if (
                     rec is None
@@ -274,10 +341,14 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
                     or rec.group(3) != "0"
                     or rec.group(2) == "0"
                 ):
-                    raise LabError(
+                    failed.append(
                         f"guest {g.spec.name}: its record log at the end: {body.strip()!r}"
                     )
+                    continue
                 out[f"records_{g.spec.name}"] = float(rec.group(2))
+            _save(lab, out)
+            if failed:
+                raise LabError("\n".join(failed))
             for name, w in watches.items():
                 final = w.conn.close()
                 out[f"echoes_{name}"] = float(final["exchanges"])
@@ -319,11 +390,14 @@ def summary(times: dict[str, float]) -> dict[str, float]:
         s[f"disk_over_warm_{size}"] = (
             s[f"disk_{size}_median_s"] / s[f"warm_{size}_median_s"]
         )
+        s[f"warm_kemari_started_{size}_median_s"] = med(
+            rf"warm_r\d+_{name}_kemari_started_s"
+        )
         s[f"warm_stall_{size}_median_s"] = med(rf"warm_r\d+_{name}_stall_s")
         s[f"disk_stall_{size}_median_s"] = med(rf"disk_r\d+_{name}_stall_s")
         s[f"warm_clock_gap_{size}_median_s"] = med(rf"warm_r\d+_{name}_clock_gap_s")
         s[f"disk_clock_gap_{size}_median_s"] = med(rf"disk_r\d+_{name}_clock_gap_s")
-    for part in ("freeze", "resume"):
+    for part in ("freeze", "resume", "kemari_started"):
         s[f"warm_{part}_2g_over_512m"] = (
             s[f"warm_{part}_2g_median_s"] / s[f"warm_{part}_512m_median_s"]
         )

@@ -132,7 +132,11 @@ class WarmHost:
             raise LabError(f"{self.host.name}: loading the next kernel failed: see /tmp/kexec-load.log")
 
     def write_table(self, guests: list[Guest]) -> None:
-        lines = "\n".join(f"{g.spec.name} {g.spec.api_socket} br0:{g.spec.tap} {g.console}" for g in guests)
+        # The resumed kemari logs as the first one did (log_args: none, or
+        # --log-level … --log-json, a word each: no spaces in the level).
+        lines = "\n".join(
+            f"{g.spec.name} {g.spec.api_socket} br0:{g.spec.tap} {g.console}{g.spec.log_args}" for g in guests
+        )
         self.host.run(f"cat > {TABLE} <<'EOF'\n{lines}\nEOF")
 
     def save_consoles(self, suffix: str) -> None:
@@ -194,8 +198,19 @@ CLOCK_RE = re.compile(r"KLAB-CLOCK uptime=([\d.]+) realtime=(\d+)")
 
 def guest_clock(lab: Any, ip: str, timeout: float = 10) -> tuple[float, float, float]:
     """(client's time.time(), guest uptime, guest wall clock) from GET /cgi-bin/clock."""
-    t = time.time()
-    body = lab.client_http_get(ip, "/cgi-bin/clock", timeout=timeout)
+    # Retried until `timeout`: a new connection can fail at once ("No route
+    # to host": the client's ARP entry lapsed while the host was busy; bench
+    # run 9 ended there with the guest's echo connection going on).
+    deadline = time.monotonic() + timeout
+    while True:
+        t = time.time()
+        try:
+            body = lab.client_http_get(ip, "/cgi-bin/clock", timeout=max(1.0, deadline - time.monotonic()))
+            break
+        except LabError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
     m = CLOCK_RE.search(body)
     if m is None:
         raise LabError(f"guest {ip}: /cgi-bin/clock answered {body!r}")

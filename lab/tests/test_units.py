@@ -599,6 +599,39 @@ def test_warm_bench_summary_takes_medians_and_ratios() -> None:
     assert lab_options()["host_memory_mb"] <= 9 * 1024
 
 
+def test_warm_bench_round_counts_and_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kemari_lab.errors import LabError
+    from kemari_lab.warm_bench import env_rounds, warm_order
+
+    monkeypatch.delenv("KLAB_TEST_ROUNDS", raising=False)
+    assert env_rounds("KLAB_TEST_ROUNDS", 3) == 3
+    monkeypatch.setenv("KLAB_TEST_ROUNDS", "0")
+    assert env_rounds("KLAB_TEST_ROUNDS", 3) == 0
+    monkeypatch.setenv("KLAB_TEST_ROUNDS", "-1")
+    with pytest.raises(LabError, match="KLAB_TEST_ROUNDS=-1"):
+        env_rounds("KLAB_TEST_ROUNDS", 3)
+    pair = ["s0", "b0"]
+    assert warm_order(3, pair) == ["s0", "b0"]  # type: ignore[arg-type]
+    assert warm_order(4, pair) == ["b0", "s0"]  # type: ignore[arg-type]
+
+
+def test_warm_bench_reads_kemaris_last_setup_timing() -> None:
+    from kemari_lab.warm_bench import setup_times
+
+    def line(started_us: int) -> str:
+        fields = {
+            "message": "machine set-up timing", "memory_us": 900, "memslots_done_us": 1500,
+            "devices_done_us": 4000, "vcpus_done_us": 9000, "started_us": started_us,
+        }
+        return json.dumps({"timestamp": "t", "level": "DEBUG", "fields": fields, "target": "vmm::machine::builder"})
+
+    console = "\n".join(["KLAB-GUEST-READY ip=10.0.0.1/24", line(250_000), "guest text", line(120_000)])
+    t = setup_times(console, "warm_r1_b0")
+    assert t["warm_r1_b0_kemari_started_s"] == pytest.approx(0.12)  # the last start
+    assert t["warm_r1_b0_kemari_memslots_s"] == pytest.approx(0.0015)
+    assert setup_times("no kemari log here", "x") == {}
+
+
 def test_warm_cache_summary_and_http_bench(tmp_path: Path) -> None:
     import http.server
 
