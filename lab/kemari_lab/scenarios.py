@@ -487,7 +487,15 @@ def host_warm_reboot(lab: Lab, vmm: str) -> dict[str, float]:
                 raise LabError(f"client disk writes to {ip} failed: {ds['error']}")
             times["client_disk_acks"] = float(ds["acks"])
             times["client_disk_stall_s"] = float(ds["max_ack_gap_s"])
-            body = lab.client_http_get(ip, "/cgi-bin/records", timeout=60)
+            # A new connection from the client: its ARP entry for the guest
+            # may have lapsed while the virtual host stalled (seen in CI:
+            # "No route to host" right after the disk writer's last request);
+            # reach the guest first, then ask.
+            try:
+                lab.wait_client_reach(ip, timeout=120)
+                body = lab.client_http_get(ip, "/cgi-bin/records", timeout=60)
+            except LabError as e:
+                raise LabError(f"{e}\n{guest.diagnostics()}") from None
             rec = RECORDS_NOW_RE.search(body)
             if rec is None or rec.group(1) != rec.group(2) or rec.group(3) != "0" or int(rec.group(2)) == 0:
                 raise LabError(f"{guest.host.name}: the guest's record log after the host's kexec: {body.strip()!r}")
