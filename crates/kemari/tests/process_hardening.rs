@@ -152,6 +152,18 @@ fn a_vmm_waiting_for_its_vm_is_filtered_and_keeps_only_net_admin() {
     }
 }
 
+/// kemari on a stub guest that powers off at once (only a fault can keep
+/// it from exiting 0), with fault injection `var=value`.
+fn powering_off_vmm(tag: &str, var: &str, value: &str) -> std::process::Command {
+    let elf = build_stub(&scratch(tag), false, 0, 1);
+    let mut cmd = kemari();
+    cmd.arg("--kernel")
+        .arg(&elf)
+        .args(["--memory", "64M", "--serial", "null"])
+        .env(var, value);
+    cmd
+}
+
 #[test]
 #[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 #[cfg_attr(
@@ -160,14 +172,7 @@ fn a_vmm_waiting_for_its_vm_is_filtered_and_keeps_only_net_admin() {
 )]
 fn a_forbidden_call_on_a_vcpu_thread_kills_the_vmm_with_sigsys() {
     use std::os::unix::process::ExitStatusExt;
-    let dir = scratch("harden-sigsys");
-    // Powers off at once: only a forbidden call can keep it from exiting 0.
-    let elf = build_stub(&dir, false, 0, 1);
-    let mut cmd = kemari();
-    cmd.arg("--kernel")
-        .arg(&elf)
-        .args(["--memory", "64M", "--serial", "null"])
-        .env("KEMARI_FAULT_FORBIDDEN_SYSCALL", "vcpu");
+    let mut cmd = powering_off_vmm("harden-sigsys", "KEMARI_FAULT_FORBIDDEN_SYSCALL", "vcpu");
     let out = run_with_timeout(&mut cmd, Duration::from_secs(30));
     assert_eq!(
         out.status.signal(),
@@ -196,13 +201,11 @@ fn glibcs_own_read_only_open_on_a_device_or_vcpu_thread_is_allowed() {
     // glibc's malloc opens /proc/sys/vm/overcommit_memory, once, on the
     // first thread that shrinks an arena: in the lab that was the device
     // thread after an in-place reboot, and kemari died of SIGSYS.
-    let dir = scratch("harden-glibc-open");
-    let elf = build_stub(&dir, false, 0, 1);
-    let mut cmd = kemari();
-    cmd.arg("--kernel")
-        .arg(&elf)
-        .args(["--memory", "64M", "--serial", "null"])
-        .env("KEMARI_FAULT_GLIBC_OPEN", "devices,vcpu");
+    let mut cmd = powering_off_vmm(
+        "harden-glibc-open",
+        "KEMARI_FAULT_GLIBC_OPEN",
+        "devices,vcpu",
+    );
     let out = run_with_timeout(&mut cmd, Duration::from_secs(30));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{:?}: {stderr}", out.status);
