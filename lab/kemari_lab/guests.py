@@ -253,7 +253,11 @@ class Guest:
     def wait_ready(self, timeout: float = 240) -> str:
         """Waits for KLAB-GUEST-READY; fails early if the VMM exits. Returns the console."""
         pattern = re.compile(f"{READY_RE.pattern}|{EXIT_RE.pattern}")
-        m = self.host.wait_file_match(self.console, pattern, timeout, f"guest {self.spec.name} to be ready")
+        try:
+            m = self.host.wait_file_match(self.console, pattern, timeout, f"guest {self.spec.name} to be ready")
+        except LabError as e:
+            # A boot that stalls (a disk read never answered, say) shows here.
+            raise LabError(f"{e}\ndiagnostics of {self.spec.name}:\n{self.diagnostics(console_chars=600)}") from None
         if m.group(0).startswith("KLAB-VMM-EXIT"):
             raise LabError(
                 f"{self.host.name}: {self.spec.vmm} exited before guest {self.spec.name} was ready:\n"

@@ -15,7 +15,7 @@ import pytest
 from kemari_lab import images, paths
 from kemari_lab.errors import LabError
 from kemari_lab.lab import Lab
-from kemari_lab.platform_reset import platform_reset_in
+from kemari_lab.platform_reset import platform_fault_in
 from kemari_lab.scenarios import FT_TIMEOUT_MS, SCENARIOS
 
 
@@ -44,7 +44,9 @@ def kemari_skip_reason() -> str | None:
 
 def run_scenario(name: str, vmm: str) -> dict[str, float]:
     """Runs scenario `name` in a fresh lab; once more (said loudly) if the
-    first run failed on the platform's guest reset, never for anything else."""
+    first run failed on a fault of the virtual hosts (a guest reset, a dead
+    or locked-up host kernel: kemari_lab/platform_reset.py), never for
+    anything else."""
     sc = SCENARIOS[name]
     for attempt in (1, 2):
         lab = Lab(hosts=sc.hosts, **sc.lab_options)
@@ -53,11 +55,11 @@ def run_scenario(name: str, vmm: str) -> dict[str, float]:
                 times = {f"{vh.name}_boot_s": vh.boot_seconds or 0.0 for vh in lab.hosts}
                 times.update(sc.run(lab, vmm))
         except LabError as e:
-            reset = platform_reset_in(lab.run_dir)
-            if attempt == 2 or reset is None:
+            fault = platform_fault_in(lab.run_dir, str(e))
+            if attempt == 2 or fault is None:
                 raise
             message = (
-                f"{name} with {vmm} failed ({e}) on the virtual hosts' guest reset: {reset}; "
+                f"{name} with {vmm} failed ({e}) on a fault of the virtual hosts: {fault}; "
                 f"run once more (consoles in {lab.run_dir}; docs/lab.md, 'Soak')"
             )
             print(f"\nLAB RETRY: {message}", file=sys.stderr)

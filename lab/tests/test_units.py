@@ -542,6 +542,33 @@ def test_platform_reset_is_told_from_other_failures(tmp_path: Path) -> None:
     assert found is not None and "vh1-qemu1.console" in found
 
 
+def test_a_dead_or_locked_up_virtual_host_is_told_from_other_failures(tmp_path: Path) -> None:
+    from kemari_lab.platform_reset import platform_fault_in
+
+    timeout = "vh0: timed out after 118s waiting for command `cat /tmp/qemu0.console`"
+    host = tmp_path / "vh0.console"
+    # Short lockups come and go in passing runs; a nested guest's own panic
+    # and a kemari that exits non-zero are never the platform's.
+    host.write_text("[   52.8] watchdog: BUG: soft lockup - CPU#1 stuck for 26s! [vcpu1:150]\n")
+    (tmp_path / "vh0-kemari0.console").write_text("Kernel panic - not syncing: Attempted to kill init!\nKLAB-VMM-EXIT=159\n")
+    assert platform_fault_in(tmp_path, timeout) is None
+    # A long lockup explains a timeout, not another failure.
+    host.write_text(
+        "[   80.8] watchdog: BUG: soft lockup - CPU#1 stuck for 52s! [qemu-system-x86:150]\n"
+        "[  136.8] watchdog: BUG: soft lockup - CPU#1 stuck for 104s! [qemu-system-x86:150]\n"
+    )
+    found = platform_fault_in(tmp_path, timeout)
+    assert found is not None and "104 s" in found and "qemu-system-x86" in found
+    assert platform_fault_in(tmp_path, "vh0: guest did not report 2 CPUs") is None
+    # The virtual host's kernel dying inside KVM_RUN, whatever the error said.
+    host.write_text(
+        "[   52.79] BUG: TASK stack guard page was hit at 0000000040b3512e\n"
+        "[   54.38] Kernel panic - not syncing: corrupted stack end detected inside scheduler\n"
+    )
+    found = platform_fault_in(tmp_path, "reboot 1 of 5: vh0: QEMU exited while waiting for command")
+    assert found is not None and "vh0.console" in found and "died" in found
+
+
 WARM_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "host-warm-reboot"
 
 
