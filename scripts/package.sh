@@ -16,6 +16,10 @@ if [[ "${1:-}" == --check ]]; then
   compression=(--fast)   # the same files, compressed in half the time
 fi
 scripts/setup.sh --package
+# CI builds the lab's release binaries in their own folder (scripts/test.sh).
+if [[ -n "${KEMARI_RELEASE_TARGET_DIR:-}" ]]; then
+  export CARGO_TARGET_DIR=$KEMARI_RELEASE_TARGET_DIR
+fi
 cargo build --release --locked -p kemari -p kemari-nbd -p xtask
 target=$(cargo metadata --format-version 1 --no-deps --locked \
   | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')

@@ -127,7 +127,7 @@ class FleetLab:
 
     def fleet_table(self, json_out: bool = False) -> str:
         """`kemarictl fleet [--json]` from the lab namespace (this machine's build)."""
-        ctl = paths.REPO_DIR / "target" / "release" / "kemarictl"
+        ctl = paths.RELEASE_DIR / "kemarictl"
         extra = ["--json"] if json_out else []
         proc = subprocess.run(
             self.lab.network.in_lab([str(ctl), "fleet", "--etcd", self.etcd.fence, *extra]),

@@ -378,13 +378,13 @@ def build_guest_disk() -> Path:
 
 def kemari_binaries() -> list[Path]:
     """The kemari binaries from `cargo build --release`, if built."""
-    rel = paths.REPO_DIR / "target" / "release"
+    rel = paths.RELEASE_DIR
     return [rel / b for b in KEMARI_BINARIES if (rel / b).exists()]
 
 
 def kemari_nbd_binary() -> Path | None:
     """The kemari-nbd binary from `cargo build --release`, if built."""
-    path = paths.REPO_DIR / "target" / "release" / KEMARI_NBD_BINARY
+    path = paths.RELEASE_DIR / KEMARI_NBD_BINARY
     return path if path.exists() else None
 
 
@@ -392,8 +392,9 @@ def build_kemari() -> None:
     """cargo build --release of kemari and kemarictl (used inside virtual hosts)
     and of kemari-nbd (the lab's shared-disk server)."""
     log("cargo build --release -p kemari -p kemari-nbd")
+    env = dict(os.environ, CARGO_TARGET_DIR=str(paths.RELEASE_TARGET_DIR))
     proc = subprocess.run(
-        ["cargo", "build", "--release", "-p", "kemari", "-p", "kemari-nbd"], cwd=paths.REPO_DIR, check=False
+        ["cargo", "build", "--release", "-p", "kemari", "-p", "kemari-nbd"], cwd=paths.REPO_DIR, env=env, check=False
     )
     if proc.returncode != 0:
         raise LabError("cargo build --release -p kemari -p kemari-nbd failed")
