@@ -91,7 +91,15 @@ class Watch:
 
     def before(self) -> None:
         self._stats = self.conn.check()
-        self._clock = guest_clock(self.lab, self.guest.spec.ip, timeout=180)
+        self._clock = self._guest_clock()
+
+    def _guest_clock(self) -> tuple[float, float, float]:
+        # A guest that stopped answering says why, if kemari can (bench run
+        # 12: s5 unreachable right before the kexec, nothing recorded).
+        try:
+            return guest_clock(self.lab, self.guest.spec.ip, timeout=180)
+        except LabError as e:
+            raise LabError(f"{e}\ndiagnostics of {self.guest.spec.name}:\n{self.guest.diagnostics()}") from None
 
     def after(self) -> tuple[float, float]:
         """(guest clock gap, client stall) since :meth:`before`, in seconds."""
@@ -99,7 +107,7 @@ class Watch:
         self.conn.expect_progress(3, timeout=600)
         # A guest just restored from disk answers slowly (every page of it
         # faults in again): run 5 timed out at 10 s here.
-        clock = guest_clock(self.lab, self.guest.spec.ip, timeout=180)
+        clock = self._guest_clock()
         stats = self.conn.check()
         gap = (clock[0] - self._clock[0]) - (clock[1] - self._clock[1])
         stall = LongConnection.max_gap_in(
