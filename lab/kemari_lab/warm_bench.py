@@ -104,7 +104,10 @@ class Watch:
     def after(self) -> tuple[float, float]:
         """(guest clock gap, client stall) since :meth:`before`, in seconds."""
         assert self._clock is not None
-        self.conn.expect_progress(3, timeout=600)
+        try:
+            self.conn.expect_progress(3, timeout=600)
+        except LabError as e:
+            raise LabError(f"{e}\ndiagnostics of {self.guest.spec.name}:\n{self.guest.diagnostics()}") from None
         # A guest just restored from disk answers slowly (every page of it
         # faults in again): run 5 timed out at 10 s here.
         clock = self._guest_clock()
