@@ -299,7 +299,7 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
             w.conn.open()
             w.conn.expect_progress(3, timeout=120)
         for g in guests.values():
-            if "writer" not in lab.client_http_get(g.spec.ip, "/cgi-bin/writer?pace=1"):
+            if "writer" not in lab.client_http_get(g.spec.ip, "/cgi-bin/writer?pace=1", timeout=120):
                 raise LabError(f"guest {g.spec.name}: its disk writer did not start")
         for r in range(1, rounds + 1 if part != "vms" else 1):
             s0, b0 = watches["s0"], watches["b0"]
