@@ -235,6 +235,18 @@ class Guest:
         except Exception as e:  # noqa: BLE001
             parts.append(f"  dmesg: {e}")
         try:
+            # The TAP's counters (TX: frames towards the guest, RX: the
+            # guest's) and its bridge port: an unreachable guest shows here
+            # whether frames reach it and whether it answers.
+            tap = self.host.run(
+                f"/sbin/ip -s link show dev {self.spec.tap}; /sbin/bridge link show dev {self.spec.tap}",
+                timeout=30,
+                check=False,
+            ).output.strip()
+            parts.append("  tap: " + " | ".join(line.strip() for line in tap.splitlines()))
+        except Exception as e:  # noqa: BLE001
+            parts.append(f"  tap: {e}")
+        try:
             parts.append("console:\n" + self.console_text()[-console_chars:])
         except Exception as e:  # noqa: BLE001
             parts.append(f"console: {e}")

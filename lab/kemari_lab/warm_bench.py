@@ -296,8 +296,11 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
     watches = {n: Watch(lab, g) for n, g in guests.items()}
     try:
         for w in watches.values():
-            w.conn.open()
-            w.conn.expect_progress(3, timeout=120)
+            try:
+                w.conn.open()
+                w.conn.expect_progress(3, timeout=120)
+            except LabError as e:
+                raise LabError(f"{e}\ndiagnostics of {w.guest.spec.name}:\n{w.guest.diagnostics()}") from None
         for g in guests.values():
             if "writer" not in lab.client_http_get(g.spec.ip, "/cgi-bin/writer?pace=1", timeout=120):
                 raise LabError(f"guest {g.spec.name}: its disk writer did not start")
