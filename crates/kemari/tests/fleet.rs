@@ -480,12 +480,7 @@ fn an_agent_waits_for_a_silent_etcd_and_then_registers() {
 /// the next host protected the VM).
 #[test]
 #[cfg_attr(
-    any(
-        no_kvm,
-        no_etcd,
-        no_etcdctl,
-        not(feature = "fault-injection")
-    ),
+    any(no_kvm, no_etcd, no_etcdctl, not(feature = "fault-injection")),
     ignore = "needs /dev/kvm, etcd + etcdctl (Debian etcd-server, etcd-client) and --features fault-injection"
 )]
 fn a_standby_slow_to_start_is_still_the_one_that_protects() {
@@ -527,7 +522,10 @@ fn a_standby_slow_to_start_is_still_the_one_that_protects() {
         "the standby started here does not wait yet",
         "standby ready",
     ] {
-        assert!(agent.contains(line), "h1's agent did not log {line:?}:\n{agent}");
+        assert!(
+            agent.contains(line),
+            "h1's agent did not log {line:?}:\n{agent}"
+        );
     }
     assert!(
         !agent.contains("took over; the VM runs here"),
@@ -540,7 +538,12 @@ fn a_standby_slow_to_start_is_still_the_one_that_protects() {
 
 /// The lease of `host`'s registration, if it is registered.
 fn host_lease(etcd: &EtcdCluster, host: &str) -> Option<i64> {
-    let out = etcd.ctl(&["get", &format!("{PREFIX}/_fleet/hosts/{host}"), "-w", "json"])?;
+    let out = etcd.ctl(&[
+        "get",
+        &format!("{PREFIX}/_fleet/hosts/{host}"),
+        "-w",
+        "json",
+    ])?;
     let v: Value = serde_json::from_str(&out).ok()?;
     v["kvs"].as_array()?.first()?["lease"].as_i64()
 }
@@ -571,7 +574,12 @@ fn a_round_longer_than_the_ttl_keeps_the_lease() {
                 key.display().to_string(),
             ];
             let api = host.dir.join(format!("hung-{i}.sock"));
-            spawn_vmm(&args, &host.dir.join(format!("hung-{i}.console")), &api, &[])
+            spawn_vmm(
+                &args,
+                &host.dir.join(format!("hung-{i}.console")),
+                &api,
+                &[],
+            )
         })
         .collect();
     for v in &hung {
