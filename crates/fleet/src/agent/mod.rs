@@ -299,8 +299,8 @@ impl Agent {
                 new = lease,
                 "fleet agent: a new lease; registering the host and its claims again"
             );
-            self.lease = lease;
-            self.register().await?;
+            // Followed only once all is written (a failure: again next round).
+            self.store.put_host(&self.host_record(), lease).await?;
             self.host_written = Instant::now();
             let me = self.cfg.host.clone();
             for (id, l) in &self.launched {
@@ -309,8 +309,9 @@ impl Agent {
                     peer: l.published.then(|| l.peer.clone()),
                     since_unix: now_unix(),
                 };
-                self.store.claim(id, &claim, self.lease).await?;
+                self.store.claim(id, &claim, lease).await?;
             }
+            self.lease = lease;
             return Ok(());
         }
         if self.host_written.elapsed() >= self.cfg.spec.ttl / 3 {
