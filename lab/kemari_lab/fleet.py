@@ -99,8 +99,9 @@ class FleetLab:
         at once to syncing and protected as the agents re-protect it)."""
         self.rg.guest.host = host
         st = wait_ft_state(self.rg.guest, host, {"failed_over", "syncing", "protected"}, timeout=timeout)
-        if st.get("role") != "primary" or st.get("failovers") != 1:
-            raise LabError(f"{host.name}: expected a primary after its failover: {st}")
+        # failed_over: role none until the agents' ft start makes it a primary.
+        if st.get("failovers") != 1 or st.get("role") not in ("none", "primary"):
+            raise LabError(f"{host.name}: expected the VM running after its failover: {st}")
         return st
 
     def start_writer(self) -> None:
