@@ -493,7 +493,7 @@ fn a_standby_slow_to_start_is_still_the_one_that_protects() {
         ("KEMARI_FAULT_HOLD_STANDBY_START_MS", "3000"),
         ("KEMARI_LOG", "info,fleet=debug"),
     ];
-    let hosts = vec![
+    let hosts = [
         start_host(&dir, &fence, 0, ""),
         start_host_with(&dir, &fence, 1, "", &hold),
     ];
