@@ -161,8 +161,10 @@ class FleetLab:
             )
 
     def vmm_running(self, host: VirtualHost) -> list[str]:
-        """Pids of kemari processes on `host`."""
-        return host.run("pidof kemari", check=False).output.split()
+        """Pids of kemari processes on `host` (not those that ended and wait
+        for their agent to reap them)."""
+        cmd = "for p in $(pidof kemari); do grep -qs '^State:.*Z' /proc/$p/status || echo $p; done"
+        return host.run(cmd, check=False).output.split()
 
     def finish(self) -> dict[str, float]:
         """Closes the connection (raises on any failed echo), powers the guest
@@ -309,7 +311,8 @@ def _partition(fl: FleetLab, p: VirtualHost, s: VirtualHost, times: dict[str, fl
                 over = ft_status(rg.guest, s)
             except LabError as e:
                 over = {"error": str(e)}
-            if over.get("role") == "primary":
+            # failed_over (role none), then syncing/protected (primary).
+            if over.get("failovers") == 1 and over.get("state") in ("failed_over", "syncing", "protected"):
                 over_seen = time.monotonic()
         time.sleep(0.2)
     rg.guest.host = s
