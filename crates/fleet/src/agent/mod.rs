@@ -142,6 +142,8 @@ struct Agent {
     /// VMs that ran here as primaries, and since when each has been gone
     /// (None: it runs).
     ran_here: HashMap<String, Option<Instant>>,
+    /// Standbys started here that ended, whose claims are still to drop.
+    ended: HashSet<String>,
 }
 
 /// Runs the agent until it fails to start (the error) or forever.
@@ -218,6 +220,7 @@ pub async fn run(cfg: AgentConfig) -> Result<(), FleetError> {
         waiting: HashMap::new(),
         written: HashMap::new(),
         ran_here: HashMap::new(),
+        ended: HashSet::new(),
         cfg,
     };
     agent.register().await?;
@@ -338,6 +341,9 @@ impl Agent {
 
     async fn round(&mut self) -> Result<(), FleetError> {
         tracing::trace!("fleet agent: round");
+        // First what needs no etcd: children that ended are reaped even
+        // while etcd is out of reach.
+        self.reap_children();
         let t = Instant::now();
         self.follow_lease().await?;
         self.stepped("lease", t);
@@ -349,7 +355,7 @@ impl Agent {
         self.stepped("asking the local VMMs", t);
         let t = Instant::now();
         let snap = self.store.snapshot().await?;
-        self.reap_standbys(&snap).await?;
+        self.drop_ended_claims(&snap).await?;
         self.stepped("reading the registry", t);
         let mut here = HashSet::new();
         for l in &locals {
@@ -387,8 +393,9 @@ impl Agent {
         Ok(())
     }
 
-    /// Standbys started here that ended: their claims go.
-    async fn reap_standbys(&mut self, snap: &Snapshot) -> Result<(), FleetError> {
+    /// Standbys and VMs started here that ended: reaped (their pid files
+    /// go); a standby's claim goes next ([`Self::drop_ended_claims`]).
+    fn reap_children(&mut self) {
         let mut ended = Vec::new();
         for (id, l) in &mut self.launched {
             if let Ok(Some(st)) = l.child.try_wait() {
@@ -410,11 +417,19 @@ impl Agent {
         for id in ended {
             self.launched.remove(&id);
             let _ = std::fs::remove_file(launch::pid_file(&self.cfg.vm_dir, &id));
+            self.ended.insert(id);
+        }
+    }
+
+    /// The claims of standbys that ended here go.
+    async fn drop_ended_claims(&mut self, snap: &Snapshot) -> Result<(), FleetError> {
+        for id in self.ended.clone() {
             if let Some(c) = snap.claims.get(&id) {
-                if c.value.host == self.cfg.host {
+                if c.value.host == self.cfg.host && !self.launched.contains_key(&id) {
                     self.store.drop_claim(&id, c.revision).await?;
                 }
             }
+            self.ended.remove(&id);
         }
         Ok(())
     }
