@@ -198,15 +198,18 @@ impl Store {
     /// Renews `lease` once; false if etcd says it is gone.
     pub async fn renew(&self, lease: i64) -> Result<bool, FleetError> {
         let mut client = self.client.clone();
-        let renewed = timeout(self.rpc, async {
-            let (mut keeper, mut replies) = client.lease_keep_alive(lease).await?;
-            keeper.keep_alive().await?;
-            replies.message().await
-        })
-        .await
-        .map_err(|_| self.fail("renewing a lease", "no answer"))?
-        .map_err(|e| self.fail("renewing a lease", e))?;
-        Ok(renewed.is_some_and(|r| r.ttl() > 0))
+        // The client's keep-alive sends one renewal and reads its answer:
+        // an error "lease not found" when etcd answers with no TTL left.
+        match timeout(self.rpc, client.lease_keep_alive(lease))
+            .await
+            .map_err(|_| self.fail("renewing a lease", "no answer"))?
+        {
+            Ok(_) => Ok(true),
+            Err(etcd_client::Error::LeaseKeepAliveError(why)) if why == "lease not found" => {
+                Ok(false)
+            }
+            Err(e) => Err(self.fail("renewing a lease", e)),
+        }
     }
 
     /// Gives `lease` back: every key bound to it goes.

@@ -617,6 +617,40 @@ fn a_round_longer_than_the_ttl_keeps_the_lease() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// etcd lets an agent's lease go (revoked here, as etcd does when the
+/// agent was out of reach longer than the TTL): the agent takes a new
+/// lease and registers again under it.
+#[test]
+#[cfg_attr(
+    any(no_etcd, no_etcdctl),
+    ignore = "needs etcd + etcdctl (Debian etcd-server, etcd-client)"
+)]
+fn an_agent_whose_lease_is_gone_registers_again() {
+    let _turn = one_at_a_time();
+    let dir = scratch("fleet-lease-gone");
+    let etcd = EtcdCluster::start(&dir, 1);
+    let fence = etcd.fence(PREFIX, TTL_S);
+    let _host = start_host(&dir, &fence, 0, "");
+    let mut lease = None;
+    wait_for("h0 registered", Duration::from_secs(30), || {
+        lease = host_lease(&etcd, "h0");
+        lease.is_some()
+    });
+    let old = lease.unwrap();
+    assert!(etcd
+        .ctl(&["lease", "revoke", &format!("{old:x}")])
+        .is_some());
+    let log = dir.join("agent-h0.log");
+    wait_for(
+        "h0 registered under a new lease",
+        Duration::from_secs(30),
+        || host_lease(&etcd, "h0").is_some_and(|l| l != old),
+    );
+    let text = read_text(&log);
+    assert!(text.contains("etcd let this host's lease expire"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Runs headless Chromium on `url` with `args`; its stdout.
 fn chromium(args: &[&str], url: &str) -> Vec<u8> {
     let out = run_with_timeout(
