@@ -294,7 +294,11 @@ def _partition(fl: FleetLab, p: VirtualHost, s: VirtualHost, times: dict[str, fl
     lost_seen = exit_seen = over_seen = None
     over: dict[str, Any] = {}
     deadline = cut + 180
-    while lost_seen is None or exit_seen is None or over_seen is None:
+    # The old copy's exit is not waited for: it holds its outputs once it
+    # lost the key, but a disk request in flight to the NBD server it can
+    # no longer reach may keep it from ending until the heal (its agent
+    # then reaps it, exit 1: checked after the heal).
+    while lost_seen is None or over_seen is None:
         if time.monotonic() > deadline:
             raise LabError(
                 f"after the cut: old primary lost its key {lost_seen}, exited {exit_seen}; "
@@ -319,7 +323,7 @@ def _partition(fl: FleetLab, p: VirtualHost, s: VirtualHost, times: dict[str, fl
     status_line(f"{s.name} after the failover (partition)", over)
     times.update(
         partition_old_lost_key_seen_s=lost_seen - cut,
-        partition_old_exit_seen_s=exit_seen - cut,
+        partition_old_exit_seen_s=(exit_seen - cut) if exit_seen is not None else -1.0,
         partition_new_primary_seen_s=over_seen - cut,
         partition_kemari_failover_ms=float(over.get("failover_ms") or -1),
     )
