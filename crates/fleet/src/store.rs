@@ -334,10 +334,29 @@ pub fn block_on<F: std::future::Future>(f: F) -> Result<F::Output, FleetError> {
 /// How long a one-shot reader (`kemarictl fleet`) waits for etcd.
 const READ_PATIENCE: Duration = Duration::from_secs(10);
 
-/// Reads the registry of `spec` once (blocking).
+/// Reads the registry of `spec` once (blocking). The client spreads its
+/// requests over the endpoints, a dead member's too (seen in the lab: one
+/// member killed, a read failed with "tcp connect error"): if the read
+/// fails, each member is asked on its own.
 pub fn read_once(spec: &EtcdSpec) -> Result<Snapshot, FleetError> {
     block_on(async {
-        let store = Store::connect_with(spec, READ_PATIENCE).await?;
-        store.snapshot().await
+        let read = |spec: EtcdSpec| async move {
+            let store = Store::connect_with(&spec, READ_PATIENCE).await?;
+            store.snapshot().await
+        };
+        let first = read(spec.clone()).await;
+        if first.is_ok() || spec.endpoints.len() < 2 {
+            return first;
+        }
+        for endpoint in &spec.endpoints {
+            let one = EtcdSpec {
+                endpoints: vec![endpoint.clone()],
+                ..spec.clone()
+            };
+            if let Ok(snap) = read(one).await {
+                return Ok(snap);
+            }
+        }
+        first
     })?
 }

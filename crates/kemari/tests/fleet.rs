@@ -651,6 +651,29 @@ fn an_agent_whose_lease_is_gone_registers_again() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// One member of three killed: `kemarictl fleet` still reads the registry,
+/// every time (the client's requests also go to the dead member).
+#[test]
+#[cfg_attr(
+    any(no_etcd, no_etcdctl),
+    ignore = "needs etcd + etcdctl (Debian etcd-server, etcd-client)"
+)]
+fn kemarictl_fleet_reads_with_one_member_down() {
+    let _turn = one_at_a_time();
+    let dir = scratch("fleet-member-down");
+    let mut etcd = EtcdCluster::start(&dir, 3);
+    let record = r#"{"id":"m-vm","primary":"h7","standby":null,"state":"unprotected","epoch":1,"syncs_per_s":0.0,"since_unix":1,"updated_unix":1}"#;
+    assert!(etcd
+        .ctl(&["put", &format!("{PREFIX}/_fleet/vms/m-vm"), record])
+        .is_some());
+    etcd.kill(0);
+    for _ in 0..6 {
+        let rows = fleet(&etcd)["vms"].as_array().cloned().unwrap_or_default();
+        assert!(rows.iter().any(|r| r["vm"] == "m-vm"), "{rows:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Runs headless Chromium on `url` with `args`; its stdout.
 fn chromium(args: &[&str], url: &str) -> Vec<u8> {
     let out = run_with_timeout(
