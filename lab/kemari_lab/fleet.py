@@ -161,9 +161,15 @@ class FleetLab:
             )
 
     def vmm_running(self, host: VirtualHost) -> list[str]:
-        """Pids of kemari processes on `host` (not those that ended and wait
-        for their agent to reap them)."""
-        cmd = "for p in $(pidof kemari); do grep -qs '^State:.*Z' /proc/$p/status || echo $p; done"
+        """Pids of kemari VMMs on `host`: not those that ended and wait for
+        their agent to reap them, nor a VMM's own helper (the etcd fence's
+        client runs in a kemari forked at start-up, same name)."""
+        cmd = (
+            "all=\" $(pidof kemari) \"; for p in $all; do"
+            " grep -qs '^State:.*Z' /proc/$p/status && continue;"
+            " pp=$(awk '/^PPid:/{print $2}' /proc/$p/status 2>/dev/null);"
+            ' case "$all" in *" $pp "*) continue;; esac; echo $p; done'
+        )
         return host.run(cmd, check=False).output.split()
 
     def finish(self) -> dict[str, float]:
