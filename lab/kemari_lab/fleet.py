@@ -99,8 +99,9 @@ class FleetLab:
         at once to syncing and protected as the agents re-protect it)."""
         self.rg.guest.host = host
         st = wait_ft_state(self.rg.guest, host, {"failed_over", "syncing", "protected"}, timeout=timeout)
-        if st.get("role") != "primary" or st.get("failovers") != 1:
-            raise LabError(f"{host.name}: expected a primary after its failover: {st}")
+        # failed_over: role none until the agents' ft start makes it a primary.
+        if st.get("failovers") != 1 or st.get("role") not in ("none", "primary"):
+            raise LabError(f"{host.name}: expected the VM running after its failover: {st}")
         return st
 
     def start_writer(self) -> None:
@@ -160,8 +161,16 @@ class FleetLab:
             )
 
     def vmm_running(self, host: VirtualHost) -> list[str]:
-        """Pids of kemari processes on `host`."""
-        return host.run("pidof kemari", check=False).output.split()
+        """Pids of kemari VMMs on `host`: not those that ended and wait for
+        their agent to reap them, nor a VMM's own helper (the etcd fence's
+        client runs in a kemari forked at start-up, same name)."""
+        cmd = (
+            "all=\" $(pidof kemari) \"; for p in $all; do"
+            " grep -qs '^State:.*Z' /proc/$p/status && continue;"
+            " pp=$(awk '/^PPid:/{print $2}' /proc/$p/status 2>/dev/null);"
+            ' case "$all" in *" $pp "*) continue;; esac; echo $p; done'
+        )
+        return host.run(cmd, check=False).output.split()
 
     def finish(self) -> dict[str, float]:
         """Closes the connection (raises on any failed echo), powers the guest
@@ -291,7 +300,11 @@ def _partition(fl: FleetLab, p: VirtualHost, s: VirtualHost, times: dict[str, fl
     lost_seen = exit_seen = over_seen = None
     over: dict[str, Any] = {}
     deadline = cut + 180
-    while lost_seen is None or exit_seen is None or over_seen is None:
+    # The old copy's exit is not waited for: it holds its outputs once it
+    # lost the key, but a disk request in flight to the NBD server it can
+    # no longer reach may keep it from ending until the heal (its agent
+    # then reaps it, exit 1: checked after the heal).
+    while lost_seen is None or over_seen is None:
         if time.monotonic() > deadline:
             raise LabError(
                 f"after the cut: old primary lost its key {lost_seen}, exited {exit_seen}; "
@@ -308,14 +321,15 @@ def _partition(fl: FleetLab, p: VirtualHost, s: VirtualHost, times: dict[str, fl
                 over = ft_status(rg.guest, s)
             except LabError as e:
                 over = {"error": str(e)}
-            if over.get("role") == "primary":
+            # failed_over (role none), then syncing/protected (primary).
+            if over.get("failovers") == 1 and over.get("state") in ("failed_over", "syncing", "protected"):
                 over_seen = time.monotonic()
         time.sleep(0.2)
     rg.guest.host = s
     status_line(f"{s.name} after the failover (partition)", over)
     times.update(
         partition_old_lost_key_seen_s=lost_seen - cut,
-        partition_old_exit_seen_s=exit_seen - cut,
+        partition_old_exit_seen_s=(exit_seen - cut) if exit_seen is not None else -1.0,
         partition_new_primary_seen_s=over_seen - cut,
         partition_kemari_failover_ms=float(over.get("failover_ms") or -1),
     )

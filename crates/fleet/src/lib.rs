@@ -40,6 +40,14 @@ pub enum FleetError {
         /// The cause.
         source: std::io::Error,
     },
+    /// A thread of the agent.
+    #[error("cannot start {what}: {source}")]
+    Thread {
+        /// Which thread.
+        what: &'static str,
+        /// The cause.
+        source: std::io::Error,
+    },
     /// The fleet page's listener.
     #[error("cannot serve the fleet page on {addr}: {why}")]
     Http {

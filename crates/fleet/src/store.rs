@@ -198,15 +198,18 @@ impl Store {
     /// Renews `lease` once; false if etcd says it is gone.
     pub async fn renew(&self, lease: i64) -> Result<bool, FleetError> {
         let mut client = self.client.clone();
-        let renewed = timeout(self.rpc, async {
-            let (mut keeper, mut replies) = client.lease_keep_alive(lease).await?;
-            keeper.keep_alive().await?;
-            replies.message().await
-        })
-        .await
-        .map_err(|_| self.fail("renewing a lease", "no answer"))?
-        .map_err(|e| self.fail("renewing a lease", e))?;
-        Ok(renewed.is_some_and(|r| r.ttl() > 0))
+        // The client's keep-alive sends one renewal and reads its answer:
+        // an error "lease not found" when etcd answers with no TTL left.
+        match timeout(self.rpc, client.lease_keep_alive(lease))
+            .await
+            .map_err(|_| self.fail("renewing a lease", "no answer"))?
+        {
+            Ok(_) => Ok(true),
+            Err(etcd_client::Error::LeaseKeepAliveError(why)) if why == "lease not found" => {
+                Ok(false)
+            }
+            Err(e) => Err(self.fail("renewing a lease", e)),
+        }
     }
 
     /// Gives `lease` back: every key bound to it goes.
@@ -331,10 +334,29 @@ pub fn block_on<F: std::future::Future>(f: F) -> Result<F::Output, FleetError> {
 /// How long a one-shot reader (`kemarictl fleet`) waits for etcd.
 const READ_PATIENCE: Duration = Duration::from_secs(10);
 
-/// Reads the registry of `spec` once (blocking).
+/// Reads the registry of `spec` once (blocking). The client spreads its
+/// requests over the endpoints, a dead member's too (seen in the lab: one
+/// member killed, a read failed with "tcp connect error"): if the read
+/// fails, each member is asked on its own.
 pub fn read_once(spec: &EtcdSpec) -> Result<Snapshot, FleetError> {
     block_on(async {
-        let store = Store::connect_with(spec, READ_PATIENCE).await?;
-        store.snapshot().await
+        let read = |spec: EtcdSpec| async move {
+            let store = Store::connect_with(&spec, READ_PATIENCE).await?;
+            store.snapshot().await
+        };
+        let first = read(spec.clone()).await;
+        if first.is_ok() || spec.endpoints.len() < 2 {
+            return first;
+        }
+        for endpoint in &spec.endpoints {
+            let one = EtcdSpec {
+                endpoints: vec![endpoint.clone()],
+                ..spec.clone()
+            };
+            if let Ok(snap) = read(one).await {
+                return Ok(snap);
+            }
+        }
+        first
     })?
 }

@@ -72,6 +72,13 @@ impl FtView {
     pub fn is_standby(&self) -> bool {
         matches!(self.state.as_str(), "standby" | "failing_over")
     }
+
+    /// A VMM started as a standby that took over: the VM runs there. (One
+    /// that has not yet begun to listen for its primary says `none`,
+    /// `unprotected`, as a VM that runs without protection does.)
+    pub fn took_over(&self) -> bool {
+        self.failovers > 0 || self.state == "failed_over"
+    }
 }
 
 /// The socket of VM `id` in `dir`.
@@ -144,6 +151,17 @@ mod tests {
             ("failed_over", 7, Some(25))
         );
         assert!(!f.is_standby());
+        assert!(f.took_over());
+        // A standby whose API answers before it listens for its primary.
+        let starting = FtView::parse(&serde_json::json!({"role": "none",
+            "state": "unprotected", "peer": "", "epoch": 0, "failovers": 0}))
+        .unwrap();
+        assert!(!starting.is_standby() && !starting.took_over());
+        // Protected again after its failover.
+        let again = FtView::parse(&serde_json::json!({"role": "primary",
+            "state": "protected", "peer": "h:1", "epoch": 3, "failovers": 1}))
+        .unwrap();
+        assert!(again.took_over());
         assert!(FtView::parse(&serde_json::json!({"state": 1})).is_none());
 
         let dir = std::env::temp_dir().join(format!("fleet-local-{}", std::process::id()));

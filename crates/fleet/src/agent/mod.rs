@@ -1,7 +1,8 @@
 //! The host agent (`kemari-agent`): one per host.
 //!
-//! Every poll (half a second), and at once when the registry changes (an
-//! etcd watch), it
+//! Its lease is kept alive by a thread of its own ([`lease`]), however long
+//! a round takes. Every poll (half a second), and at once when the registry
+//! changes (an etcd watch), it
 //! 1. keeps its host registered (`PREFIX/_fleet/hosts/NAME`, bound to its
 //!    lease: a dead host disappears within the TTL);
 //! 2. asks each kemari whose API socket lies in its VM folder for its
@@ -25,6 +26,7 @@
 pub mod backoff;
 pub mod http;
 pub mod launch;
+pub mod lease;
 pub mod local;
 
 use std::collections::{HashMap, HashSet};
@@ -37,6 +39,7 @@ use tokio::task::JoinHandle;
 
 use self::backoff::Backoff;
 use self::launch::{Launched, StandbyTemplate};
+use self::lease::Keeper;
 use self::local::{FtView, Local, Seen};
 use crate::record::{needs_standby, Claim, Failover, HostRecord, VmRecord};
 use crate::store::{Snapshot, Store};
@@ -51,6 +54,8 @@ pub const CLAIM_PATIENCE: Duration = Duration::from_secs(5);
 /// A VM record is rewritten at least this often while it runs (its epoch
 /// and sync rate move).
 const REFRESH: Duration = Duration::from_secs(2);
+/// A step of a round that takes this long is logged (at INFO).
+const SLOW_STEP: Duration = Duration::from_secs(1);
 
 /// How the agent was started.
 #[derive(Debug, Clone)]
@@ -112,8 +117,13 @@ struct Agent {
     store: Store,
     key_id: String,
     template: StandbyTemplate,
+    /// Keeps the lease alive.
+    keeper: Keeper,
+    /// The lease this host's keys are bound to (the keeper's, as of the
+    /// last round).
     lease: i64,
-    renewed: Instant,
+    /// When the host record was last written.
+    host_written: Instant,
     registered_since: u64,
     http_addr: Option<String>,
     shown: http::Shown,
@@ -132,6 +142,8 @@ struct Agent {
     /// VMs that ran here as primaries, and since when each has been gone
     /// (None: it runs).
     ran_here: HashMap<String, Option<Instant>>,
+    /// Standbys started here that ended, whose claims are still to drop.
+    ended: HashSet<String>,
 }
 
 /// Runs the agent until it fails to start (the error) or forever.
@@ -177,6 +189,7 @@ pub async fn run(cfg: AgentConfig) -> Result<(), FleetError> {
         source,
     })?;
     let (store, lease) = join_registry(&cfg.spec).await?;
+    let keeper = Keeper::start(&cfg.spec, lease)?;
     let shown = http::Shown::default();
     let http_addr = match &cfg.http {
         Some(addr) => Some(http::serve(addr, cfg.host.clone(), shown.clone())?),
@@ -194,8 +207,9 @@ pub async fn run(cfg: AgentConfig) -> Result<(), FleetError> {
         key_id: key_id(&key),
         store,
         template,
+        keeper,
         lease,
-        renewed: Instant::now(),
+        host_written: Instant::now(),
         registered_since: now_unix(),
         http_addr,
         shown,
@@ -206,6 +220,7 @@ pub async fn run(cfg: AgentConfig) -> Result<(), FleetError> {
         waiting: HashMap::new(),
         written: HashMap::new(),
         ran_here: HashMap::new(),
+        ended: HashSet::new(),
         cfg,
     };
     agent.register().await?;
@@ -223,6 +238,8 @@ pub async fn run(cfg: AgentConfig) -> Result<(), FleetError> {
         if let Err(e) = agent.round().await {
             tracing::warn!(error = %e, "fleet agent: this round failed; trying again");
         }
+        // A round that ended, even failed (etcd away): the loop is alive.
+        agent.keeper.alive();
         if watch.is_none() {
             watch = match agent.store.watch().await {
                 Ok(w) => Some(w),
@@ -273,48 +290,79 @@ impl Agent {
         self.store.put_host(&self.host_record(), self.lease).await
     }
 
-    /// Renews the lease every TTL/3; a lease etcd let expire is replaced
-    /// (the host and its standbys' claims are written again).
-    async fn keep_lease(&mut self) -> Result<(), FleetError> {
-        if self.renewed.elapsed() < self.cfg.spec.ttl / 3 {
+    /// Follows the keeper's lease: under a new one (etcd let the last one
+    /// expire) the host and its standbys' claims are written again; the
+    /// host record is rewritten every TTL/3 (free memory, standbys).
+    async fn follow_lease(&mut self) -> Result<(), FleetError> {
+        let lease = self.keeper.lease();
+        if lease != self.lease {
+            tracing::warn!(
+                host = self.cfg.host,
+                old = self.lease,
+                new = lease,
+                "fleet agent: a new lease; registering the host and its claims again"
+            );
+            // Followed only once all is written (a failure: again next round).
+            self.store.put_host(&self.host_record(), lease).await?;
+            self.host_written = Instant::now();
+            let me = self.cfg.host.clone();
+            for (id, l) in &self.launched {
+                let claim = Claim {
+                    host: me.clone(),
+                    peer: l.published.then(|| l.peer.clone()),
+                    since_unix: now_unix(),
+                };
+                self.store.claim(id, &claim, lease).await?;
+            }
+            self.lease = lease;
             return Ok(());
         }
-        if self.store.renew(self.lease).await? {
-            self.renewed = Instant::now();
-            return self.register().await;
-        }
-        tracing::error!(
-            host = self.cfg.host,
-            "fleet agent: etcd let this host's lease expire; registering again"
-        );
-        self.lease = self.store.grant(self.cfg.spec.ttl).await?;
-        self.renewed = Instant::now();
-        self.register().await?;
-        let me = self.cfg.host.clone();
-        for (id, l) in &self.launched {
-            let claim = Claim {
-                host: me.clone(),
-                peer: l.published.then(|| l.peer.clone()),
-                since_unix: now_unix(),
-            };
-            self.store.claim(id, &claim, self.lease).await?;
+        if self.host_written.elapsed() >= self.cfg.spec.ttl / 3 {
+            self.register().await?;
+            self.host_written = Instant::now();
         }
         Ok(())
     }
 
+    /// A step of a round ended: the loop is alive; a long step is logged
+    /// (a round's steps run one after the other: a long one delays the
+    /// claims and the protections of every VM).
+    fn stepped(&self, step: &'static str, started: Instant) {
+        self.keeper.alive();
+        let took = started.elapsed();
+        if took >= SLOW_STEP {
+            tracing::info!(
+                step,
+                took_ms = took.as_millis() as u64,
+                "fleet agent: a step of the round took long"
+            );
+        }
+    }
+
     async fn round(&mut self) -> Result<(), FleetError> {
         tracing::trace!("fleet agent: round");
-        self.keep_lease().await?;
+        // First what needs no etcd: children that ended are reaped even
+        // while etcd is out of reach.
+        self.reap_children();
+        let t = Instant::now();
+        self.follow_lease().await?;
+        self.stepped("lease", t);
+        let t = Instant::now();
         let dir = self.cfg.vm_dir.clone();
         let locals = tokio::task::spawn_blocking(move || local::scan(&dir))
             .await
             .unwrap_or_default();
+        self.stepped("asking the local VMMs", t);
+        let t = Instant::now();
         let snap = self.store.snapshot().await?;
-        self.reap_standbys(&snap).await?;
+        self.drop_ended_claims(&snap).await?;
+        self.stepped("reading the registry", t);
         let mut here = HashSet::new();
         for l in &locals {
+            let t = Instant::now();
             here.insert(l.id.clone());
             self.local_vm(l, &snap).await?;
+            self.stepped("a local VM", t);
         }
         // Primaries that ended (a clean end removes the socket too).
         let running: HashSet<&String> = locals
@@ -328,19 +376,26 @@ impl Agent {
             .filter(|id| !running.contains(id) && !self.adopted.contains_key(*id))
             .cloned()
             .collect();
+        let t = Instant::now();
         for id in ended {
             self.vm_gone(&id, &snap).await?;
         }
         self.finish_protections().await?;
+        self.stepped("ended VMs and protections", t);
+        let t = Instant::now();
         self.claim_for_others(&snap, &here).await?;
+        self.stepped("claims", t);
         // The page shows the registry as it is now.
+        let t = Instant::now();
         let snap = self.store.snapshot().await?;
         *self.shown.lock().unwrap_or_else(|p| p.into_inner()) = Some(crate::view::fleet(&snap));
+        self.stepped("the page", t);
         Ok(())
     }
 
-    /// Standbys started here that ended: their claims go.
-    async fn reap_standbys(&mut self, snap: &Snapshot) -> Result<(), FleetError> {
+    /// Standbys and VMs started here that ended: reaped (their pid files
+    /// go); a standby's claim goes next ([`Self::drop_ended_claims`]).
+    fn reap_children(&mut self) {
         let mut ended = Vec::new();
         for (id, l) in &mut self.launched {
             if let Ok(Some(st)) = l.child.try_wait() {
@@ -362,11 +417,19 @@ impl Agent {
         for id in ended {
             self.launched.remove(&id);
             let _ = std::fs::remove_file(launch::pid_file(&self.cfg.vm_dir, &id));
+            self.ended.insert(id);
+        }
+    }
+
+    /// The claims of standbys that ended here go.
+    async fn drop_ended_claims(&mut self, snap: &Snapshot) -> Result<(), FleetError> {
+        for id in self.ended.clone() {
             if let Some(c) = snap.claims.get(&id) {
-                if c.value.host == self.cfg.host {
+                if c.value.host == self.cfg.host && !self.launched.contains_key(&id) {
                     self.store.drop_claim(&id, c.revision).await?;
                 }
             }
+            self.ended.remove(&id);
         }
         Ok(())
     }
@@ -385,6 +448,17 @@ impl Agent {
                 Ok(())
             }
             Seen::Ft(ft) if ft.is_standby() => self.standby_here(&l.id, ft, snap).await,
+            // A standby started here that has not taken over: still
+            // starting (its API answers before it listens for its primary:
+            // `none`, `unprotected`), or ending (told to stand down).
+            Seen::Ft(ft) if self.launched.contains_key(&l.id) && !ft.took_over() => {
+                tracing::debug!(
+                    vm = l.id,
+                    state = ft.state,
+                    "fleet agent: the standby started here does not wait yet"
+                );
+                Ok(())
+            }
             Seen::Ft(ft) => {
                 self.ran_here.insert(l.id.clone(), None);
                 self.primary_here(&l.id, &l.socket, ft, snap).await
@@ -446,13 +520,20 @@ impl Agent {
     ) -> Result<(), FleetError> {
         // A standby that failed over is an ordinary VM now.
         if let Some(l) = self.launched.remove(id) {
+            tracing::info!(
+                vm = id,
+                state = ft.state,
+                "fleet agent: the standby started here took over; the VM runs here"
+            );
             self.adopted.insert(id.to_owned(), l.child);
             self.register().await?;
         }
         let claim = snap.claims.get(id);
         // A claim naming this host is the one it held as the standby.
         if let Some(c) = claim.filter(|c| c.value.host == self.cfg.host) {
-            self.store.drop_claim(id, c.revision).await?;
+            if self.store.drop_claim(id, c.revision).await? {
+                tracing::info!(vm = id, "fleet agent: dropped this host's standby claim");
+            }
             return Ok(());
         }
         let old = snap.vms.get(id);

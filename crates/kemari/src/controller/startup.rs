@@ -145,6 +145,7 @@ pub fn standby(
         fence_cmd,
         plaintext: args.plaintext_link,
     };
+    hold_standby_start();
     let mut overrides = Ok(());
     let outcome = ft::standby::run(
         &opts,
@@ -155,3 +156,22 @@ pub fn standby(
     overrides?;
     Ok(outcome)
 }
+
+/// Test builds only (feature `fault-injection`): a standby whose API
+/// already answers holds before it listens for its primary for as long as
+/// `KEMARI_FAULT_HOLD_STANDBY_START_MS` says, as a standby starting on a
+/// slow host does (its `GET /vm/ft` says role `none`, `unprotected`
+/// meanwhile).
+#[cfg(feature = "fault-injection")]
+fn hold_standby_start() {
+    const VAR: &str = "KEMARI_FAULT_HOLD_STANDBY_START_MS";
+    if let Some(ms) = std::env::var(VAR).ok().and_then(|v| v.parse::<u64>().ok()) {
+        tracing::warn!(ms, "fault injection: holding the standby's start");
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+}
+
+/// Without the feature: nothing.
+#[cfg(not(feature = "fault-injection"))]
+#[inline(always)]
+fn hold_standby_start() {}
