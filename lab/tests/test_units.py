@@ -543,7 +543,7 @@ def test_platform_reset_is_told_from_other_failures(tmp_path: Path) -> None:
 
 
 def test_a_dead_or_locked_up_virtual_host_is_told_from_other_failures(tmp_path: Path) -> None:
-    from kemari_lab.platform_reset import platform_fault_in
+    from kemari_lab.platform_reset import host_fault_in, platform_fault_in
 
     timeout = "vh0: timed out after 118s waiting for command `cat /tmp/qemu0.console`"
     host = tmp_path / "vh0.console"
@@ -551,13 +551,13 @@ def test_a_dead_or_locked_up_virtual_host_is_told_from_other_failures(tmp_path: 
     # and a kemari that exits non-zero are never the platform's.
     host.write_text("[   52.8] watchdog: BUG: soft lockup - CPU#1 stuck for 26s! [vcpu1:150]\n")
     (tmp_path / "vh0-kemari0.console").write_text("Kernel panic - not syncing: Attempted to kill init!\nKLAB-VMM-EXIT=159\n")
-    assert platform_fault_in(tmp_path, timeout) is None
+    assert host_fault_in(tmp_path, timeout) is None
     # A long lockup explains a timeout, not another failure.
     host.write_text(
         "[   80.8] watchdog: BUG: soft lockup - CPU#1 stuck for 52s! [qemu-system-x86:150]\n"
         "[  136.8] watchdog: BUG: soft lockup - CPU#1 stuck for 104s! [qemu-system-x86:150]\n"
     )
-    found = platform_fault_in(tmp_path, timeout)
+    found = host_fault_in(tmp_path, timeout)
     assert found is not None and "104 s" in found and "qemu-system-x86" in found
     assert platform_fault_in(tmp_path, "vh0: guest did not report 2 CPUs") is None
     # The virtual host's kernel dying inside KVM_RUN, whatever the error said.
@@ -567,6 +567,24 @@ def test_a_dead_or_locked_up_virtual_host_is_told_from_other_failures(tmp_path: 
     )
     found = platform_fault_in(tmp_path, "reboot 1 of 5: vh0: QEMU exited while waiting for command")
     assert found is not None and "vh0.console" in found and "died" in found
+
+
+def test_a_stall_is_retried_wrong_data_never(tmp_path: Path) -> None:
+    from kemari_lab.platform_reset import platform_fault_in
+
+    stalled = "after the resume: client connection 10.77.0.2:1 -> 10.77.0.100:7 failed: after 30 echoes: TimeoutError: timed out"
+    found = platform_fault_in(tmp_path, stalled)
+    assert found is not None and "timeout" in found and "after the resume" in found
+    # Diagnostics attached to a stall do not make it wrong data.
+    attached = stalled + "\nkemari0 on vh0:\n  console:\n{\"message\":\"dirty tracker ready\"} lost"
+    assert platform_fault_in(tmp_path, attached) is not None
+    for wrong in (
+        "client connection failed: corrupted echo after 12 exchanges (timed out waiting for the rest)",
+        "records after reboot 3: lost 2 synced records; the request timed out once",
+        "vh0: KLAB-FS dirty after reboot 2",
+        "vh0: kemari exited before guest kemari0 was ready: KLAB-VMM-EXIT=159",
+    ):
+        assert platform_fault_in(tmp_path, wrong) is None, wrong
 
 
 WARM_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "host-warm-reboot"
