@@ -14,7 +14,7 @@ packages=(
   iproute2 iputils-ping socat          # TAP devices, namespaces
   hyperfine python3
   prometheus                           # promtool: `promtool check metrics` on GET /metrics
-  protobuf-compiler                    # protoc: the etcd client's gRPC code (etcd-client crate)
+  protobuf-compiler libprotobuf-dev    # protoc and its well-known types: the etcd client's gRPC code (etcd-client crate)
   etcd-server etcd-client              # the etcd fence's tests: a 3-member cluster, etcdctl
   resource-agents libxml2-utils        # ocf-tester, ocf-shellfuncs, xmllint: the Pacemaker agent's test
   chromium                             # the fleet page's test: headless screenshot and DOM

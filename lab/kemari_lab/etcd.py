@@ -38,6 +38,21 @@ def member_ip(i: int) -> str:
     return f"{SUBNET_PREFIX}.{3 + i}"
 
 
+def leader_index(status_json: str, ips: list[str]) -> int | None:
+    """From `etcdctl endpoint status -w json`: the index in `ips` of the
+    member the answering members name as their leader, None if unknown."""
+    try:
+        entries = json.loads(status_json or "[]")
+    except json.JSONDecodeError:
+        return None
+    leader = next((e["Status"]["leader"] for e in entries if e.get("Status", {}).get("leader")), None)
+    for e in entries:
+        if leader is not None and e.get("Status", {}).get("header", {}).get("member_id") == leader:
+            ip = e.get("Endpoint", "").split("//")[-1].rsplit(":", 1)[0]
+            return ips.index(ip) if ip in ips else None
+    return None
+
+
 class LabEtcd:
     """`members` etcd processes in the lab namespace, one cluster."""
 
@@ -131,6 +146,11 @@ class LabEtcd:
         """The JSON value of `key`, or None if it does not exist."""
         out = self.ctl(["get", key, "--print-value-only"]).stdout.strip()
         return json.loads(out) if out else None
+
+    def leader(self) -> int | None:
+        """The index of the member that is the leader now (None if unknown)."""
+        status = self.ctl(["endpoint", "status", "-w", "json"], check=False).stdout
+        return leader_index(status, [member_ip(i) for i in range(self.n)])
 
     def running(self, i: int) -> bool:
         p = self._procs[i]

@@ -300,11 +300,11 @@ def _partition(fl: FleetLab, p: VirtualHost, s: VirtualHost, times: dict[str, fl
     lost_seen = exit_seen = over_seen = None
     over: dict[str, Any] = {}
     deadline = cut + 180
-    # The old copy's exit is not waited for: it holds its outputs once it
-    # lost the key, but a disk request in flight to the NBD server it can
-    # no longer reach may keep it from ending until the heal (its agent
-    # then reaps it, exit 1: checked after the heal).
-    while lost_seen is None or over_seen is None:
+    # The old copy must end during the cut: a disk request in flight to the
+    # NBD server it can no longer reach blocks its device loop, and once its
+    # key is lost it ends without waiting for it (kemari's
+    # FENCE_LOST_STOP_BOUND; its status, 1, is read by its agent after the heal).
+    while lost_seen is None or over_seen is None or exit_seen is None:
         if time.monotonic() > deadline:
             raise LabError(
                 f"after the cut: old primary lost its key {lost_seen}, exited {exit_seen}; "
@@ -329,7 +329,7 @@ def _partition(fl: FleetLab, p: VirtualHost, s: VirtualHost, times: dict[str, fl
     status_line(f"{s.name} after the failover (partition)", over)
     times.update(
         partition_old_lost_key_seen_s=lost_seen - cut,
-        partition_old_exit_seen_s=(exit_seen - cut) if exit_seen is not None else -1.0,
+        partition_old_exit_seen_s=exit_seen - cut,
         partition_new_primary_seen_s=over_seen - cut,
         partition_kemari_failover_ms=float(over.get("failover_ms") or -1),
     )
@@ -416,12 +416,11 @@ def fleet(lab: Lab, vmm: str) -> dict[str, float]:
                 raise LabError(f"{h1.name}: its agent is not registered after the heal")
             fl.fleet_table()
         with step(f"(d)+(b) one etcd member killed; {h2.name} loses power: {h1.name} runs the VM"):
-            status = fl.etcd.ctl(["endpoint", "status", "-w", "json"]).stdout
-            leader = re.findall(r'"leader":(\d+)', status)
-            member = re.findall(r'"member_id":(\d+)', status)
-            times["etcd_killed_member_was_leader"] = float(bool(leader and member and member[0] == leader[0]))
-            fl.etcd.kill(0)
-            images.log("etcd member m0 killed")
+            victim = fl.etcd.leader()
+            times["etcd_killed_member_was_leader"] = float(victim is not None)
+            victim = 0 if victim is None else victim
+            fl.etcd.kill(victim)
+            images.log(f"etcd member m{victim} killed ({'the leader' if times['etcd_killed_member_was_leader'] else 'leader unknown'})")
             time.sleep(3)
             _power_failure(fl, h2, h1, "power2", times)
             if len(fl.vmm_running(h1)) != 1:

@@ -104,10 +104,11 @@ def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
 # ---------------------------------------------------------------- packages
 
 
-def ensure_host_packages() -> None:
-    """apt-get installs the tools the lab runs on this machine, if missing."""
+def ensure_host_packages(with_kemari: bool = False) -> None:
+    """apt-get installs the tools the lab runs on this machine (and, with
+    `with_kemari`, what building kemari needs), if missing."""
     missing = []
-    for pkg in paths.HOST_PACKAGES:
+    for pkg in paths.HOST_PACKAGES + (paths.KEMARI_BUILD_PACKAGES if with_kemari else []):
         q = subprocess.run(["dpkg-query", "-W", "-f=${Status}", pkg], capture_output=True, text=True, check=False)
         if "install ok installed" not in q.stdout:
             missing.append(pkg)
@@ -442,7 +443,7 @@ class Images:
 
 def setup(with_kemari: bool = False) -> Images:
     """The whole set-up step (idempotent)."""
-    ensure_host_packages()
+    ensure_host_packages(with_kemari)
     paths.IMAGES_DIR.mkdir(parents=True, exist_ok=True)
     root = fetch_kernel()
     tree = KernelTree(root, kernel_version())

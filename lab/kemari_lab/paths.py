@@ -17,5 +17,8 @@ RELEASE_DIR = RELEASE_TARGET_DIR / "release"
 
 # Debian packages the lab needs on this machine (apt-get install).
 HOST_PACKAGES = ["qemu-system-x86", "qemu-utils", "seabios", "busybox-static", "e2fsprogs", "iproute2", "kmod", "nbd-client", "kexec-tools"]
+# What `setup --kemari`'s cargo build needs besides Rust (protoc: the etcd
+# client's gRPC code; scripts/setup.sh has the full list for tests and benches).
+KEMARI_BUILD_PACKAGES = ["build-essential", "pkg-config", "libssl-dev", "protobuf-compiler", "libprotobuf-dev"]
 # The kernel meta-package whose dependency names the exact kernel version.
 KERNEL_META_PACKAGE = "linux-image-cloud-amd64"

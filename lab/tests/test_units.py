@@ -732,3 +732,20 @@ def test_warm_cache_summary_and_http_bench(tmp_path: Path) -> None:
         assert bad["errors"] == 1 and "f003" in bad["first_error"]
     finally:
         srv.shutdown()
+
+
+def test_the_etcd_leader_is_found_by_its_member_id() -> None:
+    from kemari_lab.etcd import leader_index
+
+    def entry(ip: str, member: int, leader: int) -> dict:
+        return {"Endpoint": f"{ip}:2379", "Status": {"header": {"member_id": member}, "leader": leader}}
+
+    ips = ["10.77.0.3", "10.77.0.4", "10.77.0.5"]
+    # etcdctl's member ids are 64-bit: beyond a double's exact range.
+    big = 10276657743932975437
+    status = json.dumps([entry("10.77.0.3", 1, big), entry("10.77.0.4", big, big), entry("http://10.77.0.5", 3, big)])
+    assert leader_index(status, ips) == 1
+    # A leader that did not answer, no answer, or garbage: unknown.
+    assert leader_index(json.dumps([entry("10.77.0.3", 1, 7)]), ips) is None
+    assert leader_index("", ips) is None
+    assert leader_index("not json", ips) is None

@@ -12,6 +12,9 @@
 //!   runs the VM once etcd is back.
 //! - One of the three members is killed before the primary is: the
 //!   failover still leaves exactly one copy running.
+//! - A primary whose disk server stops answering with a request in flight
+//!   (its device loop blocked in the backend) still ends once it loses
+//!   etcd: a cut-off copy does not wait for the network to come back.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -381,6 +384,71 @@ fn lone_primary(dir: &Path, fence: &str, tag: &str) -> Vmm {
         &dir.join(format!("api-{tag}.sock")),
         &[],
     )
+}
+
+#[test]
+#[cfg_attr(
+    any(no_kvm, no_etcd, no_etcdctl),
+    ignore = "needs /dev/kvm and etcd + etcdctl (Debian etcd-server, etcd-client)"
+)]
+fn a_primary_blocked_on_its_disk_still_ends_when_it_loses_etcd() {
+    let _turn = one_at_a_time();
+    let dir = scratch("etcd-blocked-disk");
+    let etcd = EtcdCluster::start(&dir, 3);
+    let nbd = serve_nbd(&dir);
+    let fence = etcd.fence(PREFIX, TTL_S);
+    let args: Vec<String> = [
+        "--kernel",
+        guest_elf().to_str().unwrap(),
+        "--memory",
+        "64M",
+        "--cmdline",
+        // Long enough (64,000 flushed writes) to be writing when frozen.
+        "counter=50 disk=write,16000,seq,flush disk=write,16000,rand,flush \
+         disk=write,16000,seq,flush disk=write,16000,rand,flush",
+        "--disk",
+        &nbd.url,
+        "--ft-fence",
+        &fence,
+        "--id",
+        ID,
+    ]
+    .map(String::from)
+    .to_vec();
+    let console = dir.join("console-blocked.log");
+    let mut primary = spawn_vmm(&args, &console, &dir.join("api-blocked.sock"), &[]);
+    wait_for("the guest's disk writes", Duration::from_secs(120), || {
+        read_text(&console).contains("disk: acked=")
+    });
+    // The guest's next write waits for a server that does not answer: the
+    // device loop is blocked in the backend from here on.
+    nbd.freeze();
+    std::thread::sleep(Duration::from_secs(1));
+    let start = std::time::Instant::now();
+    etcd.freeze();
+    let deadline = Duration::from_secs(TTL_S * 4 + 30);
+    let st = loop {
+        if let Some(st) = primary.child.0.try_wait().unwrap() {
+            break st;
+        }
+        if start.elapsed() > deadline {
+            etcd.thaw();
+            nbd.thaw();
+            let _ = primary.child.0.kill();
+            panic!(
+                "the primary did not end within {deadline:?} of losing etcd with its disk blocked: {}",
+                stderr_of(&mut primary)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    etcd.thaw();
+    nbd.thaw();
+    assert!(!st.success(), "a primary that lost its key ends in failure");
+    let err = stderr_of(&mut primary);
+    assert!(err.contains("lost the etcd key"), "{err}");
+    assert!(err.contains("did not stop in time"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

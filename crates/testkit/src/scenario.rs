@@ -299,6 +299,25 @@ pub struct NbdExport {
     pub url: String,
 }
 
+impl NbdExport {
+    /// Stops the server (SIGSTOP): its connections stay open and nothing
+    /// is answered, as with a server cut off the network.
+    pub fn freeze(&self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    /// Lets a frozen server go on (SIGCONT).
+    pub fn thaw(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    fn signal(&self, sig: i32) {
+        // SAFETY: kill takes no memory; the pid is our child's, not reaped
+        // before `self` is dropped.
+        unsafe { libc::kill(self._child.0.id() as i32, sig) };
+    }
+}
+
 pub fn serve_nbd(dir: &Path) -> NbdExport {
     let disk = disk_image(dir);
     let sock = dir.join("nbd.sock");

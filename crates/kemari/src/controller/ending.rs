@@ -1,6 +1,13 @@
 //! How the VMM lets go of its VM when it ends.
 
+use std::sync::mpsc;
+use std::time::Duration;
+
 use vmm::machine::{Machine, RunState};
+
+/// How long a VMM that lost its fence gives its VM to stop before it ends
+/// without it (see [`end_vm_within`]).
+pub const FENCE_LOST_STOP_BOUND: Duration = Duration::from_secs(5);
 
 /// Once the VM runs in another process, this one only has to end: it does
 /// so at idle priority (SCHED_IDLE, inherited by the reaper it forks to
@@ -41,4 +48,31 @@ pub fn release_backends(machine: &mut Machine) -> Vec<std::fs::File> {
         tracing::warn!(error = %e, "cannot release the device backends before exiting");
         Vec::new()
     })
+}
+
+/// [`end_vm`], given at most `bound`: past it, this process ends without
+/// waiting for the VM to stop. For an ending whose VM may not release
+/// anything from now on (its fence is lost: outputs held for good), where a
+/// device loop blocked in a backend — a disk request to an NBD server this
+/// host can no longer reach (seen in the lab, cut off the network) — would
+/// otherwise keep the process, and the copy it is, alive until the server
+/// answers again.
+pub fn end_vm_within(machine: Machine, bound: Duration) {
+    let (done_tx, done_rx) = mpsc::channel();
+    let spawned = std::thread::Builder::new()
+        .name("vm-end".into())
+        .spawn(move || {
+            end_vm(machine);
+            let _ = done_tx.send(());
+        });
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, "cannot start the thread that stops the VM; ending without it");
+        return;
+    }
+    if let Err(mpsc::RecvTimeoutError::Timeout) = done_rx.recv_timeout(bound) {
+        tracing::error!(
+            bound_ms = bound.as_millis() as u64,
+            "the VM did not stop in time (a device is blocked, e.g. on a disk server that does not answer); ending without it"
+        );
+    }
 }

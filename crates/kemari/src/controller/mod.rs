@@ -63,7 +63,7 @@ use crate::cli::{Args, CliError, OnCrash, OnReboot};
 use crate::metrics::listener::MetricsListener;
 use crate::operation::OpKind;
 
-use self::ending::{end_vm, finish_at_idle_priority};
+use self::ending::{end_vm, end_vm_within, finish_at_idle_priority, FENCE_LOST_STOP_BOUND};
 use self::shared::{Role, Shared};
 use self::worker::{After, Done, Op};
 
@@ -193,6 +193,11 @@ enum Ending {
     Status(ExitCode),
     /// With this error.
     Failed(String),
+    /// With this error, the fence lost: the VM's outputs are held for good,
+    /// so its devices are given a bounded time to stop (one blocked on a
+    /// disk server that no longer answers cannot) and the process ends
+    /// regardless.
+    FenceLost(String),
 }
 
 struct Controller {
@@ -542,7 +547,7 @@ impl Controller {
             g.degrade(&why);
         }
         self.end(
-            Ending::Failed(why.clone()),
+            Ending::FenceLost(why.clone()),
             ("fence_lost", json!({ "reason": why })),
         )
     }
@@ -564,10 +569,19 @@ impl Controller {
                 if let Some((kind, details)) = event {
                     self.shared.events.publish(kind, details);
                 }
-                end_vm(machine);
                 Some(match why {
-                    Ending::Status(code) => Ok(code),
-                    Ending::Failed(message) => Err(ProcessError::VmFailed(message)),
+                    Ending::Status(code) => {
+                        end_vm(machine);
+                        Ok(code)
+                    }
+                    Ending::Failed(message) => {
+                        end_vm(machine);
+                        Err(ProcessError::VmFailed(message))
+                    }
+                    Ending::FenceLost(message) => {
+                        end_vm_within(machine, FENCE_LOST_STOP_BOUND);
+                        Err(ProcessError::VmFailed(message))
+                    }
                 })
             }
             Slot::Away(id) => {
