@@ -17,6 +17,7 @@ migration (kemari_lab/migration.py) moves it.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -192,7 +193,11 @@ class Guest:
 
     def launch(self, host: VirtualHost, command: str) -> None:
         """Runs a VMM command in the background on `host`, its output in the
-        guest's console file there, followed by KLAB-VMM-EXIT=<status>."""
+        guest's console file there, followed by KLAB-VMM-EXIT=<status>.
+        With KEMARI_LAB_MEMORY_DIGEST=1 here, kemari logs its memory digests
+        at each live migration (`transfer::memory_digest`)."""
+        if command.startswith("kemari ") and os.environ.get("KEMARI_LAB_MEMORY_DIGEST") == "1":
+            command = "KEMARI_DEBUG_MEMORY_DIGEST=1 " + command
         host.run(f"( {command} > {self.console} 2>&1; echo KLAB-VMM-EXIT=$? >> {self.console} ) >/dev/null 2>&1 &")
 
     def ctl(self, args: str, timeout: float = 60, host: VirtualHost | None = None) -> dict[str, Any]:

@@ -15,6 +15,8 @@ destination.
 
 from __future__ import annotations
 
+import os
+import re
 import secrets
 import time
 from collections.abc import Iterable
@@ -26,6 +28,9 @@ from kemari_lab.vhost import VirtualHost
 
 MIGRATION_PORT = 7777
 KEY_PATH = "/tmp/klab-migration.key"
+# KEMARI_LAB_PLAINTEXT_LINK=1: both ends with --plaintext-link (authenticated,
+# not encrypted), to tell the cipher's cost on the virtual hosts' emulated CPUs.
+PLAINTEXT = os.environ.get("KEMARI_LAB_PLAINTEXT_LINK") == "1"
 
 
 def install_key(hosts: Iterable[VirtualHost]) -> None:
@@ -71,6 +76,8 @@ def start_incoming(guest: Guest, dest: VirtualHost, port: int = MIGRATION_PORT, 
         f"kemari --incoming {dest.ip}:{port} --migration-key-file {KEY_PATH} --serial stdout"
         f" --api-socket {s.api_socket}"
     )
+    if PLAINTEXT:
+        cmd += " --plaintext-link"
     if s.net:
         cmd += f" --net tap={s.tap}"
     guest.launch(dest, cmd + s.log_args)
@@ -97,6 +104,8 @@ def live_migrate(
         raise LabError(f"{source.name}: cannot migrate guest {guest.spec.name} to its own host")
     start_incoming(guest, dest, port)
     args = f"migrate --to {dest.ip}:{port} --key-file {KEY_PATH}"
+    if PLAINTEXT:
+        args += " --plaintext-link"
     if max_downtime_ms is not None:
         args += f" --max-downtime-ms {max_downtime_ms}"
     if max_rounds is not None:
@@ -113,10 +122,44 @@ def live_migrate(
     status = guest.wait_exit(timeout=60)  # the source kemari; keeps its console in the run dir
     if status != 0:
         raise LabError(f"{source.name}: kemari exited with status {status} after migrating out")
-    for event in vmm_log(guest.console_text(), "live migration committed"):
+    source_console = guest.console_text()
+    for event in vmm_log(source_console, "live migration committed"):
         report.update({k: event["fields"][k] for k in ("final_pages", "restore_ms") if k in event["fields"]})
     guest.host = dest
+    if os.environ.get("KEMARI_LAB_MEMORY_DIGEST") == "1":
+        report["digest_mismatch_chunks"] = compare_digests(guest, source_console, guest.console_text())
     info = guest.info()
     if info.get("state") != "running":
         raise LabError(f"{dest.name}: the migrated guest is not running: {info}")
     return report
+
+
+def last_digests(console: str, side: str) -> list[str] | None:
+    """The chunk digests of kemari's last `memory digest` line of `side`."""
+    found = None
+    for event in vmm_log(console, "memory digest"):
+        if event["fields"].get("side") == side:
+            found = str(event["fields"].get("digests", "")).split(",")
+    # Plain-text logs (no --log-json): `memory digest side="source" … digests="…"`.
+    for m in re.finditer(r'memory digest side="(\w+)".*?digests="([0-9a-f,]+)"', console):
+        if m.group(1) == side:
+            found = m.group(2).split(",")
+    return found
+
+
+def compare_digests(guest: Guest, source_console: str, dest_console: str) -> int:
+    """Compares the two ends' memory digests of the last migration (logged
+    with KEMARI_DEBUG_MEMORY_DIGEST=1); logs and returns how many 2 MiB chunks
+    differ (-1 when a side logged none)."""
+    from kemari_lab import images
+
+    src, dst = last_digests(source_console, "source"), last_digests(dest_console, "destination")
+    if src is None or dst is None or len(src) != len(dst):
+        images.log(f"{guest.spec.name}: memory digests missing (source {src is not None}, destination {dst is not None})")
+        return -1
+    differ = [i for i, (a, b) in enumerate(zip(src, dst)) if a != b]
+    images.log(
+        f"{guest.spec.name}: memory digests of {len(src)} chunks of 2 MiB: "
+        + (f"{len(differ)} DIFFER at MiB {[i * 2 for i in differ][:32]}" if differ else "all equal")
+    )
+    return len(differ)

@@ -749,3 +749,13 @@ def test_the_etcd_leader_is_found_by_its_member_id() -> None:
     assert leader_index(json.dumps([entry("10.77.0.3", 1, 7)]), ips) is None
     assert leader_index("", ips) is None
     assert leader_index("not json", ips) is None
+
+
+def test_memory_digests_are_read_from_plain_and_json_logs() -> None:
+    from kemari_lab.migration import last_digests
+
+    plain = 'T  WARN transfer::memory_digest: memory digest side="source" chunk_bytes=2097152 took_ms=50 digests="0a0b,0c0d"\n'
+    js = '{"timestamp":"T","level":"WARN","fields":{"message":"memory digest","side":"destination","digests":"0a0b,ffff"},"target":"t"}\n'
+    assert last_digests(plain + js, "source") == ["0a0b", "0c0d"]
+    assert last_digests(plain + js, "destination") == ["0a0b", "ffff"]
+    assert last_digests("nothing here", "source") is None

@@ -494,6 +494,9 @@ fn receive_inner<D: Duplex + ?Sized>(
     };
     // The pre-copy is over: its streams are closed.
     drop(streams);
+    if let (Some(memory), Arrival::State(_)) = (&memory, &arrival) {
+        crate::memory_digest::log_if_enabled("destination", memory.file(), memory.size());
+    }
     // The source is paused: the vCPU threads made ahead poll for their
     // start from now on (their wake-up overlaps the restore).
     if let Some(vm) = preparing.built() {

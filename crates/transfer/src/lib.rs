@@ -14,7 +14,9 @@
 //!   progress the API reads while the hand-over runs;
 //! - [`streams`]: a live migration's extra page streams (`--connections`);
 //! - [`error`]: the one error type, worded for the operator;
-//! - [`listening`]: who is told that a destination listens.
+//! - [`listening`]: who is told that a destination listens;
+//! - [`memory_digest`]: per-chunk digests of guest memory at the hand-over,
+//!   to find lost pages (a debugging aid, off by default).
 //!
 //! docs/migration-protocol.md describes the exchanges.
 
@@ -26,6 +28,7 @@ pub mod faults;
 pub mod key;
 pub mod link;
 pub mod listening;
+pub mod memory_digest;
 pub mod message;
 pub mod modes;
 pub mod net;

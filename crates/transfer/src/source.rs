@@ -205,6 +205,8 @@ pub fn pause_and_hand_over<S: FdRead + FdWrite + ReadTimeout>(
                         None => ch.send(Kind::State, &encoded)?,
                     }
                     sender.clear();
+                    let memory = machine.memory_file();
+                    crate::memory_digest::log_if_enabled("source", memory.file(), memory.size());
                 }
                 None => ch.send(Kind::State, &encoded)?,
             }
