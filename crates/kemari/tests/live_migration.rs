@@ -549,7 +549,14 @@ fn migration_over_four_connections_keeps_counter_disk_and_tcp() {
     let (mut src, echo) = start(&dir, &br, &disk, "dirty=1000,32");
     let to = format!("127.0.0.1:{}", port(0) + 2000);
     let dst = destination(&dir, &br, &to, &key, &[]);
-    std::thread::sleep(Duration::from_millis(300));
+    // Enough pages written (2048, 8 MiB, each distinct on the first pass)
+    // that the streams carry far more than the state: a quick start on a
+    // quiet host migrated after 782 pages.
+    wait_for(
+        "the guest to write 2048 pages",
+        Duration::from_secs(60),
+        || dirty_total(&read_text(&src.console)) >= 2048,
+    );
     let out = migrate(&src.api, &to, &key, &["--connections", "4"]);
     assert!(
         out.status.success(),
@@ -674,4 +681,21 @@ fn a_page_stream_cut_mid_migration_leaves_the_source_running() {
     );
     assert!(counters(&dst.console).is_empty());
     assert_source_runs(&src, echo);
+}
+
+/// The `total=` of the test guest's last `dirty: rate=…` line (0 if none).
+fn dirty_total(console: &str) -> u64 {
+    console
+        .lines()
+        .filter(|l| l.starts_with("dirty: rate="))
+        .filter_map(|l| {
+            l.split(" total=")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .next_back()
+        .unwrap_or(0)
 }
