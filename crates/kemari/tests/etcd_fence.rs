@@ -364,13 +364,18 @@ fn one_etcd_member_down_throughout_a_failover_still_one_copy() {
 
 /// A primary alone (no network), fenced by `fence`.
 fn lone_primary(dir: &Path, fence: &str, tag: &str) -> Vmm {
-    let args: Vec<String> = [
+    lone_primary_with(dir, fence, tag, "counter=50", &[])
+}
+
+/// [`lone_primary`] with the guest's command line and more arguments.
+fn lone_primary_with(dir: &Path, fence: &str, tag: &str, cmdline: &str, extra: &[&str]) -> Vmm {
+    let mut args: Vec<String> = [
         "--kernel",
         guest_elf().to_str().unwrap(),
         "--memory",
         "64M",
         "--cmdline",
-        "counter=50",
+        cmdline,
         "--ft-fence",
         fence,
         "--id",
@@ -378,6 +383,7 @@ fn lone_primary(dir: &Path, fence: &str, tag: &str) -> Vmm {
     ]
     .map(String::from)
     .to_vec();
+    args.extend(extra.iter().map(|a| a.to_string()));
     spawn_vmm(
         &args,
         &dir.join(format!("console-{tag}.log")),
@@ -397,26 +403,16 @@ fn a_primary_blocked_on_its_disk_still_ends_when_it_loses_etcd() {
     let etcd = EtcdCluster::start(&dir, 3);
     let nbd = serve_nbd(&dir);
     let fence = etcd.fence(PREFIX, TTL_S);
-    let args: Vec<String> = [
-        "--kernel",
-        guest_elf().to_str().unwrap(),
-        "--memory",
-        "64M",
-        "--cmdline",
-        // Long enough (64,000 flushed writes) to be writing when frozen.
+    // Long enough (64,000 flushed writes) to be writing when frozen.
+    let mut primary = lone_primary_with(
+        &dir,
+        &fence,
+        "blocked",
         "counter=50 disk=write,16000,seq,flush disk=write,16000,rand,flush \
          disk=write,16000,seq,flush disk=write,16000,rand,flush",
-        "--disk",
-        &nbd.url,
-        "--ft-fence",
-        &fence,
-        "--id",
-        ID,
-    ]
-    .map(String::from)
-    .to_vec();
+        &["--disk", &nbd.url],
+    );
     let console = dir.join("console-blocked.log");
-    let mut primary = spawn_vmm(&args, &console, &dir.join("api-blocked.sock"), &[]);
     wait_for("the guest's disk writes", Duration::from_secs(120), || {
         read_text(&console).contains("disk: acked=")
     });
