@@ -569,17 +569,14 @@ impl Controller {
                 if let Some((kind, details)) = event {
                     self.shared.events.publish(kind, details);
                 }
+                if matches!(why, Ending::FenceLost(_)) {
+                    end_vm_within(machine, FENCE_LOST_STOP_BOUND);
+                } else {
+                    end_vm(machine);
+                }
                 Some(match why {
-                    Ending::Status(code) => {
-                        end_vm(machine);
-                        Ok(code)
-                    }
-                    Ending::Failed(message) => {
-                        end_vm(machine);
-                        Err(ProcessError::VmFailed(message))
-                    }
-                    Ending::FenceLost(message) => {
-                        end_vm_within(machine, FENCE_LOST_STOP_BOUND);
+                    Ending::Status(code) => Ok(code),
+                    Ending::Failed(message) | Ending::FenceLost(message) => {
                         Err(ProcessError::VmFailed(message))
                     }
                 })
