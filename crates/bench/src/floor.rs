@@ -90,13 +90,8 @@ pub fn vcpu_save(rounds: usize) -> Result<Duration, String> {
     writer
         .install(&mem, &mut vcpu)
         .map_err(ctx("guest program"))?;
-    let msrs: Arc<Vec<u32>> = Arc::new(
-        vm.kvm()
-            .get_msr_index_list()
-            .map_err(ctx("KVM_GET_MSR_INDEX_LIST"))?
-            .as_slice()
-            .to_vec(),
-    );
+    let msrs: Arc<Vec<u32>> =
+        Arc::new(vmm::persist::vcpu::msr_indices(vm.kvm()).map_err(ctx("KVM_GET_MSR_INDEX_LIST"))?);
     let constants = Arc::new(read_constants(vcpu.fd(), 0).map_err(ctx("vCPU constants"))?);
     let handle = vcpu
         .start(

@@ -15,9 +15,8 @@ const TIMING_LEAF: u32 = 0x4000_0010;
 /// A vCPU with kemari's boot CPUID preset, as a migration destination makes
 /// it before the state arrives.
 fn preset_vcpu(vm: &Vm, index: u8) -> Vcpu {
-    let mut base = vm.kvm().get_supported_cpuid(KVM_MAX_CPUID_ENTRIES).unwrap();
+    let base = cpuid::base(vm.kvm(), Some(2_000_000)).unwrap();
     let mut vcpu = Vcpu::new(vm.fd(), index).unwrap();
-    cpuid::add_timing_leaf(&mut base, Some(2_000_000));
     vcpu.preset_cpuid(&base, 1).unwrap();
     vcpu
 }
@@ -143,4 +142,46 @@ fn a_pending_nmi_survives_a_save_and_restore() {
         now.nmi.pending, 1,
         "the pending NMI was dropped at the restore"
     );
+}
+
+/// A vCPU set up for boot has what firmware gives a kernel: the TSC-deadline
+/// timer (when KVM emulates it) and MTRRs on with write-back as the default;
+/// the saved state carries the MTRR default type to a restored vCPU.
+#[test]
+#[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
+fn a_booted_vcpu_has_the_tsc_deadline_timer_and_write_back_mtrrs_and_keeps_them() {
+    const MTRR_DEF_TYPE: u32 = 0x2ff;
+    let vm = Vm::new().unwrap();
+    let base = cpuid::base(vm.kvm(), None).unwrap();
+    let mut vcpu = Vcpu::new(vm.fd(), 0).unwrap();
+    vcpu.configure(&base, 1).unwrap();
+    let leaf1 = cpuid_of(&mut vcpu)
+        .into_iter()
+        .find(|e| e.function == 1)
+        .expect("leaf 1");
+    if vm.kvm().check_extension(kvm_ioctls::Cap::TscDeadlineTimer) {
+        assert_ne!(leaf1.ecx & (1 << 24), 0, "no TSC-deadline timer in CPUID");
+    } else {
+        eprintln!("SKIPPED (TSC-deadline part): this KVM has no KVM_CAP_TSC_DEADLINE_TIMER");
+    }
+    let indices = persist::vcpu::msr_indices(vm.kvm()).unwrap();
+    assert!(indices.contains(&MTRR_DEF_TYPE));
+    let state = persist::vcpu::save(vcpu.fd(), 0, &indices).unwrap();
+    let saved = state.msrs.iter().find(|m| m.index == MTRR_DEF_TYPE);
+    assert_eq!(
+        saved.map(|m| m.data),
+        Some((1 << 11) | 6),
+        "MTRRs on, write-back"
+    );
+
+    let other = Vm::new().unwrap();
+    let mut restored = Vcpu::new(other.fd(), 0).unwrap();
+    persist::vcpu::restore(restored.fd(), &state, None).unwrap();
+    let mut read = kvm_bindings::Msrs::from_entries(&[kvm_bindings::kvm_msr_entry {
+        index: MTRR_DEF_TYPE,
+        ..Default::default()
+    }])
+    .unwrap();
+    assert_eq!(restored.fd().get_msrs(&mut read).unwrap(), 1);
+    assert_eq!(read.as_slice()[0].data, (1 << 11) | 6);
 }

@@ -69,23 +69,17 @@ impl MachineCore {
         Ok(self.dirty.harvest_paused_keep_writable(max_writable)?)
     }
 
-    /// KVM's MSR list (fetched once).
+    /// The MSRs a vCPU's state holds ([`persist::vcpu::msr_indices`],
+    /// fetched once).
     fn msr_indices(&self) -> Result<Arc<Vec<u32>>, MachineError> {
         if let Some(m) = self.msr_indices.get() {
             return Ok(m.clone());
         }
-        let list: Arc<Vec<u32>> = Arc::new(
-            self.vm
-                .kvm()
-                .get_msr_index_list()
-                .map_err(|source| VmError::Kvm {
-                    what: "KVM_GET_MSR_INDEX_LIST",
-                    source,
-                })?
-                .as_slice()
-                .to_vec(),
-        );
-        Ok(self.msr_indices.get_or_init(|| list).clone())
+        let list = persist::vcpu::msr_indices(self.vm.kvm()).map_err(|source| VmError::Kvm {
+            what: "KVM_GET_MSR_INDEX_LIST",
+            source,
+        })?;
+        Ok(self.msr_indices.get_or_init(|| Arc::new(list)).clone())
     }
 
     /// Stops the vCPUs (one more nested pause, undone by

@@ -91,14 +91,10 @@ impl PreparedVm {
         // The CPUID a VM kemari boots here has: a restore of such a VM skips
         // KVM_SET_CPUID2 (~60 µs of the pause here). Best effort: a restore
         // sets whatever CPUID the state holds if this is not it.
-        let preset = self
-            .vm
-            .kvm()
-            .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
+        let tsc_khz = self.vcpus.first().and_then(Vcpu::tsc_khz);
+        let preset = cpuid::base(self.vm.kvm(), tsc_khz)
             .map_err(|e| e.to_string())
-            .and_then(|mut base| {
-                let tsc_khz = self.vcpus.first().and_then(Vcpu::tsc_khz);
-                cpuid::add_timing_leaf(&mut base, tsc_khz);
+            .and_then(|base| {
                 self.vcpus
                     .iter_mut()
                     .try_for_each(|v| v.preset_cpuid(&base, count))

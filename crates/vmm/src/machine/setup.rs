@@ -253,20 +253,22 @@ impl Machine {
                 start_info: pvh.start_info,
             }
         };
-        let kvm = vm.kvm();
-        let mut base_cpuid = kvm
-            .get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)
-            .map_err(|source| VmError::Kvm {
-                what: "KVM_GET_SUPPORTED_CPUID",
-                source,
-            })?;
+        let mut base_cpuid = None;
         let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
         for i in 0..config.vcpus {
             let vcpu = Vcpu::new(vm.fd(), i)?;
-            if i == 0 {
-                cpuid::add_timing_leaf(&mut base_cpuid, vcpu.tsc_khz());
-            }
-            vcpu.configure(&base_cpuid, config.vcpus)?;
+            let base_cpuid =
+                match &mut base_cpuid {
+                    Some(base) => base,
+                    // The timing leaf needs a vCPU to ask KVM for the TSC rate.
+                    None => base_cpuid.insert(cpuid::base(vm.kvm(), vcpu.tsc_khz()).map_err(
+                        |source| VmError::Kvm {
+                            what: "KVM_GET_SUPPORTED_CPUID",
+                            source,
+                        },
+                    )?),
+                };
+            vcpu.configure(base_cpuid, config.vcpus)?;
             if i == 0 {
                 vcpu.set_boot_state(boot_entry)?;
             }

@@ -76,6 +76,19 @@ fn kvm(index: u8, what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VcpuS
     }
 }
 
+/// The MSRs a vCPU's state holds: KVM's list (KVM_GET_MSR_INDEX_LIST) and
+/// those kemari sets at boot that the list leaves out (the MTRR default
+/// type, which KVM emulates but does not list).
+pub fn msr_indices(kvm: &kvm_ioctls::Kvm) -> Result<Vec<u32>, kvm_ioctls::Error> {
+    let mut list = kvm.get_msr_index_list()?.as_slice().to_vec();
+    for (index, _) in crate::vstate::vcpu::BOOT_MSRS {
+        if !list.contains(&index) {
+            list.push(index);
+        }
+    }
+    Ok(list)
+}
+
 /// Reads every MSR in `indices`; MSRs KVM refuses to read are left out.
 fn read_msrs(
     fd: &VcpuFd,

@@ -2,12 +2,42 @@
 //! TSC frequency leaf (0x40000010) that lets a guest skip TSC calibration.
 
 use kvm_bindings::{kvm_cpuid_entry2, CpuId};
+use kvm_ioctls::{Cap, Kvm};
 
 const KVM_CPUID_SIGNATURE: u32 = 0x4000_0000;
 const TIMING_LEAF: u32 = 0x4000_0010;
+/// CPUID.1:ECX bit 24: the LAPIC timer has TSC-deadline mode.
+const TSC_DEADLINE_TIMER: u32 = 1 << 24;
+
+/// The CPUID every vCPU of a VM kemari boots starts from (before
+/// [`patch_for_vcpu`]): what KVM supports, the TSC-deadline timer if KVM
+/// emulates it, and the timing leaf if the TSC rate is known.
+///
+/// KVM_GET_SUPPORTED_CPUID leaves the TSC-deadline bit out even when the
+/// in-kernel LAPIC has that mode (KVM_CAP_TSC_DEADLINE_TIMER, api.rst):
+/// QEMU, Firecracker and Cloud Hypervisor set it, and a Linux guest then
+/// arms its timer with one MSR write instead of the LAPIC's one-shot
+/// count-down (which it would otherwise calibrate).
+pub fn base(kvm: &Kvm, tsc_khz: Option<u32>) -> Result<CpuId, kvm_ioctls::Error> {
+    let mut cpuid = kvm.get_supported_cpuid(kvm_bindings::KVM_MAX_CPUID_ENTRIES)?;
+    if kvm.check_extension(Cap::TscDeadlineTimer) {
+        add_tsc_deadline_timer(&mut cpuid);
+    }
+    add_timing_leaf(&mut cpuid, tsc_khz);
+    Ok(cpuid)
+}
+
+/// Sets the TSC-deadline bit of leaf 1.
+fn add_tsc_deadline_timer(cpuid: &mut CpuId) {
+    for e in cpuid.as_mut_slice() {
+        if e.function == 1 {
+            e.ecx |= TSC_DEADLINE_TIMER;
+        }
+    }
+}
 
 /// Adds the timing leaf (TSC and bus frequency in kHz) if KVM knows the TSC rate.
-pub fn add_timing_leaf(cpuid: &mut CpuId, tsc_khz: Option<u32>) {
+fn add_timing_leaf(cpuid: &mut CpuId, tsc_khz: Option<u32>) {
     let Some(tsc_khz) = tsc_khz else { return };
     for e in cpuid.as_mut_slice() {
         if e.function == KVM_CPUID_SIGNATURE && e.eax < TIMING_LEAF {
@@ -164,7 +194,9 @@ mod tests {
         .unwrap();
         patch_for_vcpu(&mut c, 3, 4);
         add_timing_leaf(&mut c, Some(2_000_000));
+        add_tsc_deadline_timer(&mut c);
         let s = c.as_slice();
+        assert_ne!(s[0].ecx & TSC_DEADLINE_TIMER, 0);
         assert_eq!(s[0].ebx >> 24, 3);
         assert_eq!((s[0].ebx >> 16) & 0xff, 4);
         assert_eq!(s[0].ebx & 0xffff, 0xffff);

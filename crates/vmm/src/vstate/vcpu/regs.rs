@@ -30,6 +30,20 @@ pub enum BootEntry {
     },
 }
 
+/// IA32_MISC_ENABLE.
+const MSR_IA32_MISC_ENABLE: u32 = 0x1a0;
+/// IA32_MTRR_DEF_TYPE.
+const MSR_MTRR_DEF_TYPE: u32 = 0x2ff;
+
+/// The MSRs firmware sets before it starts a kernel, and their values:
+/// fast strings on; MTRRs on with write-back as the default type (no ranges),
+/// as Firecracker and Cloud Hypervisor set them. A guest whose MTRRs are off
+/// treats its memory as uncached and skips setting up PAT.
+pub const BOOT_MSRS: [(u32, u64); 2] = [
+    (MSR_IA32_MISC_ENABLE, 1),
+    (MSR_MTRR_DEF_TYPE, (1 << 11) | 6),
+];
+
 impl Vcpu {
     /// Sets CPUID (adjusted for this vCPU's APIC ID), the LAPIC's LINT pins and
     /// the MSRs firmware would set, for a machine of `vcpus` vCPUs.
@@ -52,13 +66,16 @@ impl Vcpu {
         let lint1 = get_lapic_reg(&lapic.regs, 0x360);
         set_lapic_reg(&mut lapic.regs, 0x360, (lint1 & !0x700) | 0x400);
         self.fd.set_lapic(&lapic).map_err(err("KVM_SET_LAPIC"))?;
-        let msrs = Msrs::from_entries(&[kvm_msr_entry {
-            index: 0x1a0, // IA32_MISC_ENABLE: fast strings
-            data: 1,
-            ..Default::default()
-        }])
-        .map_err(|_| VcpuError::Gone(index))?;
-        // Best effort: not every KVM lets userspace set it.
+        let entries: Vec<_> = BOOT_MSRS
+            .iter()
+            .map(|&(index, data)| kvm_msr_entry {
+                index,
+                data,
+                ..Default::default()
+            })
+            .collect();
+        let msrs = Msrs::from_entries(&entries).map_err(|_| VcpuError::Gone(index))?;
+        // Best effort: not every KVM lets userspace set them all.
         let _ = self.fd.set_msrs(&msrs);
         Ok(())
     }
