@@ -64,6 +64,16 @@ fn a_triple_fault_is_a_crash_with_exit_status_4_and_the_registers_logged() {
     ] {
         assert!(logged.contains(reg), "{reg} missing from {logged}");
     }
+    // Where KVM resets the vCPU before reporting the crash (AMD-V), those
+    // are the reset vector's: the exits before it say where the guest was.
+    let exits = err
+        .lines()
+        .find(|l| l.contains("ERROR") && l.contains("last exits before the crash"))
+        .unwrap_or_else(|| panic!("no ERROR line with the last exits: {err}"));
+    assert!(
+        exits.contains(" out 0x") && exits.contains("rip=0x") && exits.contains("cr3=0x"),
+        "the stub's port output before its crash, with its registers: {exits}"
+    );
 }
 
 fn expect_error(args: &[&str], needle: &str) {

@@ -11,10 +11,12 @@
 //! - `runner.rs`: the vCPU thread: the KVM_RUN loop and its exits;
 //! - `control.rs`: [`VcpuHandle`] and [`VcpuSet`]: requests, pause/resume, jobs;
 //! - `ahead.rs`: [`VcpuThreadAhead`], a thread made before its vCPU is restored;
-//! - `kick.rs`: the kick signal and the `immediate_exit` it sets.
+//! - `kick.rs`: the kick signal and the `immediate_exit` it sets;
+//! - `flight.rs`: the last exits of a vCPU, for a crash report.
 
 mod ahead;
 mod control;
+mod flight;
 mod kick;
 mod regs;
 mod runner;
@@ -27,7 +29,7 @@ use kvm_ioctls::{SyncReg, VcpuFd};
 
 pub use ahead::VcpuThreadAhead;
 pub use control::{VcpuHandle, VcpuSet};
-pub use regs::BootEntry;
+pub use regs::{BootEntry, BOOT_MSRS};
 pub use runner::synced_registers;
 
 use crate::devices::bus::Bus;

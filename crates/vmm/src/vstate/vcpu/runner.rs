@@ -5,11 +5,12 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvm_ioctls::{SyncReg, VcpuExit, VcpuFd};
 
 use super::control::{spin_recv, RunnerWiring, VcpuRequest, SPIN_WAIT};
+use super::flight::{ExitKind, ExitLog, ExitRecord, ExitRegs};
 use super::kick::KICK_EXIT_FLAG;
 use super::{DirtyRingFullHandler, PauseLength, Vcpu, VcpuExitCounters};
 use crate::devices::bus::Bus;
@@ -39,6 +40,7 @@ impl Vcpu {
             io_in_flight: false,
             sync_regs: self.sync_regs,
             resume_poll: SPIN_WAIT,
+            exits: ExitLog::default(),
         }
     }
 }
@@ -61,6 +63,8 @@ pub(super) struct VcpuRunner {
     /// How long a paused thread polls for its next request before it
     /// sleeps: set by the last pause's [`PauseLength`].
     resume_poll: Duration,
+    /// The last exits, for a crash report.
+    exits: ExitLog,
 }
 
 /// Most KVM_RUN calls spent completing one I/O (a long string I/O exits once
@@ -178,10 +182,39 @@ impl VcpuRunner {
         flow
     }
 
+    /// One KVM_RUN and its exit, kept in the exit log.
     fn run_once(&mut self) -> Flow {
+        let mut seen = Seen {
+            at: Instant::now(),
+            kind: ExitKind::Other,
+            addr: 0,
+        };
+        let flow = self.run_and_dispatch(&mut seen);
+        let regs = REGS_SYNCED.with(|s| s.get()).then(|| {
+            // The area KVM stored at this exit (nothing ran since).
+            let sync = self.fd.sync_regs();
+            ExitRegs {
+                rip: sync.regs.rip,
+                rsp: sync.regs.rsp,
+                rflags: sync.regs.rflags,
+                cr3: sync.sregs.cr3,
+                cs: sync.sregs.cs.selector,
+            }
+        });
+        self.exits.push(ExitRecord {
+            at: seen.at,
+            kind: seen.kind,
+            addr: seen.addr,
+            regs,
+        });
+        flow
+    }
+
+    fn run_and_dispatch(&mut self, seen: &mut Seen) -> Flow {
         let c = &self.counters;
         self.io_in_flight = false;
         let exit = self.fd.run();
+        seen.at = Instant::now();
         // KVM stores the sync area on the way out of a KVM_RUN that ran or
         // was interrupted (a kick); after any other failure, assume not.
         let stored = match &exit {
@@ -191,26 +224,31 @@ impl VcpuRunner {
         REGS_SYNCED.with(|s| s.set(self.sync_regs && stored));
         match exit {
             Ok(VcpuExit::IoOut(port, data)) => {
+                (seen.kind, seen.addr) = (ExitKind::IoOut, u64::from(port));
                 c.io_out.fetch_add(1, Ordering::Relaxed);
                 self.io_bus.write(u64::from(port), data);
                 self.io_in_flight = true;
             }
             Ok(VcpuExit::IoIn(port, data)) => {
+                (seen.kind, seen.addr) = (ExitKind::IoIn, u64::from(port));
                 c.io_in.fetch_add(1, Ordering::Relaxed);
                 self.io_bus.read(u64::from(port), data);
                 self.io_in_flight = true;
             }
             Ok(VcpuExit::MmioRead(addr, data)) => {
+                (seen.kind, seen.addr) = (ExitKind::MmioRead, addr);
                 c.mmio_read.fetch_add(1, Ordering::Relaxed);
                 self.mmio_bus.read(addr, data);
                 self.io_in_flight = true;
             }
             Ok(VcpuExit::MmioWrite(addr, data)) => {
+                (seen.kind, seen.addr) = (ExitKind::MmioWrite, addr);
                 c.mmio_write.fetch_add(1, Ordering::Relaxed);
                 self.mmio_bus.write(addr, data);
                 self.io_in_flight = true;
             }
             Ok(VcpuExit::Hlt) => {
+                seen.kind = ExitKind::Hlt;
                 c.other.fetch_add(1, Ordering::Relaxed);
             }
             Ok(VcpuExit::Shutdown) => {
@@ -248,6 +286,7 @@ impl VcpuRunner {
                 return Flow::Stop;
             }
             Ok(VcpuExit::Unsupported(KVM_EXIT_DIRTY_RING_FULL)) => {
+                seen.kind = ExitKind::DirtyRingFull;
                 c.dirty_ring_full.fetch_add(1, Ordering::Relaxed);
                 let Some(handler) = &self.dirty_ring_full else {
                     self.events.send(VmEvent::Error(format!(
@@ -260,6 +299,7 @@ impl VcpuRunner {
                 handler(self.index);
             }
             Ok(VcpuExit::Intr) => {
+                seen.kind = ExitKind::Interrupted;
                 c.interrupted.fetch_add(1, Ordering::Relaxed);
             }
             Ok(other) => {
@@ -267,6 +307,7 @@ impl VcpuRunner {
                 tracing::debug!(vcpu = self.index, exit = ?other, "unhandled vCPU exit");
             }
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                seen.kind = ExitKind::Interrupted;
                 c.interrupted.fetch_add(1, Ordering::Relaxed);
             }
             Err(e) => {
@@ -281,12 +322,31 @@ impl VcpuRunner {
     }
 }
 
+/// What [`VcpuRunner::run_and_dispatch`] saw of its exit, for the exit log.
+struct Seen {
+    at: Instant,
+    kind: ExitKind,
+    addr: u64,
+}
+
 impl VcpuRunner {
     /// Logs, as an ERROR, the registers of this vCPU as it crashed (read
     /// here, on its thread, before anything else can change them): where it
     /// was (RIP, RSP, CS, SS, RFLAGS) and in which mode (CR0, CR3, CR4,
     /// EFER), which is what telling a kernel bug from a VMM bug needs first.
+    /// Where KVM resets the vCPU before reporting the crash (AMD-V), those
+    /// are the reset vector's: the last exits before it (their registers
+    /// as KVM stored them) follow in a second ERROR line.
     fn log_crash(&self) {
+        self.log_registers_at_crash();
+        tracing::error!(
+            vcpu = self.index,
+            exits = %self.exits.report(Instant::now()),
+            "the vCPU's last exits before the crash (oldest first, time before the crash)"
+        );
+    }
+
+    fn log_registers_at_crash(&self) {
         let (regs, sregs) = match synced_registers(&self.fd) {
             Some(sync) => (Ok(sync.regs), Ok(sync.sregs)),
             None => (self.fd.get_regs(), self.fd.get_sregs()),
