@@ -138,10 +138,18 @@ class Lab:
     def client_http_get(self, ip: str, path: str = "/", timeout: float = 10) -> str:
         """An HTTP GET from the client namespace (a TCP connection); raises on failure."""
         # Python rather than busybox wget, which crashes on this machine's kernel.
-        proc = self.client([sys.executable, "-c", _HTTP_GET, f"http://{ip}{path}", str(timeout)], timeout + 5)
-        if proc.returncode != 0:
-            raise LabError(f"client: GET http://{ip}{path} failed ({proc.returncode}): {proc.stderr.strip()}")
-        return proc.stdout
+        # "No route to host" is an ARP request the guest did not answer in
+        # time (a loaded virtual host): the request never left, so it is
+        # sent again until `timeout`.
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(1.0, deadline - time.monotonic())
+            proc = self.client([sys.executable, "-c", _HTTP_GET, f"http://{ip}{path}", str(left)], left + 5)
+            if proc.returncode == 0:
+                return proc.stdout
+            if "No route to host" not in proc.stderr or time.monotonic() + 1 > deadline:
+                raise LabError(f"client: GET http://{ip}{path} failed ({proc.returncode}): {proc.stderr.strip()}")
+            time.sleep(1)
 
     def wait_client_reach(self, ip: str, path: str = "/", timeout: float = 30) -> str:
         """Retries :meth:`client_http_get` until it succeeds or `timeout` passes."""

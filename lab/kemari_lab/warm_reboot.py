@@ -111,9 +111,10 @@ class WarmHost:
         return guest
 
     def load(self) -> float:
-        """kexec -l of the next kernel (before the freeze: not downtime)."""
+        """kexec -l of the next kernel (before the freeze: not downtime),
+        fetched again from its disks: a kexec since left an empty /tmp."""
         t0 = time.monotonic()
-        self.host.run(f"{WARM} load /tmp/kexec/vmlinuz /tmp/kexec/initrd", timeout=300)
+        self.host.run(f"{FETCH} && {WARM} load /tmp/kexec/vmlinuz /tmp/kexec/initrd", timeout=300)
         return time.monotonic() - t0
 
     def load_in_background(self) -> None:
