@@ -17,6 +17,7 @@ from typing import Any
 from kemari_lab import images, warm_bench, warm_cache
 from kemari_lab.connection import LongConnection
 from kemari_lab.errors import LabError, step
+from kemari_lab.exit_rates import exit_rates
 from kemari_lab.fault_tolerance import (
     FenceService,
     ft_status,
@@ -562,6 +563,12 @@ SCENARIOS: dict[str, Scenario] = {
             warm_cache.lab_options(),
         ),
         Scenario("soak", 2, soak, "kemari and qemu-microvm guests side by side under load; crashes per VMM"),
+        Scenario(
+            "exit-rates",
+            1,
+            exit_rates,
+            "KVM exits per second of kemari's, QEMU pc's and QEMU microvm's guests under the soak's load",
+        ),
         Scenario(
             "soak-moves",
             2,

@@ -15,6 +15,7 @@ the next command. Everything the console prints is also logged to
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import threading
@@ -87,6 +88,10 @@ class VirtualHost:
     def qemu_command(self) -> list[str]:
         """The QEMU command line of this virtual host (run inside the lab namespace)."""
         append = f"console=ttyS0 quiet panic=-1 klab.name={self.name} klab.ip={self.ip}/{PREFIX_LEN}"
+        # Huge pages for shared memory (kemari's guest memory is a memfd):
+        # KEMARI_LAB_SHMEM_THP=advise|always|never (default: the kernel's, never).
+        if os.environ.get("KEMARI_LAB_SHMEM_THP"):
+            append += f" klab.shmem_thp={os.environ['KEMARI_LAB_SHMEM_THP']}"
         if self.extra_append:
             append += f" {self.extra_append}"
         drives: list[str] = []

@@ -21,6 +21,7 @@ for arg in $(cat /proc/cmdline); do
     case "$arg" in
         klab.name=*) name=${arg#klab.name=} ;;
         klab.ip=*) ip=${arg#klab.ip=} ;;
+        klab.shmem_thp=*) echo "${arg#klab.shmem_thp=}" > /sys/kernel/mm/transparent_hugepage/shmem_enabled ;;
     esac
 done
 hostname "$name"
