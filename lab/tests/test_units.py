@@ -759,3 +759,30 @@ def test_memory_digests_are_read_from_plain_and_json_logs() -> None:
     assert last_digests(plain + js, "source") == ["0a0b", "0c0d"]
     assert last_digests(plain + js, "destination") == ["0a0b", "ffff"]
     assert last_digests("nothing here", "source") is None
+
+
+def test_exit_rates_reads_each_vm_s_debugfs_directory_and_counters() -> None:
+    from types import SimpleNamespace
+
+    from kemari_lab.exit_rates import _read_counters, _vm_dirs
+
+    class FakeHost:
+        def __init__(self, output: str) -> None:
+            self.output = output
+            self.commands: list[str] = []
+
+        def run(self, cmd: str, timeout: float = 0) -> SimpleNamespace:
+            self.commands.append(cmd)
+            return SimpleNamespace(output=self.output)
+
+    h = FakeHost(
+        "/sys/kernel/debug/kvm/412-11 kemari --kernel /lab/guest/vmlinuz --disk /tmp/soak-kemari-vh0-1.disk \n"
+        "/sys/kernel/debug/kvm/530-14 qemu-system-x86_64 -drive file=/tmp/soak-qemu-vh0-1.disk,if=virtio \n"
+        "mount: already mounted\n"
+    )
+    dirs = _vm_dirs(h)
+    assert list(dirs) == ["/sys/kernel/debug/kvm/412-11", "/sys/kernel/debug/kvm/530-14"]
+    assert "/tmp/soak-qemu-vh0-1.disk" in dirs["/sys/kernel/debug/kvm/530-14"]
+    h = FakeHost("exits 1500\nmmio_exits 240\npf_fixed -1\nnoise 7\n")
+    assert _read_counters(h, "/sys/kernel/debug/kvm/412-11") == {"exits": 1500, "mmio_exits": 240, "pf_fixed": -1}
+    assert "cat /sys/kernel/debug/kvm/412-11/$f" in h.commands[0]
