@@ -58,11 +58,12 @@ fn run(cmd: Cmd) -> Result<()> {
             }
             let config = access.config(ex, &listen)?;
             shutdown::exit_on_signals().context("installing the signal handler")?;
-            let l = Listener::bind(&listen).with_context(|| format!("--listen {listen}"))?;
+            // The metrics endpoint first: once the NBD port answers, so does it.
             if let Some(m) = access.metrics_listener()? {
                 let render = || (metrics::CONTENT_TYPE, metrics::exposition("target", None));
                 m.serve(Arc::new(render), || {})?;
             }
+            let l = Listener::bind(&listen).with_context(|| format!("--listen {listen}"))?;
             tracing::info!(%listen, tls = ?config.tls.mode(), "target serving");
             kemari_nbd::notify::ready("target", &listen);
             serve(l, Arc::new(config))?;
@@ -93,11 +94,14 @@ fn run(cmd: Cmd) -> Result<()> {
             // Checked before anything starts.
             let mut config = access.config(Exports::new(), &listen)?;
             shutdown::exit_on_signals().context("installing the signal handler")?;
-            let l = Listener::bind(&listen).with_context(|| format!("--listen {listen}"))?;
+            // The control socket and the metrics endpoint are bound before the
+            // NBD port: once that answers, they do too (requests wait in
+            // their backlogs until the proxy serves them, below).
             let ctl = ctl
                 .map(|c| control::bind(&c).with_context(|| format!("--control {}", c.display())))
                 .transpose()?;
             let metrics_listener = access.metrics_listener()?;
+            let l = Listener::bind(&listen).with_context(|| format!("--listen {listen}"))?;
             let proxy = Arc::new(Proxy::start(cfg)?);
             if let Some(c) = ctl {
                 c.serve(proxy.clone())?;
