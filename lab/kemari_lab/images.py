@@ -255,13 +255,32 @@ def shared_libraries(binary: Path) -> list[Path]:
     return libs
 
 
-def _add_dynamic_binary(w: CpioWriter, binary: Path, dest: str, added: set[str]) -> None:
-    w.add_file(dest, binary, 0o755)
+def _add_dynamic_binary(w: CpioWriter, binary: Path, dest: str, added: set[str], image: Path | None = None) -> None:
+    """Adds `binary` (or `image`, a copy of it, such as a stripped one) and its libraries."""
+    w.add_file(dest, image or binary, 0o755)
     for lib in shared_libraries(binary):
         key = str(lib).lstrip("/")
         if key not in added:
             added.add(key)
             w.add_file(key, lib, 0o755)
+
+
+def _strip_debug(binary: Path) -> Path:
+    """A copy of `binary` without its debug sections (symbols kept, so a panic's
+    backtrace still names functions). The release builds' line tables are 4/5
+    of their size; every byte of the initramfs is copied by an emulated CPU at
+    each boot and hashed again by the kexec purgatory (docs/warm-reboot.md)."""
+    objcopy = shutil.which("objcopy")
+    if objcopy is None:
+        raise LabError("objcopy not found (Debian package binutils): run the lab set-up with --kemari")
+    out = paths.IMAGES_DIR / "bin" / binary.name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    proc = subprocess.run([objcopy, "--strip-debug", str(binary), str(tmp)], capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise LabError(f"objcopy --strip-debug {binary} failed: {proc.stderr.strip()}")
+    tmp.rename(out)
+    return out
 
 
 def _add_qemu(w: CpioWriter, added: set[str]) -> None:
@@ -423,7 +442,7 @@ def host_initrd(tree: KernelTree) -> Path:
         w.add_file("usr/bin/host-warm-reboot", WARM_REBOOT_SCRIPT, 0o755)
         added: set[str] = set()
         for binary in bins:
-            _add_dynamic_binary(w, binary, f"usr/bin/{binary.name}", added)
+            _add_dynamic_binary(w, binary, f"usr/bin/{binary.name}", added, image=_strip_debug(binary))
         w.close()
     tmp.rename(out)
     _stamp(out, digest)

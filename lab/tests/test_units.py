@@ -643,10 +643,13 @@ def test_warm_bench_summary_takes_medians_and_ratios() -> None:
     assert s["vms6_stall_max_s"] == 3.0
     assert "warm_over_cold_downtime" not in s
     times.update({"kexec_freeze_all_s": 5.0, "kexec_s0_stall_s": 40.0, "kexec_b0_stall_s": 55.0})
+    times.update({"kexec_s0_serving_again_s": 30.0, "kexec_b0_serving_again_s": 45.0})
     times.update({"cold_s0_serving_again_s": 105.0, "cold_b0_serving_again_s": 117.0, "cold_guests_off_s": 9.0})
     s = summary(times)
     assert s["cold_service_downtime_max_s"] == 117.0
-    assert s["warm_over_cold_downtime"] == pytest.approx(55.0 / 117.0)
+    assert s["warm_service_downtime_max_s"] == 45.0
+    assert s["warm_over_cold_downtime"] == pytest.approx(45.0 / 117.0)
+    assert s["warm_stall_over_cold_downtime"] == pytest.approx(55.0 / 117.0)
     assert lab_options()["host_memory_mb"] <= 9 * 1024
 
 
