@@ -29,8 +29,9 @@ from kemari_lab.vhost import VirtualHost
 
 GUEST_DIR = "/lab/guest"
 # qemu: QEMU -M pc, virtio-pci devices; qemu-microvm: QEMU -M microvm with
-# virtio-mmio devices described in ACPI, the same drivers kemari's guest uses.
-VMMS = ("qemu", "qemu-microvm", "kemari")
+# virtio-mmio devices described in ACPI, the same drivers kemari's guest uses;
+# qemu-microvm-memfd: the same with guest memory in a shared memfd, as kemari's.
+VMMS = ("qemu", "qemu-microvm", "qemu-microvm-memfd", "kemari")
 
 READY_RE = re.compile(r"KLAB-GUEST-READY ip=(\S+)\n")
 DISK_RE = re.compile(r"KLAB-DISK-(OK|FAIL)[^\n]*")
@@ -100,11 +101,17 @@ class GuestSpec:
     def vmm_command(self) -> str:
         """The VMM's shell command line inside the virtual host."""
         if self.vmm.startswith("qemu"):
-            microvm = self.vmm == "qemu-microvm"
+            microvm = self.vmm.startswith("qemu-microvm")
             machine = "microvm,acpi=on,pit=off,pic=off,rtc=off" if microvm else "pc"
             bus = "device" if microvm else "pci"
+            memory = ""
+            if self.vmm.endswith("-memfd"):
+                # Guest memory in a shared memfd, as kemari's: shmem pages,
+                # which KVM maps 4 KiB at a time where shmem THP is off.
+                machine += ",memory-backend=m0"
+                memory = f" -object memory-backend-memfd,id=m0,size={self.memory_mb}M,share=on"
             cmd = (
-                f"qemu-system-x86_64 -enable-kvm -cpu host -M {machine} -nodefaults -display none -no-reboot"
+                f"qemu-system-x86_64 -enable-kvm -cpu host -M {machine}{memory} -nodefaults -display none -no-reboot"
                 f" -smp {self.vcpus} -m {self.memory_mb} -serial stdio -monitor {self.monitor}"
                 f" -kernel {GUEST_DIR}/vmlinuz -initrd {GUEST_DIR}/initrd.cpio -append '{self.cmdline}'"
             )

@@ -44,13 +44,28 @@ from typing import Any
 from kemari_lab import cleanup, images
 from kemari_lab.connection import LongConnection
 from kemari_lab.errors import LabError
-from kemari_lab.guests import EXIT_RE, Guest, GuestSpec
+from kemari_lab.guests import EXIT_RE, VMMS, Guest, GuestSpec
 from kemari_lab.lab import Lab
 from kemari_lab.migration import install_key, live_migrate
 from kemari_lab.shared_disk import SharedDisk
 from kemari_lab.vhost import VirtualHost
 
+# KEMARI_SOAK_VMMS (comma-separated, two of guests.VMMS) picks the pair,
+# e.g. qemu-microvm,qemu-microvm-memfd: the same VMM with its guest memory
+# anonymous or in a memfd as kemari's (issue 24).
 SOAK_VMMS = ("kemari", "qemu-microvm")
+
+
+def soak_vmms() -> tuple[str, ...]:
+    """The VMMs the soak runs side by side (KEMARI_SOAK_VMMS or SOAK_VMMS)."""
+    raw = os.environ.get("KEMARI_SOAK_VMMS")
+    if not raw:
+        return SOAK_VMMS
+    vmms = tuple(v.strip() for v in raw.split(",") if v.strip())
+    unknown = [v for v in vmms if v not in VMMS]
+    if len(vmms) != 2 or len(set(vmms)) != 2 or unknown:
+        raise LabError(f"KEMARI_SOAK_VMMS={raw!r}: two different VMMs of {', '.join(VMMS)}")
+    return vmms
 MONITOR_INTERVAL_S = 5.0
 # The echo client: one block of 1..32768 bytes (16 KiB on average) every
 # 30 ms plus a round trip (~0.15 s through the virtual hosts): ~100 KiB/s per guest.
@@ -540,7 +555,8 @@ def per_vmm(slots: list[Slot]) -> dict[str, dict[str, Any]]:
 def human_summary(
     minutes: float, totals: dict[str, dict[str, Any]], crashes: list[dict[str, Any]], notes: list[str]
 ) -> str:
-    lines = [f"soak: {minutes:.1f} min wall clock, 2 virtual hosts, one kemari + one qemu-microvm guest on each"]
+    pair = " + one ".join(totals) or " + one ".join(soak_vmms())
+    lines = [f"soak: {minutes:.1f} min wall clock, 2 virtual hosts, one {pair} guest on each"]
     for vmm, t in totals.items():
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(t["by_kind"].items())) or "none"
         lines.append(
@@ -562,9 +578,12 @@ def soak(lab: Lab, vmm: str = "", minutes: float | None = None) -> dict[str, flo
     disk load for KEMARI_SOAK_MINUTES (60); counts crashes per VMM (--vmm ignored)."""
     if minutes is None:
         minutes = float(os.environ.get("KEMARI_SOAK_MINUTES", "60"))
-    slots = [Slot(lab, h, v, i) for h in lab.hosts[:2] for i, v in enumerate(SOAK_VMMS)]
+    vmms = soak_vmms()
+    slots = [Slot(lab, h, v, i) for h in lab.hosts[:2] for i, v in enumerate(vmms)]
     shared: SharedDisk | None = None
     if os.environ.get("KEMARI_SOAK_MIGRATE") == "1":
+        if vmms[0] != "kemari":
+            raise LabError("KEMARI_SOAK_MIGRATE=1 migrates the first VMM's guest: it must be kemari")
         # The kemari guest of vh0 on the shared disk, as guest 2 (its own TAP
         # g2 on vh1 too), live-migrated to vh1 once all guests run.
         shared = SharedDisk(lab).start()

@@ -74,6 +74,24 @@ def test_addresses_and_guest_specs() -> None:
         GuestSpec(name="x", vmm="firecracker")
 
 
+def test_qemu_memfd_variant_backs_guest_memory_with_a_memfd(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kemari_lab.soak import SOAK_VMMS, soak_vmms
+
+    cmd = GuestSpec(name="m", vmm="qemu-microvm-memfd", memory_mb=768).vmm_command()
+    assert "-M microvm," in cmd and ",memory-backend=m0" in cmd
+    assert "-object memory-backend-memfd,id=m0,size=768M,share=on" in cmd
+    assert "virtio-blk-device" in cmd
+    assert "memory-backend" not in GuestSpec(name="a", vmm="qemu-microvm").vmm_command()
+    monkeypatch.delenv("KEMARI_SOAK_VMMS", raising=False)
+    assert soak_vmms() == SOAK_VMMS
+    monkeypatch.setenv("KEMARI_SOAK_VMMS", "qemu-microvm, qemu-microvm-memfd")
+    assert soak_vmms() == ("qemu-microvm", "qemu-microvm-memfd")
+    for bad in ("kemari", "kemari,kemari", "kemari,firecracker", "kemari,qemu,qemu-microvm"):
+        monkeypatch.setenv("KEMARI_SOAK_VMMS", bad)
+        with pytest.raises(LabError):
+            soak_vmms()
+
+
 def test_guest_spec_shared_disk_and_api_socket() -> None:
     spec = GuestSpec(name="roam", vmm="kemari", disk_url="nbd://10.77.0.1:10809/disk")
     cmd = spec.vmm_command()
