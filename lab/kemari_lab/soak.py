@@ -55,17 +55,6 @@ from kemari_lab.vhost import VirtualHost
 # anonymous or in a memfd as kemari's (issue 24).
 SOAK_VMMS = ("kemari", "qemu-microvm")
 
-
-def soak_vmms() -> tuple[str, ...]:
-    """The VMMs the soak runs side by side (KEMARI_SOAK_VMMS or SOAK_VMMS)."""
-    raw = os.environ.get("KEMARI_SOAK_VMMS")
-    if not raw:
-        return SOAK_VMMS
-    vmms = tuple(v.strip() for v in raw.split(",") if v.strip())
-    unknown = [v for v in vmms if v not in VMMS]
-    if len(vmms) != 2 or len(set(vmms)) != 2 or unknown:
-        raise LabError(f"KEMARI_SOAK_VMMS={raw!r}: two different VMMs of {', '.join(VMMS)}")
-    return vmms
 MONITOR_INTERVAL_S = 5.0
 # The echo client: one block of 1..32768 bytes (16 KiB on average) every
 # 30 ms plus a round trip (~0.15 s through the virtual hosts): ~100 KiB/s per guest.
@@ -93,6 +82,18 @@ PANIC_RE = re.compile(
 NOTABLE_RE = re.compile(r"WARNING: CPU|BUG: soft lockup|rcu: INFO|self-detected stall|NMI backtrace|Call Trace|RIP: ")
 # The kernel saying it resets (panic=-1 or a reboot request).
 RESTART_RE = re.compile(r"reboot: Restarting system|Rebooting in|reboot: machine restart")
+
+
+def soak_vmms() -> tuple[str, ...]:
+    """The VMMs the soak runs side by side (KEMARI_SOAK_VMMS or SOAK_VMMS)."""
+    raw = os.environ.get("KEMARI_SOAK_VMMS")
+    if not raw:
+        return SOAK_VMMS
+    vmms = tuple(v.strip() for v in raw.split(",") if v.strip())
+    unknown = [v for v in vmms if v not in VMMS]
+    if len(vmms) != 2 or len(set(vmms)) != 2 or unknown:
+        raise LabError(f"KEMARI_SOAK_VMMS={raw!r}: two different VMMs of {', '.join(VMMS)}")
+    return vmms
 
 
 def classify(vmm: str, status: int | None, console: str, client_error: str | None = None) -> dict[str, Any]:
