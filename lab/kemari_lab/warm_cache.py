@@ -32,6 +32,7 @@ a loaded machine one HTTP pass of 64 MiB took 5 minutes).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -39,6 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,7 @@ WWW_FILE_KB = 1024
 CACHE = "512M"
 GUEST_MB = 1024
 READ_RE = re.compile(r"KLAB-READ bytes=(\d+) start=([\d.]+) end=([\d.]+)")
+READ_DISK_RE = re.compile(r"KLAB-READ-DISK ios=(\d+) sectors=(\d+)")
 _HTTP_BENCH = Path(__file__).resolve().parent / "http_bench.py"
 
 
@@ -93,13 +96,18 @@ def build_disk(directory: Path) -> Path:
     return out
 
 
-def read_mb_s(lab: Lab, ip: str) -> float:
-    """The guest reads big.bin once; MB/s as its clock measured it."""
+def read_mb_s(lab: Lab, ip: str, out: dict[str, float], key: str) -> None:
+    """The guest reads big.bin once: out[key + "_mb_s"], MB/s as its clock
+    measured it, and out[key + "_disk_requests"], the read requests its disk
+    saw meanwhile (none when the page cache had it all)."""
     body = lab.client_http_get(ip, "/cgi-bin/read?big.bin", timeout=900)
     m = READ_RE.search(body)
     if m is None or int(m.group(1)) != BIG_MB << 20:
         raise LabError(f"guest {ip}: reading big.bin answered {body.strip()!r}")
-    return int(m.group(1)) / max(float(m.group(3)) - float(m.group(2)), 0.01) / 1e6
+    out[f"{key}_mb_s"] = int(m.group(1)) / max(float(m.group(3)) - float(m.group(2)), 0.01) / 1e6
+    d = READ_DISK_RE.search(body)
+    if d is not None:
+        out[f"{key}_disk_requests"] = float(d.group(1))
 
 
 def http_mb_s(lab: Lab, ip: str) -> float:
@@ -188,6 +196,20 @@ def reboot(lab: Lab, guest: Guest, boots: int, pid: int) -> float:
     return took
 
 
+@contextlib.contextmanager
+def _diagnosed(guests: Iterable[Guest]) -> Iterator[None]:
+    """Adds every guest's diagnostics (devices, sockets, console) to a
+    LabError raised inside: a read that never ends says where it waits."""
+    try:
+        yield
+    except LabError as e:
+        notes = []
+        for g in guests:
+            notes.append(g.diagnostics(console_chars=3000))
+            notes.append(g.host.run("ss -tnpi", check=False, timeout=30).output)
+        raise LabError(f"{e}\n" + "\n".join(notes)) from None
+
+
 def bench(lab: Lab, vmm: str) -> dict[str, float]:
     """Warm-cache Reboot, Debian guest, disk over NBD: reads and HTTP right
     after an in-place reboot with kemari's disk cache vs without, vs before"""
@@ -233,9 +255,9 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
             order = names if r % 2 else names[::-1]
             for name in order:
                 g, ip, p = guests[name], guests[name].spec.ip, f"{name}_r{r}"
-                with step(f"round {r}, {name}"):
-                    out[f"{p}_read_first_mb_s"] = read_mb_s(lab, ip)
-                    out[f"{p}_read_before_mb_s"] = read_mb_s(lab, ip)
+                with step(f"round {r}, {name}"), _diagnosed(guests.values()):
+                    read_mb_s(lab, ip, out, f"{p}_read_first")
+                    read_mb_s(lab, ip, out, f"{p}_read_before")
                     out[f"{p}_http_first_mb_s"] = http_mb_s(lab, ip)
                     out[f"{p}_http_before_mb_s"] = http_mb_s(lab, ip)
                     c0 = cache_counters(g)
@@ -243,7 +265,7 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
                     out[f"{p}_reboot_to_ready_s"] = reboot(
                         lab, g, boots[name], pids[name]
                     )
-                    out[f"{p}_read_after_mb_s"] = read_mb_s(lab, ip)
+                    read_mb_s(lab, ip, out, f"{p}_read_after")
                     out[f"{p}_http_after_mb_s"] = http_mb_s(lab, ip)
                     c1 = cache_counters(g)
                     for k in ("hit_bytes", "miss_bytes"):

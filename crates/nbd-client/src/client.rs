@@ -429,18 +429,25 @@ impl Client {
         let rlen = if command == CMD_READ { len as usize } else { 0 };
         {
             let mut w = lock(&self.writer);
-            if self.is_closed() {
-                return Err(ClientError::Closed);
+            {
+                // Checked under the pending lock, which the receiver holds
+                // while it marks the connection closed and fails what is
+                // pending: a request is either refused here or failed there,
+                // never left waiting on a connection that is gone.
+                let mut pending = lock(&self.shared.pending);
+                if self.is_closed() {
+                    return Err(ClientError::Closed);
+                }
+                pending.insert(
+                    cookie,
+                    Pending {
+                        len: rlen,
+                        offset,
+                        tx,
+                        buf: None,
+                    },
+                );
             }
-            lock(&self.shared.pending).insert(
-                cookie,
-                Pending {
-                    len: rlen,
-                    offset,
-                    tx,
-                    buf: None,
-                },
-            );
             let req = Request {
                 flags,
                 command,
@@ -567,9 +574,10 @@ fn receive_loop<R: Read>(mut r: R, sh: &Shared) {
             Err(e) => break e,
         }
     };
-    sh.closed.store(true, Ordering::Release);
     let msg = err.to_string();
-    for (_, p) in lock(&sh.pending).drain() {
+    let mut pending = lock(&sh.pending);
+    sh.closed.store(true, Ordering::Release);
+    for (_, p) in pending.drain() {
         let _ = p.tx.send(Err(ClientError::Request {
             errno: ESHUTDOWN,
             message: format!("connection lost: {msg}"),

@@ -116,6 +116,17 @@ impl GuestMemoryFile {
         if !matches!(backing, MemoryBacking::File { .. }) {
             seal_size(&file)?;
         }
+        if *backing == MemoryBacking::Memfd
+            && read_shmem_huge_setting()
+                .as_deref()
+                .is_some_and(shmem_huge_pages_off)
+        {
+            tracing::info!(
+                "guest memory comes in 4 KiB pages: shared-memory huge pages are off \
+                 (/sys/kernel/mm/transparent_hugepage/shmem_enabled); `advise` makes the \
+                 guest's first touch of its memory cheaper (docs/operations.md)"
+            );
+        }
         Ok(GuestMemoryFile {
             file: Arc::new(file),
             size,
@@ -186,6 +197,18 @@ impl GuestMemoryFile {
         advise_huge_pages(&mem);
         Ok(mem)
     }
+}
+
+/// The host's shared-memory huge page setting, e.g. `always within_size
+/// advise [never] deny force` (None where the kernel has no such file).
+fn read_shmem_huge_setting() -> Option<String> {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").ok()
+}
+
+/// Whether a `shmem_enabled` setting gives a memfd no huge pages, whatever
+/// MADV_HUGEPAGE asks.
+fn shmem_huge_pages_off(setting: &str) -> bool {
+    setting.contains("[never]") || setting.contains("[deny]")
 }
 
 /// Asks for transparent huge pages on every region of `mem`; best effort
@@ -288,6 +311,22 @@ mod tests {
                 Err(MemoryError::InvalidSize { .. })
             ));
         }
+    }
+
+    #[test]
+    fn shmem_huge_page_settings_read_as_the_kernel_means_them() {
+        assert!(shmem_huge_pages_off(
+            "always within_size advise [never] deny force\n"
+        ));
+        assert!(shmem_huge_pages_off(
+            "always within_size advise never [deny] force"
+        ));
+        assert!(!shmem_huge_pages_off(
+            "always within_size [advise] never deny force"
+        ));
+        assert!(!shmem_huge_pages_off(
+            "[always] within_size advise never deny force"
+        ));
     }
 
     #[test]

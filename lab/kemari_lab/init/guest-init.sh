@@ -16,7 +16,8 @@
 # GET /cgi-bin/fill?MB fills MB MiB of its memory with non-zero data (a tmpfs
 # file: memory in use, as a loaded guest's), printing KLAB-FILL;
 # GET /cgi-bin/read?FILE reads /mnt/FILE (dd, 1 MiB blocks) and prints
-# KLAB-READ bytes=… start=… end=… (/proc/uptime); /www/data is /mnt/www
+# KLAB-READ bytes=… start=… end=… (/proc/uptime) and KLAB-READ-DISK ios=…
+# sectors=… ticks_ms=… (the disk's read requests meanwhile); /www/data is /mnt/www
 # (files on the disk, served by httpd) when the disk has one;
 # GET /cgi-bin/reboot makes the guest stop the writer, unmount its disk and
 # reboot (`reboot -f`), printing KLAB-GUEST-REBOOT lines=<records on disk>;
@@ -191,10 +192,14 @@ cat > /www/cgi-bin/read <<'CGI'
 echo "Content-Type: text/plain"
 echo
 f=/mnt/$(echo "$QUERY_STRING" | tr -cd 'A-Za-z0-9._-')
+s0=$(cat /sys/block/vda/stat)
 read -r a _ < /proc/uptime
 if dd if="$f" of=/dev/null bs=1M 2>/dev/null; then
     read -r b _ < /proc/uptime
     echo "KLAB-READ bytes=$(stat -c %s "$f") start=$a end=$b"
+    # The disk's read requests and sectors during the read (block/stat.rst).
+    set -- $s0; r0=$1 s0=$3 t0=$4; set -- $(cat /sys/block/vda/stat)
+    echo "KLAB-READ-DISK ios=$(($1 - r0)) sectors=$(($3 - s0)) ticks_ms=$(($4 - t0))"
 else
     echo "KLAB-READ-FAIL $f"
 fi
