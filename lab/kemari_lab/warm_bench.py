@@ -25,6 +25,10 @@ writer (synced records, one a second). In one run:
    from the poweroff request until each serves HTTP again, against the
    warm kexec's worst client stall.
 
+Both kexecs load the next kernel the same way: `host-warm-reboot load
+--fast` (no purgatory checksum), or with KEMARI_WARM_BENCH_FAST_LOAD=0 the
+default `load` (kexec_file_load).
+
 For every freeze/resume (and suspend/restore) each guest's downtime as it
 sees it: its clock gap (the client's wall time passed minus the guest's
 uptime passed, across the step) and its client's stall (the longest gap
@@ -58,6 +62,7 @@ ROUNDS = 3
 # suspend to disk) or vms (s0–s5 unfilled: 1/3/6 VMs and the kexec).
 PARTS = ("all", "disk", "vms")
 N_ROUNDS = 2
+FAST_LOAD = os.environ.get("KEMARI_WARM_BENCH_FAST_LOAD", "1") != "0"
 SMALL_MB = 512
 BIG_MB = 2048
 N_SMALL = 6
@@ -328,7 +333,7 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
         if part != "disk" and os.environ.get("KEMARI_WARM_BENCH_KEXEC", "1") != "0":
             with step("a kexec with every VM"):
                 wh.fetch_kernel()
-                wh.load()
+                wh.load(fast=FAST_LOAD)
                 for w in watches.values():
                     w.before()
                 t0 = time.monotonic()
@@ -405,7 +410,7 @@ def _cold_reboot(lab: Lab, wh: WarmHost, specs: list[GuestSpec], out: dict[str, 
     again from its disk; each guest's service downtime is the time from the
     poweroff request until it serves HTTP to the client again."""
     h = wh.host
-    wh.load()
+    wh.load(fast=FAST_LOAD)
     t0 = time.monotonic()
     for g in wh.guests:
         lab.client_http_get(g.spec.ip, "/cgi-bin/poweroff")

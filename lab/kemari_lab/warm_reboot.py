@@ -110,11 +110,14 @@ class WarmHost:
         self.guests.append(guest)
         return guest
 
-    def load(self) -> float:
+    def load(self, fast: bool = False) -> float:
         """kexec -l of the next kernel (before the freeze: not downtime),
-        fetched again from its disks: a kexec since left an empty /tmp."""
+        fetched again from its disks: a kexec since left an empty /tmp.
+        `fast`: `load --fast` (kexec_load below the region, no purgatory
+        checksum)."""
         t0 = time.monotonic()
-        self.host.run(f"{FETCH} && {WARM} load /tmp/kexec/vmlinuz /tmp/kexec/initrd", timeout=300)
+        opt = " --fast" if fast else ""
+        self.host.run(f"{FETCH} && {WARM} load{opt} /tmp/kexec/vmlinuz /tmp/kexec/initrd", timeout=300)
         return time.monotonic() - t0
 
     def load_in_background(self) -> None:

@@ -8,6 +8,7 @@ import io
 import json
 import random
 import re
+import os
 import shutil
 import socket
 import subprocess
@@ -630,6 +631,36 @@ def test_warm_reboot_needs_a_loaded_kernel_and_a_freeze_list(tmp_path: Path) -> 
     assert res.returncode != 0 and ("not a block device" in res.stderr or "no freeze list" in res.stderr)
     res = _warm(["bogus"], tmp_path)
     assert res.returncode != 0 and "unknown command bogus" in res.stderr
+
+
+def test_warm_reboot_fast_load_keeps_the_image_below_the_region(tmp_path: Path) -> None:
+    """`load --fast` uses kexec_load, whose placement comes from the firmware's
+    memory map (where the region is RAM): --mem-max must end below the lowest
+    memmap=SIZE!OFFSET region, whatever its notation."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "kexec").write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/kexec.args\n')
+    (bin_dir / "kexec").chmod(0o755)
+    cmdline = tmp_path / "cmdline"
+
+    def load(line: str, *args: str) -> subprocess.CompletedProcess[str]:
+        cmdline.write_text(line + "\n")
+        sh = shutil.which("busybox")
+        cmd = ([sh, "sh"] if sh else ["sh"]) + [str(WARM_SCRIPT), "load", *args, "/k", "/i"]
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "KEMARI_WARM_CMDLINE": str(cmdline)}
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False, env=env)
+
+    res = load("console=ttyS0 memmap=2G!8G memmap=1G!4G quiet", "--fast")
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "kexec.args").read_text().split() == [
+        "-l", "-i", f"--mem-max={(4 << 30) - 1}", "/k", "--initrd=/i", "--reuse-cmdline"
+    ]
+    assert load("memmap=0x40000000!0x100000000", "--fast").returncode == 0
+    assert f"--mem-max={(1 << 32) - 1}" in (tmp_path / "kexec.args").read_text()
+    assert load("memmap=512M!4096M").returncode == 0
+    assert (tmp_path / "kexec.args").read_text().split()[:2] == ["-s", "-l"]
+    res = load("console=ttyS0 memmap=4G$8G", "--fast")
+    assert res.returncode != 0 and "no memmap=SIZE!OFFSET region" in res.stderr
 
 
 def test_warm_reboot_step_lines_are_parsed() -> None:
