@@ -192,14 +192,14 @@ cat > /www/cgi-bin/read <<'CGI'
 echo "Content-Type: text/plain"
 echo
 f=/mnt/$(echo "$QUERY_STRING" | tr -cd 'A-Za-z0-9._-')
-s0=$(cat /sys/block/vda/stat)
+disk_before=$(cat /sys/block/vda/stat)
 read -r a _ < /proc/uptime
 if dd if="$f" of=/dev/null bs=1M 2>/dev/null; then
     read -r b _ < /proc/uptime
     echo "KLAB-READ bytes=$(stat -c %s "$f") start=$a end=$b"
     # The disk's read requests and sectors during the read (block/stat.rst).
-    set -- $s0; r0=$1 s0=$3 t0=$4; set -- $(cat /sys/block/vda/stat)
-    echo "KLAB-READ-DISK ios=$(($1 - r0)) sectors=$(($3 - s0)) ticks_ms=$(($4 - t0))"
+    set -- $disk_before; ios=$1 sectors=$3 ticks=$4; set -- $(cat /sys/block/vda/stat)
+    echo "KLAB-READ-DISK ios=$(($1 - ios)) sectors=$(($3 - sectors)) ticks_ms=$(($4 - ticks))"
 else
     echo "KLAB-READ-FAIL $f"
 fi
