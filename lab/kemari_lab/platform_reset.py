@@ -18,7 +18,8 @@ Seen on these virtual hosts with both VMMs (docs/lab.md, "Soak" and
 - a guest, a virtual host or a connection that stops answering with no sign
   on any console (the virtual host's shell silent for minutes, a kemari
   guest's TCP connection that does not come back after a warm reboot of its
-  host in CI although it passes most runs): a timeout.
+  host in CI although it passes most runs): a timeout, or "No route to host"
+  when a guest stops answering ARP.
 
 The acceptance tests run a scenario once more, loudly, when its first run
 failed with one of these. A nested guest's own panic, a VMM's non-zero exit,
@@ -78,7 +79,9 @@ def host_fault_in(run_dir: Path, error: str) -> str | None:
 # What the harness says when a check found wrong data, not silence: such a
 # failure is never retried, even if a timeout is mentioned with it.
 WRONG_DATA = re.compile(r"corrupt|mismatch|malformed|lost|differ|dirty|bad=[1-9]|KLAB-DISK-FAIL|KLAB-NET-FAIL")
-TIMEOUT_RE = re.compile(r"timed out|TimeoutError")
+# Silence: a timeout, or a guest that stopped answering ARP (the client's
+# kernel gives up on the neighbour: "No route to host", EHOSTUNREACH).
+TIMEOUT_RE = re.compile(r"timed out|TimeoutError|No route to host|Errno 113")
 
 
 # Where the harness attaches consoles and diagnostics to an error (their
@@ -92,8 +95,9 @@ def _without_attachments(error: str) -> str:
 
 
 def stall_in(error: str) -> str | None:
-    """A failure that is only a timeout (a guest, a virtual host or a
-    connection that stopped answering), said in one line, or None. On these
+    """A failure that is only silence (a timeout, or a guest no longer
+    answering ARP: a guest, a virtual host or a connection that stopped
+    answering), said in one line, or None. On these
     virtual hosts such stalls come from the platform as often as not (a
     kemari or QEMU guest, a virtual host that stops for minutes with nothing
     on any console: docs/lab.md, "Platform faults"); wrong data never

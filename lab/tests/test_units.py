@@ -594,6 +594,14 @@ def test_a_stall_is_retried_wrong_data_never(tmp_path: Path) -> None:
     stalled = "after the resume: client connection 10.77.0.2:1 -> 10.77.0.100:7 failed: after 30 echoes: TimeoutError: timed out"
     found = platform_fault_in(tmp_path, stalled)
     assert found is not None and "timeout" in found and "after the resume" in found
+    # A guest silent on ARP is silence too (seen in CI: the virtual host
+    # stopped answering while its guest wrote its disk).
+    unreachable = (
+        "reboot 5 of 5: client: GET http://10.77.0.100/cgi-bin/reboot failed (1): Traceback (most recent call last):\n"
+        "OSError: [Errno 113] No route to host"
+    )
+    found = platform_fault_in(tmp_path, unreachable)
+    assert found is not None and "reboot 5 of 5" in found
     # Diagnostics attached to a stall do not make it wrong data.
     attached = stalled + "\nkemari0 on vh0:\n  console:\n{\"message\":\"dirty tracker ready\"} lost"
     assert platform_fault_in(tmp_path, attached) is not None
