@@ -100,6 +100,14 @@ pub struct FtBenchArgs {
     /// it off).
     #[arg(long)]
     pub keep_writable_pages: Option<usize>,
+    /// `ft start --epochs-in-flight` (default: kemari's own, 1).
+    #[arg(long)]
+    pub epochs_in_flight: Option<usize>,
+    /// Put a relay that delays every chunk this many µs each way between
+    /// primary and standby (a sync link with latency; the relay's own
+    /// thread hand-offs add to it). 0: a direct link.
+    #[arg(long, default_value_t = 0)]
+    pub link_delay_us: u64,
 }
 
 /// One mode's figures at one size in one round (a field stays `None` when
@@ -131,6 +139,8 @@ struct Env {
     key: PathBuf,
     scratch_root: PathBuf,
     keep_writable_pages: Option<usize>,
+    epochs_in_flight: Option<usize>,
+    link_delay: Option<Duration>,
 }
 
 /// A TAP with the host end at 10.202.N.1/24, removed on drop.
@@ -181,6 +191,7 @@ fn api(socket: &Path, method: &str, path: &str, body: Option<Value>) -> Result<V
 struct Setup {
     primary: Vmm,
     _standby: Option<Vmm>,
+    _relay: Option<kemari_testkit::relay::Relay>,
     api: PathBuf,
     _scratch: Scratch,
 }
@@ -250,9 +261,14 @@ fn start(
         }
         std::thread::sleep(Duration::from_millis(5));
     }
+    let relay = (mode != "unprotected")
+        .then_some(env.link_delay)
+        .flatten()
+        .map(|d| kemari_testkit::relay::Relay::delay_only(port, d));
+    let peer_port = relay.as_ref().map_or(port, |r| r.port);
     if mode != "unprotected" {
         let mut body = serde_json::json!({
-            "peer": format!("127.0.0.1:{port}"),
+            "peer": format!("127.0.0.1:{peer_port}"),
             "key_file": env.key,
             "timeout_ms": 5000,
         });
@@ -265,6 +281,9 @@ fn start(
         if let Some(k) = env.keep_writable_pages {
             body["keep_writable_pages"] = k.into();
         }
+        if let Some(n) = env.epochs_in_flight {
+            body["epochs_in_flight"] = n.into();
+        }
         let r = api(&api_sock, "PUT", "/vm/ft/start", Some(body))
             .map_err(|e| format!("{e}: {}", primary.tail()))?;
         if r["state"] != "protected" {
@@ -275,6 +294,7 @@ fn start(
     Ok(Setup {
         primary,
         _standby: standby,
+        _relay: relay,
         api: api_sock,
         _scratch: scratch,
     })
@@ -703,6 +723,8 @@ pub fn run(args: &FtBenchArgs, kemari: PathBuf, report: &mut Report) -> Result<(
         key: key.clone(),
         scratch_root: root,
         keep_writable_pages: args.keep_writable_pages,
+        epochs_in_flight: args.epochs_in_flight,
+        link_delay: (args.link_delay_us > 0).then(|| Duration::from_micros(args.link_delay_us)),
     };
     let rounds = args.rounds.max(1);
     for (k, v) in [

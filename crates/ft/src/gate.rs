@@ -4,11 +4,19 @@
 //! A sync: pause the vCPUs, harvest the pages dirtied since the last sync
 //! (guest writes from the KVM dirty ring, VMM writes from its own queue),
 //! copy them and save the whole VM state, **resume the vCPUs**, then send
-//! the epoch and wait for the standby's acknowledgement before the outputs
-//! go. The guest is paused only for the capture; the transfer overlaps with
-//! its execution, while the outputs — the only thing the outside world can
-//! see — wait.
+//! the epoch; the outputs go once the standby acknowledged it. The guest is
+//! paused only for the capture; the transfer overlaps with its execution,
+//! while the outputs — the only thing the outside world can see — wait.
+//!
+//! In event-driven mode the device event loop does not wait either: the
+//! gate answers [`Release::WhenConfirmed`] with the epoch, and the loop
+//! serves received frames and other queues — and captures the next epoch,
+//! up to `epochs_in_flight` unacknowledged at once — until the link's
+//! socket says the acknowledgement came ([`OutputGate::confirmed`]). The
+//! standby takes epochs in order, so each one's state is sent as a delta
+//! against the previous epoch *sent*.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -34,9 +42,14 @@ pub struct FtGate {
     core: Arc<MachineCore>,
     mode: SyncMode,
     link: Mutex<Option<Arc<Link>>>,
+    /// The last epoch captured and sent.
     epoch: AtomicU64,
-    /// The last acknowledged epoch's state (the next one is sent as a delta).
+    /// The last epoch sent's state (the next one is sent as a delta).
     prev_state: Mutex<Vec<u8>>,
+    /// Epochs sent, not yet acknowledged, oldest first.
+    in_flight: Mutex<VecDeque<SentEpoch>>,
+    /// How many epochs may be unacknowledged at once (event-driven mode).
+    epochs_in_flight: usize,
     /// Page frames reused by every sync.
     frames: Mutex<Vec<PageFrame>>,
     /// Keep the vCPUs paused until the standby acknowledged (the paper's
@@ -50,6 +63,17 @@ pub struct FtGate {
     /// The standby's copy of the pages left writable.
     kept: Mutex<KeptPages>,
     shared: Arc<FtShared>,
+}
+
+/// An epoch on its way: what its acknowledgement completes in the metrics.
+#[derive(Debug)]
+struct SentEpoch {
+    epoch: u64,
+    pages: u64,
+    bytes: u64,
+    outputs: u64,
+    pause: Duration,
+    started: Instant,
 }
 
 impl std::fmt::Debug for FtGate {
@@ -94,6 +118,7 @@ impl FtGate {
         link: Arc<Link>,
         keep_writable: usize,
         hold_vcpus: bool,
+        epochs_in_flight: usize,
         shared: Arc<FtShared>,
     ) -> Self {
         FtGate {
@@ -102,6 +127,8 @@ impl FtGate {
             link: Mutex::new(Some(link)),
             epoch: AtomicU64::new(0),
             prev_state: Mutex::new(Vec::new()),
+            in_flight: Mutex::new(VecDeque::new()),
+            epochs_in_flight: epochs_in_flight.max(1),
             frames: Mutex::new(Vec::new()),
             hold_vcpus,
             keep_writable,
@@ -122,6 +149,45 @@ impl FtGate {
         batch: &[OutputEvent],
         extra: Vec<u64>,
     ) -> Result<(), FtError> {
+        let epoch = self.capture_and_send(link, batch, extra)?;
+        link.wait("waiting for the standby to acknowledge an epoch", |l| {
+            l.acked() >= epoch
+        })?;
+        self.complete(link.acked());
+        Ok(())
+    }
+
+    /// Records the epochs up to `acked` as done (metrics, status).
+    fn complete(&self, acked: u64) {
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        while in_flight.front().is_some_and(|e| e.epoch <= acked) {
+            let Some(e) = in_flight.pop_front() else {
+                break;
+            };
+            tracing::debug!(
+                epoch = e.epoch,
+                acked_us = e.started.elapsed().as_micros() as u64,
+                "epoch acknowledged"
+            );
+            self.shared.record_sync(
+                e.epoch,
+                e.pages,
+                e.bytes,
+                e.outputs,
+                e.pause,
+                e.started.elapsed(),
+            );
+        }
+    }
+
+    /// Captures one epoch (plus pages `extra` found dirty earlier) and
+    /// sends it; returns its number.
+    fn capture_and_send(
+        &self,
+        link: &Link,
+        batch: &[OutputEvent],
+        extra: Vec<u64>,
+    ) -> Result<u64, FtError> {
         let started = Instant::now();
         let epoch = self.epoch.load(Ordering::SeqCst) + 1;
         let mut pool = self.frames.lock().unwrap_or_else(|p| p.into_inner());
@@ -190,9 +256,19 @@ impl FtGate {
             pause,
         );
         if hold {
+            // The paper's way: the guest waits for the acknowledgement too.
+            let acked = result.as_ref().map_err(|_| ()).and_then(|_| {
+                link.wait("waiting for the standby to acknowledge an epoch", |l| {
+                    l.acked() >= epoch
+                })
+                .map_err(|_| ())
+            });
             self.core.resume_vcpus()?;
+            if acked.is_ok() {
+                self.complete(link.acked());
+            }
         }
-        result
+        result.map(|()| epoch)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -231,23 +307,29 @@ impl FtGate {
             })?;
             w.send(Kind::State, &packed)
         })?;
-        let t_sent = started.elapsed();
-        link.wait("waiting for the standby to acknowledge an epoch", |l| {
-            l.acked() >= epoch
-        })?;
+        link.note_sent(epoch);
         tracing::debug!(
             epoch,
             pause_us = pause.as_micros() as u64,
-            sent_us = t_sent.as_micros() as u64,
-            acked_us = started.elapsed().as_micros() as u64,
+            sent_us = started.elapsed().as_micros() as u64,
             state_bytes = state.len(),
             packed_bytes = packed_len,
-            "sync done"
+            "epoch sent"
         );
         self.epoch.store(epoch, Ordering::SeqCst);
+        // The standby unpacks the next epoch against this one.
         *self.prev_state.lock().unwrap_or_else(|p| p.into_inner()) = state;
-        self.shared
-            .record_sync(epoch, pages, bytes, outputs, pause, started.elapsed());
+        self.in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back(SentEpoch {
+                epoch,
+                pages,
+                bytes,
+                outputs,
+                pause,
+                started,
+            });
         Ok(())
     }
 
@@ -257,6 +339,25 @@ impl FtGate {
         };
         if let Err(e) = self.sync_epoch(&link, batch, Vec::new()) {
             self.degrade(&e.to_string());
+        }
+    }
+
+    /// Event-driven: the epoch of `batch` is captured and sent; the batch
+    /// goes once it is acknowledged.
+    fn sync_async(&self, batch: &[OutputEvent]) -> Release {
+        let Some(link) = self.current_link() else {
+            return Release::Now;
+        };
+        if self.hold_vcpus {
+            self.sync(batch);
+            return Release::Now;
+        }
+        match self.capture_and_send(&link, batch, Vec::new()) {
+            Ok(epoch) => Release::WhenConfirmed(epoch),
+            Err(e) => {
+                self.degrade(&e.to_string());
+                Release::Now
+            }
         }
     }
 
@@ -302,11 +403,35 @@ impl OutputGate for FtGate {
         match self.mode {
             SyncMode::Periodic(_) if self.is_protecting() => Release::AtCheckpoint,
             SyncMode::Periodic(_) => Release::Now,
-            SyncMode::EventDriven => {
-                self.sync(batch);
-                Release::Now
+            SyncMode::EventDriven => self.sync_async(batch),
+        }
+    }
+
+    fn confirmed(&self) -> u64 {
+        let Some(link) = self.current_link() else {
+            return u64::MAX;
+        };
+        match link.poll_acks() {
+            Ok(acked) => {
+                self.complete(acked);
+                acked
+            }
+            Err(e) => {
+                self.degrade(&e.to_string());
+                u64::MAX
             }
         }
+    }
+
+    fn confirmation_fds(&self) -> Vec<std::os::fd::RawFd> {
+        match (self.mode, self.current_link()) {
+            (SyncMode::EventDriven, Some(link)) => vec![link.socket_fd(), link.wake_fd()],
+            _ => Vec::new(),
+        }
+    }
+
+    fn max_unconfirmed(&self) -> usize {
+        self.epochs_in_flight
     }
 
     fn checkpoint_interval(&self) -> Option<Duration> {

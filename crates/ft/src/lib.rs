@@ -84,6 +84,24 @@ pub fn keep_writable(pages: Option<usize>) -> Result<usize, String> {
     }
 }
 
+/// Default of `epochs_in_flight` (see `ft start`): on a loopback or LAN
+/// link each epoch's acknowledgement comes back before the next capture
+/// would be worth it.
+pub const DEFAULT_EPOCHS_IN_FLIGHT: usize = 1;
+/// Largest `epochs_in_flight`.
+pub const MAX_EPOCHS_IN_FLIGHT: usize = 64;
+
+/// Checks `epochs_in_flight` (default when absent).
+pub fn epochs_in_flight(n: Option<usize>) -> Result<usize, String> {
+    match n {
+        None => Ok(DEFAULT_EPOCHS_IN_FLIGHT),
+        Some(n) if (1..=MAX_EPOCHS_IN_FLIGHT).contains(&n) => Ok(n),
+        Some(n) => Err(format!(
+            "epochs_in_flight must be 1..={MAX_EPOCHS_IN_FLIGHT}, not {n}"
+        )),
+    }
+}
+
 /// Checks the timing an `ft start` asks for: periodic checkpoints (ms) or
 /// event-driven, heartbeat interval and peer timeout (defaults when absent).
 /// Out-of-range values are refused with the reason, not clamped.
@@ -162,6 +180,20 @@ mod tests {
         assert!(timing(None, None, Some(u64::MAX)).is_err());
         assert!(timing(None, Some(u64::MAX), None).is_err());
         assert!(timing(None, Some(500), Some(400)).is_err());
+    }
+
+    #[test]
+    fn epochs_in_flight_default_and_range() {
+        assert_eq!(epochs_in_flight(None), Ok(DEFAULT_EPOCHS_IN_FLIGHT));
+        assert_eq!(epochs_in_flight(Some(1)), Ok(1));
+        assert_eq!(
+            epochs_in_flight(Some(MAX_EPOCHS_IN_FLIGHT)),
+            Ok(MAX_EPOCHS_IN_FLIGHT)
+        );
+        for bad in [0, MAX_EPOCHS_IN_FLIGHT + 1] {
+            let e = epochs_in_flight(Some(bad)).unwrap_err();
+            assert!(e.contains("epochs_in_flight"), "{e}");
+        }
     }
 
     #[test]

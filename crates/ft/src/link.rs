@@ -1,13 +1,16 @@
 //! The primary's end of the sync link. No thread sits in a read: whoever
-//! waits for an answer (a sync on the device event loop, the initial
-//! synchronization) reads the socket itself — an acknowledgement costs no
-//! extra thread wake-up — and the heartbeat thread drains what arrived
-//! while nobody waited, which is how a silent standby is noticed between
-//! syncs.
+//! waits for an answer reads the socket itself — the device event loop
+//! watches it and reads acknowledgements when it is readable
+//! ([`Link::poll_acks`]), the initial synchronization blocks in a read —
+//! so an acknowledgement costs no extra thread wake-up. The heartbeat
+//! thread drains what arrived while nobody read (telling the event loop
+//! through [`Link::wake_fd`] when that was an acknowledgement), and notices
+//! a standby that went silent or stopped acknowledging.
 
+use std::collections::VecDeque;
 use std::io::{BufReader, BufWriter};
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
@@ -16,6 +19,7 @@ use transfer::channel::Channel;
 use transfer::link::RoundLink;
 use transfer::message::{Kind, Message};
 use transfer::{Peer, TransferError};
+use vmm_sys_util::eventfd::EventFd;
 
 use crate::gate::FtGate;
 
@@ -34,6 +38,11 @@ pub struct Link {
     acked: AtomicU64,
     round_acked: AtomicU32,
     timeout: Duration,
+    /// Written when the heartbeat thread read an acknowledgement (the
+    /// event loop, watching the socket, may have slept through it).
+    wake: EventFd,
+    /// Epochs sent and not yet acknowledged, with when they were sent.
+    unacked: Mutex<VecDeque<(u64, Instant)>>,
 }
 
 impl std::fmt::Debug for Link {
@@ -77,6 +86,8 @@ impl Link {
             acked: AtomicU64::new(0),
             round_acked: AtomicU32::new(0),
             timeout,
+            wake: EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(io)?,
+            unacked: Mutex::new(VecDeque::new()),
         });
         let beat = Arc::downgrade(&link);
         std::thread::Builder::new()
@@ -110,14 +121,18 @@ impl Link {
     }
 
     /// Reads one frame (the lock is held); heartbeats only refresh
-    /// `last_heard`.
-    fn read_one(&self, reader: &mut Reader) -> Result<(), TransferError> {
+    /// `last_heard`. An acknowledgement writes [`wake_fd`](Self::wake_fd)
+    /// if `tell` (read by a thread the event loop does not wait for).
+    fn read_one(&self, reader: &mut Reader, tell: bool) -> Result<(), TransferError> {
         let (ch, buf) = reader;
         let msg = ch.recv_msg(buf)?;
         *self.last_heard.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
         match msg {
             Message::Ack { epoch } => {
                 self.acked.fetch_max(epoch, Ordering::SeqCst);
+                if tell {
+                    let _ = self.wake.write(1);
+                }
                 Ok(())
             }
             Message::RoundAck { round } => {
@@ -149,7 +164,7 @@ impl Link {
                     phase: what.into(),
                 });
             }
-            self.read_one(&mut reader)?;
+            self.read_one(&mut reader, false)?;
             if Instant::now() >= deadline {
                 return Err(TransferError::Timeout {
                     peer: Peer::Standby,
@@ -166,23 +181,73 @@ impl Link {
     }
 
     /// Reads whatever complete frames wait, without blocking for more
-    /// (unless a sync is reading: then it hears the standby itself).
-    fn drain(&self) -> Result<(), TransferError> {
+    /// (unless another thread is reading: then it hears the standby
+    /// itself). `tell`: see [`read_one`](Self::read_one).
+    fn drain(&self, tell: bool) -> Result<(), TransferError> {
         let Ok(mut reader) = self.reader.try_lock() else {
             return Ok(());
         };
         while !reader.0.stream().buffer().is_empty()
             || transfer::sys::bytes_waiting(self.socket.as_fd()) > 0
         {
-            self.read_one(&mut reader)?;
+            self.read_one(&mut reader, tell)?;
+        }
+        if transfer::sys::peer_closed(self.socket.as_fd()) {
+            return Err(TransferError::Closed {
+                peer: Peer::Standby,
+                phase: "waiting for the standby's acknowledgements".into(),
+            });
         }
         Ok(())
+    }
+
+    /// For the device event loop, when the socket or
+    /// [`wake_fd`](Self::wake_fd) is readable: reads the acknowledgements
+    /// that arrived, without blocking; returns the last epoch acknowledged.
+    /// Fails if the standby closed the link.
+    pub fn poll_acks(&self) -> Result<u64, TransferError> {
+        let _ = self.wake.read();
+        self.drain(false)?;
+        Ok(self.acked())
+    }
+
+    /// The socket, readable when the standby answered.
+    pub fn socket_fd(&self) -> RawFd {
+        self.socket.as_raw_fd()
+    }
+
+    /// Readable when the heartbeat thread read an acknowledgement.
+    pub fn wake_fd(&self) -> RawFd {
+        self.wake.as_raw_fd()
+    }
+
+    /// Epoch `epoch` was sent now; its acknowledgement is due within the
+    /// timeout.
+    pub fn note_sent(&self, epoch: u64) {
+        self.unacked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back((epoch, Instant::now()));
+    }
+
+    /// The oldest epoch not acknowledged within the timeout, if any.
+    fn overdue(&self) -> Option<u64> {
+        let acked = self.acked();
+        let mut unacked = self.unacked.lock().unwrap_or_else(|p| p.into_inner());
+        while unacked.front().is_some_and(|(e, _)| *e <= acked) {
+            unacked.pop_front();
+        }
+        unacked
+            .front()
+            .filter(|(_, at)| at.elapsed() > self.timeout)
+            .map(|(e, _)| *e)
     }
 
     /// Closes the link (a blocked read or write returns at once).
     pub fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
         let _ = self.socket.shutdown(Shutdown::Both);
+        let _ = self.wake.write(1);
     }
 
     /// Payload bytes sent.
@@ -241,8 +306,16 @@ fn heartbeat_loop(link: &Weak<Link>, every: Duration, on_lost: &OnceLock<Weak<Ft
             }
         }
         if lost.is_none() {
-            if let Err(e) = link.drain() {
+            if let Err(e) = link.drain(true) {
                 lost = Some(e.to_string());
+            }
+        }
+        if lost.is_none() {
+            if let Some(epoch) = link.overdue() {
+                lost = Some(format!(
+                    "the standby did not acknowledge epoch {epoch} within {} ms",
+                    link.timeout.as_millis()
+                ));
             }
         }
         let silent = link

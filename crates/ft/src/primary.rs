@@ -40,6 +40,8 @@ pub struct FtStartOptions {
     pub timeout: Duration,
     /// Pages the guest rewrites from sync to sync left writable, at most.
     pub keep_writable: usize,
+    /// Epochs unacknowledged at once, at most (event-driven mode).
+    pub epochs_in_flight: usize,
     /// An authenticated but unencrypted link (a trusted, dedicated one).
     pub plaintext: bool,
 }
@@ -181,6 +183,7 @@ fn initial_sync(
         link.clone(),
         opts.keep_writable,
         env_flag(std::env::var_os("KEMARI_FT_HOLD_VCPUS")),
+        opts.epochs_in_flight,
         shared.clone(),
     ));
     let _ = on_lost.set(Arc::downgrade(&gate));

@@ -167,6 +167,12 @@ pub enum FtCommand {
         /// sent only if changed). Default 64; 0 re-protects every page.
         #[arg(long, value_name = "N")]
         keep_writable_pages: Option<usize>,
+        /// Let up to N epochs be on their way to the standby at once: the
+        /// guest's next outputs start their epoch without waiting for the
+        /// last one's acknowledgement (pays off on a link with latency).
+        /// Default 1.
+        #[arg(long, value_name = "N")]
+        epochs_in_flight: Option<usize>,
         /// An authenticated but unencrypted link, for a trusted, dedicated
         /// one (the standby must be started with --plaintext-link).
         #[arg(long)]

@@ -268,9 +268,25 @@ fn primary_killed_at_random_moments_standby_takes_over() {
         let dir = scratch(&format!("ft-kill-{run}"));
         let disk = disk_image(&dir);
         // Every other run with no page kept writable (each harvested page
-        // write-protected again), the others with the default.
-        let keep = if run % 2 == 1 { "0" } else { "64" };
-        let pair = protected_pair(&dir, &net, &disk, &["--keep-writable-pages", keep]);
+        // write-protected again) and up to 4 epochs in flight (an output's
+        // epoch captured while earlier ones are unacknowledged), the others
+        // with the defaults.
+        let (keep, in_flight) = if run % 2 == 1 {
+            ("0", "4")
+        } else {
+            ("64", "1")
+        };
+        let pair = protected_pair(
+            &dir,
+            &net,
+            &disk,
+            &[
+                "--keep-writable-pages",
+                keep,
+                "--epochs-in-flight",
+                in_flight,
+            ],
+        );
         let skipped = |pair: &Pair| {
             let st = ft_status(&pair.primary);
             (st["unchanged_pages_skipped"].as_u64().unwrap(), st)
@@ -289,7 +305,10 @@ fn primary_killed_at_random_moments_standby_takes_over() {
             );
             std::thread::sleep(random_delay(1500));
         }
-        eprintln!("run {}/{runs} (keep-writable-pages {keep})", run + 1);
+        eprintln!(
+            "run {}/{runs} (keep-writable-pages {keep}, epochs-in-flight {in_flight})",
+            run + 1
+        );
         kill_primary_and_check(&dir, pair, &disk);
         let _ = std::fs::remove_dir_all(&dir);
     }

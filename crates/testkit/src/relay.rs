@@ -14,16 +14,27 @@ pub struct Relay {
     /// Where it listens.
     pub port: u16,
     conns: Arc<Mutex<Vec<TcpStream>>>,
-    seen: Arc<Mutex<Vec<u8>>>,
+    seen: Option<Arc<Mutex<Vec<u8>>>>,
 }
 
 impl Relay {
-    /// Relays to `to`, every chunk `delay` after it arrived, both ways.
+    /// Relays to `to`, every chunk `delay` after it arrived, both ways,
+    /// recording what crosses ([`seen`](Self::seen)).
     pub fn start(to: u16, delay: Duration) -> Relay {
+        Self::start_with(to, delay, true)
+    }
+
+    /// Like [`start`](Self::start), recording nothing (a long-running
+    /// link: a benchmark's).
+    pub fn delay_only(to: u16, delay: Duration) -> Relay {
+        Self::start_with(to, delay, false)
+    }
+
+    fn start_with(to: u16, delay: Duration, record: bool) -> Relay {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let conns = Arc::new(Mutex::new(Vec::new()));
-        let seen = Arc::new(Mutex::new(Vec::new()));
+        let seen = record.then(|| Arc::new(Mutex::new(Vec::new())));
         let (kept, record) = (conns.clone(), seen.clone());
         std::thread::spawn(move || {
             for client in listener.incoming() {
@@ -46,18 +57,23 @@ impl Relay {
         Relay { port, conns, seen }
     }
 
-    /// Every byte that crossed it so far, both ways.
+    /// Every byte that crossed it so far, both ways (none if it records
+    /// nothing).
     pub fn seen(&self) -> Vec<u8> {
-        self.seen.lock().unwrap().clone()
+        self.seen
+            .as_ref()
+            .map(|s| s.lock().unwrap().clone())
+            .unwrap_or_default()
     }
 
     /// Whether `pattern` crossed it.
     pub fn saw(&self, pattern: &[u8]) -> bool {
-        self.seen
-            .lock()
-            .unwrap()
-            .windows(pattern.len())
-            .any(|w| w == pattern)
+        self.seen.as_ref().is_some_and(|s| {
+            s.lock()
+                .unwrap()
+                .windows(pattern.len())
+                .any(|w| w == pattern)
+        })
     }
 
     /// Ends its connections.
@@ -77,8 +93,13 @@ impl Drop for Relay {
 type Line = (Mutex<(VecDeque<(Instant, Vec<u8>)>, bool)>, Condvar);
 
 /// Copies `from` to `to`, each chunk `delay` after it was read, recording
-/// it in `seen`.
-fn pipe(mut from: TcpStream, mut to: TcpStream, delay: Duration, seen: Arc<Mutex<Vec<u8>>>) {
+/// it in `seen` if given.
+fn pipe(
+    mut from: TcpStream,
+    mut to: TcpStream,
+    delay: Duration,
+    seen: Option<Arc<Mutex<Vec<u8>>>>,
+) {
     let line: Arc<Line> = Arc::new((Mutex::new((VecDeque::new(), false)), Condvar::new()));
     let writer = line.clone();
     std::thread::spawn(move || loop {
@@ -114,7 +135,9 @@ fn pipe(mut from: TcpStream, mut to: TcpStream, delay: Duration, seen: Arc<Mutex
                 cv.notify_all();
                 return;
             }
-            seen.lock().unwrap().extend_from_slice(&buf[..n]);
+            if let Some(seen) = &seen {
+                seen.lock().unwrap().extend_from_slice(&buf[..n]);
+            }
             q.0.push_back((Instant::now() + delay, buf[..n].to_vec()));
             cv.notify_all();
         }

@@ -110,6 +110,23 @@ pub fn bytes_waiting(socket: BorrowedFd<'_>) -> usize {
     }
 }
 
+/// Whether the peer of a connected `socket` has closed it and everything it
+/// sent has been read (a read would return end of file now).
+pub fn peer_closed(socket: BorrowedFd<'_>) -> bool {
+    let mut byte = 0u8;
+    // SAFETY: recv writes at most one byte into the live local; MSG_PEEK
+    // leaves it in the socket, MSG_DONTWAIT never blocks.
+    let rc = unsafe {
+        libc::recv(
+            socket.as_raw_fd(),
+            (&mut byte as *mut u8).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    rc == 0
+}
+
 /// CPU time the calling thread has used, ms (for debug logs).
 pub fn thread_cpu_ms() -> f64 {
     // SAFETY: getrusage fills the zeroed struct we own.

@@ -300,11 +300,12 @@ mod tests {
             action(
                 "PUT",
                 "/vm/ft/start",
-                br#"{"peer":"h:1","key_file":"/k","periodic_ms":25,"keep_writable_pages":0}"#
+                br#"{"peer":"h:1","key_file":"/k","periodic_ms":25,"keep_writable_pages":0,"epochs_in_flight":4}"#
             ),
             Ok(ApiRequest::FtStart(FtStartRequest {
                 periodic_ms: Some(25),
                 keep_writable_pages: Some(0),
+                epochs_in_flight: Some(4),
                 ..
             }))
         ));
@@ -389,6 +390,7 @@ mod tests {
                 heartbeat_ms: Some(50),
                 timeout_ms: None,
                 keep_writable_pages: Some(0),
+                epochs_in_flight: Some(2),
                 plaintext: false,
             }),
             ApiRequest::FtStatus,

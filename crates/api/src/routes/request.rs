@@ -113,6 +113,10 @@ pub struct FtStartRequest {
     /// (default 64; 0: every harvested page is write-protected again).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keep_writable_pages: Option<usize>,
+    /// Epochs sent and not yet acknowledged at once, at most (event-driven
+    /// mode; default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epochs_in_flight: Option<usize>,
     /// An authenticated but unencrypted link (a trusted, dedicated link;
     /// the standby must be started with `--plaintext-link`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]

@@ -172,6 +172,7 @@ pub const ROUTES: &[Route] = &[
             optional("heartbeat_ms", Integer),
             optional("timeout_ms", Integer),
             optional("keep_writable_pages", Integer),
+            optional("epochs_in_flight", Integer),
             optional("plaintext", Boolean),
         ],
         "protect the VM with the standby started with --ft-standby peer",

@@ -630,6 +630,7 @@ impl Agent {
             heartbeat_ms: None,
             timeout_ms: self.cfg.ft_timeout_ms,
             keep_writable_pages: None,
+            epochs_in_flight: None,
             plaintext: false,
         });
         let socket = socket.to_path_buf();

@@ -164,6 +164,7 @@ impl Args {
             heartbeat_ms: self.ft_heartbeat_ms,
             timeout_ms: self.ft_timeout_ms,
             keep_writable_pages: None,
+            epochs_in_flight: None,
             plaintext: self.plaintext_link,
         })
     }

@@ -945,6 +945,7 @@ fn ft_options(req: &FtStartRequest) -> Result<ft::primary::FtStartOptions, Actio
     let (mode, heartbeat, timeout) =
         ft::timing(req.periodic_ms, req.heartbeat_ms, req.timeout_ms).map_err(bad)?;
     let keep_writable = ft::keep_writable(req.keep_writable_pages).map_err(bad)?;
+    let epochs_in_flight = ft::epochs_in_flight(req.epochs_in_flight).map_err(bad)?;
     Ok(ft::primary::FtStartOptions {
         peer: req.peer.clone(),
         key,
@@ -952,6 +953,7 @@ fn ft_options(req: &FtStartRequest) -> Result<ft::primary::FtStartOptions, Actio
         heartbeat,
         timeout,
         keep_writable,
+        epochs_in_flight,
         plaintext: req.plaintext,
     })
 }

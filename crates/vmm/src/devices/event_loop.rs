@@ -7,9 +7,14 @@
 //! queue is served only after the [`OutputGate`] released the batch of
 //! requests pending on every device's output queue, and only up to what the
 //! batch held. With a gate that checkpoints periodically, the loop runs the
-//! checkpoints from a timer and releases held outputs after each.
+//! checkpoints from a timer and releases held outputs after each. A batch
+//! the gate releases only once confirmed (an epoch the standby must
+//! acknowledge) is kept by the loop, which serves everything else meanwhile
+//! — received frames, other queues, the next batch's epoch — and serves the
+//! batch when the gate's confirmation descriptors say it may.
 
-use std::os::fd::AsRawFd;
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -50,6 +55,9 @@ enum Request {
 
 const CONTROL_TOKEN: u64 = u64::MAX;
 const CHECKPOINT_TOKEN: u64 = u64::MAX - 1;
+/// The gate's confirmation descriptors: `CONFIRMATION_TOKEN - i`.
+const CONFIRMATION_TOKEN: u64 = u64::MAX - 2;
+const MAX_CONFIRMATION_FDS: u64 = 16;
 /// Batches served in a row before other events get a turn.
 const MAX_BATCHES_IN_A_ROW: usize = 8;
 const BACKEND_QUEUE: u64 = 0xffff;
@@ -183,9 +191,9 @@ impl DeviceEventLoop {
         let (tx, rx) = channel();
         let ctl = control.try_clone().map_err(EventLoopError::Setup)?;
         run.send(Box::new(move || {
-            let mut lp = Loop::new(devices, gate, timer);
-            lp.arm_timer();
-            lp.run(epoll, ctl, rx, paused)
+            let mut lp = Loop::new(devices, timer, epoll);
+            lp.install_gate(gate);
+            lp.run(ctl, rx, paused)
         }))
         .map_err(|_| EventLoopError::Gone)?;
         Ok(DeviceEventLoop {
@@ -238,16 +246,40 @@ impl Drop for DeviceEventLoop {
     }
 }
 
+/// A batch the gate released once its ticket is confirmed: how far each
+/// device may then serve its output queue.
+struct HeldBatch {
+    ticket: u64,
+    limits: Vec<(usize, u16)>,
+}
+
 struct Loop {
     devices: Vec<LoopDevice>,
     /// Each device's output queue and output kind, if it has one.
     outputs: Vec<Option<(usize, OutputKind)>>,
     gate: Arc<dyn OutputGate>,
     timer: TimerFd,
+    epoll: Epoll,
+    /// Copies of the gate's confirmation descriptors, as watched.
+    confirmation_fds: Vec<OwnedFd>,
+    /// Batches waiting for their confirmation, oldest first.
+    held: VecDeque<HeldBatch>,
+}
+
+/// A copy of `fd` the loop owns (the gate may close its own at any time).
+fn dup_fd(fd: RawFd) -> std::io::Result<OwnedFd> {
+    // SAFETY: `fd` is open (the gate lends it for this call);
+    // F_DUPFD_CLOEXEC makes a new descriptor and touches no memory.
+    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
+    if new < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `new` was just made by fcntl and nothing else owns it.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(new) })
 }
 
 impl Loop {
-    fn new(devices: Vec<LoopDevice>, gate: Arc<dyn OutputGate>, timer: TimerFd) -> Self {
+    fn new(devices: Vec<LoopDevice>, timer: TimerFd, epoll: Epoll) -> Self {
         let outputs = devices
             .iter()
             .map(|d| {
@@ -263,8 +295,51 @@ impl Loop {
         Loop {
             devices,
             outputs,
-            gate,
+            gate: Arc::new(crate::output::PassThroughGate),
             timer,
+            confirmation_fds: Vec::new(),
+            held: VecDeque::new(),
+            epoll,
+        }
+    }
+
+    /// Puts `gate` in place: its timer and confirmation descriptors. Batches
+    /// the old gate held are pending again: the new gate decides on them.
+    fn install_gate(&mut self, gate: Arc<dyn OutputGate>) {
+        self.stop_watching_confirmations();
+        self.held.clear();
+        self.gate = gate;
+        self.arm_timer();
+        for (i, fd) in self.gate.confirmation_fds().into_iter().enumerate() {
+            if i as u64 >= MAX_CONFIRMATION_FDS {
+                tracing::error!("device event loop: an output gate gave too many descriptors");
+                break;
+            }
+            let watched = dup_fd(fd).and_then(|own| {
+                self.epoll
+                    .ctl(
+                        ControlOperation::Add,
+                        own.as_raw_fd(),
+                        EpollEvent::new(EventSet::IN, CONFIRMATION_TOKEN - i as u64),
+                    )
+                    .map(|()| own)
+            });
+            match watched {
+                Ok(own) => self.confirmation_fds.push(own),
+                Err(e) => {
+                    tracing::error!(error = %e, "device event loop: cannot watch the output gate")
+                }
+            }
+        }
+    }
+
+    fn stop_watching_confirmations(&mut self) {
+        for fd in self.confirmation_fds.drain(..) {
+            let _ = self.epoll.ctl(
+                ControlOperation::Delete,
+                fd.as_raw_fd(),
+                EpollEvent::default(),
+            );
         }
     }
 
@@ -321,21 +396,104 @@ impl Loop {
             .sum()
     }
 
+    /// How far device `i`'s held batches reach, if any is held.
+    fn held_limit(&self, i: usize) -> Option<u16> {
+        self.held
+            .iter()
+            .rev()
+            .find_map(|h| h.limits.iter().find(|(d, _)| *d == i).map(|(_, l)| *l))
+    }
+
+    /// What waits beyond the held batches: each device's pending outputs
+    /// with `requests` counting only those no held batch covers.
+    fn fresh_outputs(&self) -> Vec<(usize, PendingOutputs, OutputEvent)> {
+        let mut batch = self.pending_outputs();
+        batch.retain_mut(|(i, p, e)| {
+            if let Some(h) = self.held_limit(*i) {
+                let beyond = p.limit.wrapping_sub(h);
+                // Beyond what waits in all (a ring reset under us): all new.
+                if beyond <= p.requests {
+                    e.requests = beyond;
+                }
+            }
+            e.requests != 0
+        });
+        batch
+    }
+
+    /// Serves the held batches whose ticket the gate confirmed; true if it
+    /// served any.
+    fn release_confirmed(&mut self) -> bool {
+        if self.held.is_empty() {
+            return false;
+        }
+        let confirmed = self.gate.confirmed();
+        let mut upto: Vec<(usize, u16)> = Vec::new();
+        while self.held.front().is_some_and(|h| h.ticket <= confirmed) {
+            let Some(h) = self.held.pop_front() else {
+                break;
+            };
+            for (d, l) in h.limits {
+                match upto.iter_mut().find(|(u, _)| *u == d) {
+                    Some(u) => u.1 = l,
+                    None => upto.push((d, l)),
+                }
+            }
+        }
+        for (d, limit) in &upto {
+            self.devices[*d]
+                .device
+                .lock()
+                .unwrap_or_else(|pe| pe.into_inner())
+                .serve_outputs_until(*limit);
+        }
+        !upto.is_empty()
+    }
+
+    /// A confirmation descriptor is readable (`hung_up`: for good).
+    fn confirmation_ready(&mut self, hung_up: bool) {
+        let released = self.release_confirmed();
+        if self.held.is_empty() && (hung_up || self.gate.confirmed() == u64::MAX) {
+            // Nothing will need a confirmation again (protection ended):
+            // a closed link must not wake the loop forever.
+            self.stop_watching_confirmations();
+        }
+        if released {
+            // Outputs published meanwhile may have waited for a free slot.
+            self.serve_outputs();
+        }
+    }
+
     /// A guest published outputs: pass them through the gate batch by batch.
-    fn serve_outputs(&self) {
+    fn serve_outputs(&mut self) {
         for _ in 0..MAX_BATCHES_IN_A_ROW {
-            let batch = self.pending_outputs();
+            if self.held.len() >= self.gate.max_unconfirmed().max(1) {
+                // Served once a held batch is confirmed.
+                return;
+            }
+            let batch = self.fresh_outputs();
             if batch.is_empty() {
                 return;
             }
             let events: Vec<OutputEvent> = batch.iter().map(|b| b.2).collect();
-            if self.gate.before_output(&events) == Release::AtCheckpoint {
-                return;
-            }
-            if self.release(&batch) == 0 {
-                // A ring that cannot be served (corrupt indices): the device
-                // counted it; wait for the guest's next kick.
-                return;
+            match self.gate.before_output(&events) {
+                Release::AtCheckpoint => return,
+                Release::WhenConfirmed(ticket) => {
+                    let limits = batch.iter().map(|(i, p, _)| (*i, p.limit)).collect();
+                    self.held.push_back(HeldBatch { ticket, limits });
+                    // Its confirmation wakes the loop; the next epoch
+                    // captures what is published from now on.
+                    return;
+                }
+                Release::Now => {
+                    // Held batches go too: they come first in each ring.
+                    self.held.clear();
+                    if self.release(&batch) == 0 {
+                        // A ring that cannot be served (corrupt indices): the
+                        // device counted it; wait for the guest's next kick.
+                        return;
+                    }
+                }
             }
         }
         // Still busy: give other events a turn, then come back.
@@ -349,7 +507,7 @@ impl Loop {
     }
 
     /// The periodic checkpoint, then the outputs it covers.
-    fn checkpoint(&self) {
+    fn checkpoint(&mut self) {
         let batch = self.pending_outputs();
         let events: Vec<OutputEvent> = batch.iter().map(|b| b.2).collect();
         if self.gate.checkpoint(&events) == Release::Now {
@@ -366,22 +524,18 @@ impl Loop {
             }
             Request::Resume => *paused = false,
             Request::SetGate(gate, ack) => {
-                self.gate = gate;
-                self.arm_timer();
+                self.install_gate(gate);
                 let _ = ack.send(());
+                if !*paused {
+                    self.serve_outputs();
+                }
             }
             Request::Exit => return false,
         }
         true
     }
 
-    fn run(
-        &mut self,
-        epoll: Epoll,
-        control: EventFd,
-        requests: Receiver<Request>,
-        mut paused: bool,
-    ) {
+    fn run(&mut self, control: EventFd, requests: Receiver<Request>, mut paused: bool) {
         let mut events = vec![EpollEvent::default(); 64];
         // Started paused: wait for the requests that end it before looking at
         // any event. The control eventfd's count is left to the loop below,
@@ -397,7 +551,7 @@ impl Loop {
             }
         }
         loop {
-            let n = match epoll.wait(-1, &mut events) {
+            let n = match self.epoll.wait(-1, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => {
@@ -432,6 +586,13 @@ impl Loop {
                 if data == CHECKPOINT_TOKEN {
                     let _ = self.timer.wait();
                     self.checkpoint();
+                    continue;
+                }
+                if data <= CONFIRMATION_TOKEN && data > CONFIRMATION_TOKEN - MAX_CONFIRMATION_FDS {
+                    let hung_up = ev
+                        .event_set()
+                        .intersects(EventSet::HANG_UP | EventSet::ERROR);
+                    self.confirmation_ready(hung_up);
                     continue;
                 }
                 let (dev, queue) = ((data >> 16) as usize, data & 0xffff);
@@ -523,6 +684,201 @@ mod tests {
             queue_events: vec![evt],
         };
         (count, kick, loop_device)
+    }
+
+    /// A device whose output queue the test fills: `published` requests
+    /// so far, `served` of them served.
+    #[derive(Default)]
+    struct Ring {
+        published: std::sync::atomic::AtomicU16,
+        served: std::sync::atomic::AtomicU16,
+    }
+
+    struct Outputs(Arc<Ring>);
+
+    impl VirtioDevice for Outputs {
+        fn device_type(&self) -> u32 {
+            TYPE_NET
+        }
+        fn name(&self) -> &str {
+            "outputs"
+        }
+        fn queue_max_sizes(&self) -> &[u16] {
+            &[256]
+        }
+        fn features(&self) -> u64 {
+            0
+        }
+        fn read_config(&self, _offset: u64, _data: &mut [u8]) {}
+        fn activate(&mut self, _activation: Activation) -> Result<(), VirtioError> {
+            Ok(())
+        }
+        fn is_activated(&self) -> bool {
+            true
+        }
+        fn queue_notified(&mut self, _index: usize) {}
+        fn output_queue(&self) -> Option<usize> {
+            Some(0)
+        }
+        fn pending_outputs(&self) -> Option<PendingOutputs> {
+            let limit = self.0.published.load(Ordering::SeqCst);
+            let requests = limit.wrapping_sub(self.0.served.load(Ordering::SeqCst));
+            (requests != 0).then_some(PendingOutputs { limit, requests })
+        }
+        fn serve_outputs_until(&mut self, limit: u16) -> u16 {
+            limit.wrapping_sub(self.0.served.swap(limit, Ordering::SeqCst))
+        }
+        fn reset(&mut self) {}
+        fn counters(&self) -> DeviceCounters {
+            DeviceCounters::default()
+        }
+    }
+
+    /// A gate releasing each batch once the test confirms its ticket;
+    /// records the requests of each batch it saw.
+    #[derive(Debug)]
+    struct Confirming {
+        in_flight: usize,
+        wake: EventFd,
+        confirmed: std::sync::atomic::AtomicU64,
+        batches: Mutex<Vec<u16>>,
+    }
+
+    impl Confirming {
+        fn new(in_flight: usize) -> Arc<Self> {
+            Arc::new(Confirming {
+                in_flight,
+                wake: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+                confirmed: Default::default(),
+                batches: Mutex::new(Vec::new()),
+            })
+        }
+        fn confirm(&self, ticket: u64) {
+            self.confirmed.store(ticket, Ordering::SeqCst);
+            self.wake.write(1).unwrap();
+        }
+        fn batches(&self) -> Vec<u16> {
+            self.batches.lock().unwrap().clone()
+        }
+    }
+
+    impl OutputGate for Confirming {
+        fn before_output(&self, batch: &[OutputEvent]) -> Release {
+            let mut seen = self.batches.lock().unwrap();
+            seen.push(batch.iter().map(|e| e.requests).sum());
+            Release::WhenConfirmed(seen.len() as u64)
+        }
+        fn confirmed(&self) -> u64 {
+            let _ = self.wake.read();
+            self.confirmed.load(Ordering::SeqCst)
+        }
+        fn confirmation_fds(&self) -> Vec<RawFd> {
+            vec![self.wake.as_raw_fd()]
+        }
+        fn max_unconfirmed(&self) -> usize {
+            self.in_flight
+        }
+    }
+
+    /// Waits until `f` holds (5 s at most).
+    fn until(f: impl Fn() -> bool) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if f() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        false
+    }
+
+    fn output_device() -> (Arc<Ring>, EventFd, LoopDevice) {
+        let ring = Arc::new(Ring::default());
+        let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let kick = evt.try_clone().unwrap();
+        let device: Arc<Mutex<dyn VirtioDevice>> = Arc::new(Mutex::new(Outputs(ring.clone())));
+        (
+            ring,
+            kick,
+            LoopDevice {
+                device,
+                queue_events: vec![evt],
+            },
+        )
+    }
+
+    fn publish(ring: &Ring, kick: &EventFd, n: u16) {
+        ring.published.fetch_add(n, Ordering::SeqCst);
+        kick.write(1).unwrap();
+    }
+
+    #[test]
+    fn a_batch_waits_for_its_confirmation_and_later_outputs_wait_their_turn() {
+        let (ring, kick, device) = output_device();
+        let gate = Confirming::new(1);
+        let lp = DeviceEventLoop::start(vec![device], gate.clone(), false).unwrap();
+        publish(&ring, &kick, 1);
+        assert!(until(|| gate.batches() == [1]));
+        // Published while batch 1 is unconfirmed: not even shown to the gate
+        // (one in flight at most), and nothing served.
+        publish(&ring, &kick, 2);
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(gate.batches(), [1]);
+        assert_eq!(
+            ring.served.load(Ordering::SeqCst),
+            0,
+            "served before its confirmation"
+        );
+        // Confirmed: batch 1 goes, and the two that waited make batch 2.
+        gate.confirm(1);
+        assert!(until(|| gate.batches() == [1, 2]));
+        assert_eq!(
+            ring.served.load(Ordering::SeqCst),
+            1,
+            "batch 2 served early"
+        );
+        gate.confirm(2);
+        assert!(until(|| ring.served.load(Ordering::SeqCst) == 3));
+        drop(lp);
+    }
+
+    #[test]
+    fn with_two_in_flight_the_next_batch_does_not_wait_and_a_later_confirmation_releases_both() {
+        let (ring, kick, device) = output_device();
+        let gate = Confirming::new(2);
+        let lp = DeviceEventLoop::start(vec![device], gate.clone(), false).unwrap();
+        publish(&ring, &kick, 1);
+        assert!(until(|| gate.batches() == [1]));
+        // Only what batch 1 does not cover is counted in batch 2.
+        publish(&ring, &kick, 3);
+        assert!(until(|| gate.batches() == [1, 3]));
+        publish(&ring, &kick, 1);
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(
+            gate.batches(),
+            [1, 3],
+            "a third batch while two are unconfirmed"
+        );
+        assert_eq!(ring.served.load(Ordering::SeqCst), 0);
+        // Confirming ticket 2 confirms 1 as well; the waiting one goes next.
+        gate.confirm(2);
+        assert!(until(|| gate.batches() == [1, 3, 1]));
+        assert_eq!(ring.served.load(Ordering::SeqCst), 4);
+        drop(lp);
+    }
+
+    #[test]
+    fn a_new_gate_decides_on_the_outputs_the_old_one_held() {
+        let (ring, kick, device) = output_device();
+        let gate = Confirming::new(1);
+        let lp = DeviceEventLoop::start(vec![device], gate.clone(), false).unwrap();
+        publish(&ring, &kick, 2);
+        assert!(until(|| gate.batches() == [2]));
+        // Protection ends (e.g. `ft stop`): the pass-through gate lets the
+        // held outputs go at once.
+        lp.set_gate(Arc::new(PassThroughGate)).unwrap();
+        assert!(until(|| ring.served.load(Ordering::SeqCst) == 2));
+        drop(lp);
     }
 
     #[test]

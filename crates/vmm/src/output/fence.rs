@@ -69,7 +69,7 @@ impl FencedGate {
     }
 
     fn fenced(&self, release: Release) -> Release {
-        if release == Release::Now && !self.slot.holds() {
+        if release != Release::AtCheckpoint && !self.slot.holds() {
             Release::AtCheckpoint
         } else {
             release
@@ -92,6 +92,25 @@ impl OutputGate for FencedGate {
 
     fn console_may_write(&self) -> bool {
         self.inner.console_may_write() && self.slot.holds()
+    }
+
+    /// The inner gate's confirmations (it consumes what woke the loop),
+    /// none once the fence no longer holds: held outputs stay held.
+    fn confirmed(&self) -> u64 {
+        let confirmed = self.inner.confirmed();
+        if self.slot.holds() {
+            confirmed
+        } else {
+            0
+        }
+    }
+
+    fn confirmation_fds(&self) -> Vec<std::os::fd::RawFd> {
+        self.inner.confirmation_fds()
+    }
+
+    fn max_unconfirmed(&self) -> usize {
+        self.inner.max_unconfirmed()
     }
 }
 
@@ -132,5 +151,33 @@ mod tests {
         assert_eq!(gate.before_output(&BATCH), Release::AtCheckpoint);
         assert_eq!(gate.checkpoint(&BATCH), Release::AtCheckpoint);
         assert!(!gate.console_may_write());
+    }
+
+    /// Confirms every ticket it hands out at once.
+    #[derive(Debug)]
+    struct Confirmed;
+
+    impl OutputGate for Confirmed {
+        fn before_output(&self, _batch: &[OutputEvent]) -> Release {
+            Release::WhenConfirmed(7)
+        }
+        fn confirmed(&self) -> u64 {
+            7
+        }
+    }
+
+    #[test]
+    fn a_batch_waiting_for_a_confirmation_never_goes_once_the_fence_is_lost() {
+        let fence = Arc::new(Switch(AtomicBool::new(true)));
+        let gate = FencedGate::wrap(
+            Arc::new(FenceSlot::with(fence.clone())),
+            Arc::new(Confirmed),
+        );
+        assert_eq!(gate.before_output(&BATCH), Release::WhenConfirmed(7));
+        assert_eq!(gate.confirmed(), 7);
+        // Lost between the epoch and its acknowledgement: held for good.
+        fence.0.store(false, Ordering::SeqCst);
+        assert_eq!(gate.confirmed(), 0);
+        assert_eq!(gate.before_output(&BATCH), Release::AtCheckpoint);
     }
 }

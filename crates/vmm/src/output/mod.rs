@@ -12,8 +12,11 @@
 //!
 //! - Without fault tolerance the gate lets every batch go at once
 //!   ([`PassThroughGate`]).
-//! - Event-driven synchronization (Kemari) synchronizes the standby inside
-//!   [`OutputGate::before_output`] and then releases the batch.
+//! - Event-driven synchronization (Kemari) captures an epoch inside
+//!   [`OutputGate::before_output`], sends it and answers
+//!   [`Release::WhenConfirmed`]: the loop keeps the batch and goes on (other
+//!   devices' inputs and outputs, the next epoch) until
+//!   [`OutputGate::confirmed`] says the standby has the epoch.
 //! - Periodic checkpointing (Remus-style) answers [`Release::AtCheckpoint`]:
 //!   the batch waits for the next checkpoint, which the event loop triggers
 //!   every [`OutputGate::checkpoint_interval`] and after which it releases
@@ -56,6 +59,9 @@ pub enum Release {
     Now,
     /// After the next checkpoint ([`OutputGate::checkpoint`]).
     AtCheckpoint,
+    /// Once [`OutputGate::confirmed`] reaches this ticket (an epoch the
+    /// standby must acknowledge first). Tickets grow from batch to batch.
+    WhenConfirmed(u64),
 }
 
 /// Decides when device outputs may proceed. Called from the device event
@@ -76,6 +82,30 @@ pub trait OutputGate: Send + Sync + fmt::Debug {
     /// [`fence`] that no longer holds).
     fn checkpoint(&self, _batch: &[OutputEvent]) -> Release {
         Release::Now
+    }
+
+    /// The highest ticket ([`Release::WhenConfirmed`]) whose outputs may go
+    /// now; `u64::MAX` once no batch needs a confirmation any more (every
+    /// held one goes). Called by the event loop when one of the
+    /// [`confirmation_fds`](Self::confirmation_fds) is readable and after
+    /// each batch; it must consume whatever made them readable and must not
+    /// block.
+    fn confirmed(&self) -> u64 {
+        u64::MAX
+    }
+
+    /// Descriptors that become readable when [`confirmed`](Self::confirmed)
+    /// may have moved (the event loop watches copies of them while the gate
+    /// is in place; it never reads them).
+    fn confirmation_fds(&self) -> Vec<std::os::fd::RawFd> {
+        Vec::new()
+    }
+
+    /// How many batches may wait for a confirmation at once; outputs the
+    /// guest publishes beyond that wait, unseen by the gate, until one is
+    /// confirmed.
+    fn max_unconfirmed(&self) -> usize {
+        1
     }
 
     /// Whether the serial console may write what the guest printed, now

@@ -68,6 +68,7 @@ fn action(command: Command) -> ApiRequest {
                     heartbeat_ms,
                     timeout_ms,
                     keep_writable_pages,
+                    epochs_in_flight,
                     plaintext_link,
                 },
         } => ApiRequest::FtStart(FtStartRequest {
@@ -77,6 +78,7 @@ fn action(command: Command) -> ApiRequest {
             heartbeat_ms,
             timeout_ms,
             keep_writable_pages,
+            epochs_in_flight,
             plaintext: plaintext_link,
         }),
         Command::Ft {
