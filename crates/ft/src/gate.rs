@@ -178,6 +178,7 @@ impl FtGate {
                 e.started.elapsed(),
             );
         }
+        self.shared.set_unacknowledged(in_flight.len() as u64);
     }
 
     /// Captures one epoch (plus pages `extra` found dirty earlier) and
@@ -319,17 +320,16 @@ impl FtGate {
         self.epoch.store(epoch, Ordering::SeqCst);
         // The standby unpacks the next epoch against this one.
         *self.prev_state.lock().unwrap_or_else(|p| p.into_inner()) = state;
-        self.in_flight
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push_back(SentEpoch {
-                epoch,
-                pages,
-                bytes,
-                outputs,
-                pause,
-                started,
-            });
+        let mut in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        in_flight.push_back(SentEpoch {
+            epoch,
+            pages,
+            bytes,
+            outputs,
+            pause,
+            started,
+        });
+        self.shared.set_unacknowledged(in_flight.len() as u64);
         Ok(())
     }
 

@@ -70,6 +70,9 @@ pub fn start(
         opts.mode.name(),
         period,
     );
+    if opts.mode == SyncMode::EventDriven {
+        shared.set_epochs_in_flight(opts.epochs_in_flight);
+    }
     shared.initial.start(&opts.peer);
     let started = Instant::now();
     let was_running = machine.state() == RunState::Running;

@@ -78,6 +78,11 @@ pub struct FtReport {
     pub kept_writable_pages: u64,
     /// Primary: kept pages found unchanged at a sync and so not sent.
     pub unchanged_pages_skipped: u64,
+    /// Primary, event-driven: most epochs unacknowledged at once
+    /// (`epochs_in_flight`).
+    pub epochs_in_flight: Option<usize>,
+    /// Primary: epochs sent and not yet acknowledged, now.
+    pub epochs_unacknowledged: u64,
     /// Mean payload bytes per sync.
     pub bytes_per_sync: f64,
     /// Sync-link payload bytes sent and received, initial copy included.
@@ -118,6 +123,8 @@ struct Inner {
     link_bytes: u64,
     kept: u64,
     skipped: u64,
+    epochs_in_flight: Option<usize>,
+    unacked: u64,
     pauses: VecDeque<u32>,
     delays: VecDeque<u32>,
     sync_rate: WindowedRate,
@@ -169,6 +176,8 @@ impl Default for FtShared {
                 link_bytes: 0,
                 kept: 0,
                 skipped: 0,
+                epochs_in_flight: None,
+                unacked: 0,
                 pauses: VecDeque::new(),
                 delays: VecDeque::new(),
                 sync_rate: WindowedRate::default(),
@@ -225,6 +234,8 @@ impl FtShared {
             i.syncs = 0;
             i.kept = 0;
             i.skipped = 0;
+            i.epochs_in_flight = None;
+            i.unacked = 0;
             i.outputs = 0;
             i.pages = 0;
             i.sync_bytes = 0;
@@ -235,6 +246,16 @@ impl FtShared {
             i.initial_sync_ms = None;
             i.last_error = None;
         })
+    }
+
+    /// The primary's limit of epochs unacknowledged at once.
+    pub fn set_epochs_in_flight(&self, n: usize) {
+        self.with(|i| i.epochs_in_flight = Some(n));
+    }
+
+    /// Epochs sent and not yet acknowledged, now.
+    pub fn set_unacknowledged(&self, n: u64) {
+        self.with(|i| i.unacked = n);
     }
 
     /// Sets the state.
@@ -335,6 +356,8 @@ impl FtShared {
                 pages: i.pages,
                 pages_per_sync: per(i.pages),
                 kept_writable_pages: i.kept,
+                epochs_in_flight: i.epochs_in_flight,
+                epochs_unacknowledged: i.unacked,
                 unchanged_pages_skipped: i.skipped,
                 bytes_per_sync: per(i.sync_bytes),
                 link_bytes: i.link_bytes,

@@ -287,6 +287,12 @@ fn primary_killed_at_random_moments_standby_takes_over() {
                 in_flight,
             ],
         );
+        let limit = ft_status(&pair.primary)["epochs_in_flight"].clone();
+        assert_eq!(
+            limit.to_string(),
+            in_flight,
+            "ft status shows the limit asked for"
+        );
         let skipped = |pair: &Pair| {
             let st = ft_status(&pair.primary);
             (st["unchanged_pages_skipped"].as_u64().unwrap(), st)
