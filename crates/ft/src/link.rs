@@ -41,6 +41,9 @@ pub struct Link {
     /// Written when the heartbeat thread read an acknowledgement (the
     /// event loop, watching the socket, may have slept through it).
     wake: EventFd,
+    /// Whether `wake` was written since the event loop last read it (so it
+    /// reads it only then: one system call less per acknowledgement).
+    woken: AtomicBool,
     /// Epochs sent and not yet acknowledged, with when they were sent.
     unacked: Mutex<VecDeque<(u64, Instant)>>,
 }
@@ -87,6 +90,7 @@ impl Link {
             round_acked: AtomicU32::new(0),
             timeout,
             wake: EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC).map_err(io)?,
+            woken: AtomicBool::new(false),
             unacked: Mutex::new(VecDeque::new()),
         });
         let beat = Arc::downgrade(&link);
@@ -131,7 +135,7 @@ impl Link {
             Message::Ack { epoch } => {
                 self.acked.fetch_max(epoch, Ordering::SeqCst);
                 if tell {
-                    let _ = self.wake.write(1);
+                    self.wake_loop();
                 }
                 Ok(())
             }
@@ -187,12 +191,16 @@ impl Link {
         let Ok(mut reader) = self.reader.try_lock() else {
             return Ok(());
         };
+        let mut read = false;
         while !reader.0.stream().buffer().is_empty()
             || transfer::sys::bytes_waiting(self.socket.as_fd()) > 0
         {
             self.read_one(&mut reader, tell)?;
+            read = true;
         }
-        if transfer::sys::peer_closed(self.socket.as_fd()) {
+        // A socket readable with nothing to read is at its end (checked
+        // only then: a system call less per acknowledgement).
+        if !read && transfer::sys::peer_closed(self.socket.as_fd()) {
             return Err(TransferError::Closed {
                 peer: Peer::Standby,
                 phase: "waiting for the standby's acknowledgements".into(),
@@ -206,7 +214,9 @@ impl Link {
     /// that arrived, without blocking; returns the last epoch acknowledged.
     /// Fails if the standby closed the link.
     pub fn poll_acks(&self) -> Result<u64, TransferError> {
-        let _ = self.wake.read();
+        if self.woken.swap(false, Ordering::SeqCst) {
+            let _ = self.wake.read();
+        }
         self.drain(false)?;
         Ok(self.acked())
     }
@@ -247,7 +257,14 @@ impl Link {
     pub fn close(&self) {
         self.closed.store(true, Ordering::SeqCst);
         let _ = self.socket.shutdown(Shutdown::Both);
+        self.wake_loop();
+    }
+
+    /// Written before it is flagged: a loop that sees the flag finds the
+    /// count to read; one that missed it is woken again by the count.
+    fn wake_loop(&self) {
         let _ = self.wake.write(1);
+        self.woken.store(true, Ordering::SeqCst);
     }
 
     /// Payload bytes sent.

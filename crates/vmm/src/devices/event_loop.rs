@@ -421,13 +421,9 @@ impl Loop {
         batch
     }
 
-    /// Serves the held batches whose ticket the gate confirmed; true if it
-    /// served any.
-    fn release_confirmed(&mut self) -> bool {
-        if self.held.is_empty() {
-            return false;
-        }
-        let confirmed = self.gate.confirmed();
+    /// Serves the held batches whose ticket is `confirmed` or lower; true
+    /// if it served any.
+    fn release_upto(&mut self, confirmed: u64) -> bool {
         let mut upto: Vec<(usize, u16)> = Vec::new();
         while self.held.front().is_some_and(|h| h.ticket <= confirmed) {
             let Some(h) = self.held.pop_front() else {
@@ -452,8 +448,10 @@ impl Loop {
 
     /// A confirmation descriptor is readable (`hung_up`: for good).
     fn confirmation_ready(&mut self, hung_up: bool) {
-        let released = self.release_confirmed();
-        if self.held.is_empty() && (hung_up || self.gate.confirmed() == u64::MAX) {
+        // Asked once: the gate consumes what woke the loop.
+        let confirmed = self.gate.confirmed();
+        let released = self.release_upto(confirmed);
+        if self.held.is_empty() && (hung_up || confirmed == u64::MAX) {
             // Nothing will need a confirmation again (protection ended):
             // a closed link must not wake the loop forever.
             self.stop_watching_confirmations();
