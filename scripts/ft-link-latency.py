@@ -48,7 +48,12 @@ def one_run(delay_us, in_flight, out):
     if done.returncode != 0:
         sys.exit(f"kemari-bench ft failed ({done.returncode}):\n{done.stderr}")
     with open(out) as f:
-        doc = json.load(f)
+        return figures(json.load(f))
+
+
+def figures(doc):
+    """The table's figures from one `kemari-bench ft --json` document (its
+    event-mode runs)."""
     runs = {r["job"]: r for r in doc["runs"] if r.get("mode") == "event"}
     return {name: get(runs) for name, get in FIGURES}
 

@@ -20,6 +20,8 @@ if [[ "${KEMARI_LAB:-0}" == 1 ]]; then
   trap 'kill "$lab_build" 2>/dev/null || true' EXIT
 fi
 cargo test --workspace --features kemari/fault-injection -- --test-threads=2
+# The bench scripts' own logic (what they report), on fixtures and loopback.
+python3 -m pytest -q scripts/tests
 if [[ "${KEMARI_LAB:-0}" == 1 ]]; then
   wait "$lab_build" || echo "test: the lab's background release build failed; lab/setup.sh builds again and shows why"
   sh lab/ci.sh

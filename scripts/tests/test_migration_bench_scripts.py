@@ -1,4 +1,5 @@
-"""The parts of scripts/multifd-bench.py and scripts/handover-stall.py that
+"""The parts of scripts/multifd-bench.py, scripts/handover-stall.py and
+scripts/ft-link-latency.py that
 decide what they report, on real processes and a real TCP echo server on
 loopback (the VMM runs are the benches themselves).
 
@@ -25,6 +26,22 @@ def load(name):
 
 multifd = load("multifd-bench.py")
 stall = load("handover-stall.py")
+latency = load("ft-link-latency.py")
+
+
+def test_link_latency_reads_the_event_mode_figures_of_a_bench_document():
+    doc = {"runs": [
+        {"job": "network", "mode": "unprotected", "rr_per_s": {"1": [9, 9, 9], "8": [9]},
+         "stream_mb_s": {"1": 9, "8": 9}, "sync_us_p50": 0},
+        {"job": "network", "mode": "event", "rr_per_s": {"1": [600, 700, 650], "8": [2500, 2700, 2600]},
+         "stream_mb_s": {"1": 23.5, "8": 40.0}, "sync_us_p50": 810},
+        {"job": "osync", "mode": "event", "blocks_per_s": 361.0},
+        {"job": "osync", "mode": "unprotected", "blocks_per_s": 4000.0},
+    ]}
+    assert latency.figures(doc) == {
+        "rr/s x1": 650, "rr/s x8": 2600, "stream MB/s x1": 23.5, "stream MB/s x8": 40.0,
+        "osync w/s": 361.0, "sync p50 us": 810,
+    }
 
 
 def test_filled_waits_for_a_whole_pass_and_refuses_a_lost_write(tmp_path):
