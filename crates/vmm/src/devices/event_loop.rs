@@ -627,79 +627,19 @@ mod tests {
     use crate::devices::virtio::{Activation, DeviceCounters, VirtioError, TYPE_NET};
     use crate::output::PassThroughGate;
 
-    /// A device that only counts the notifications the loop hands it.
-    struct Counting(Arc<AtomicUsize>);
+    /// A device that counts the notifications the loop hands it and, with
+    /// a `ring`, has an output queue the test fills.
+    struct TestDevice {
+        notified: Arc<AtomicUsize>,
+        ring: Option<Arc<Ring>>,
+    }
 
-    impl VirtioDevice for Counting {
+    impl VirtioDevice for TestDevice {
         fn device_type(&self) -> u32 {
             TYPE_NET
         }
         fn name(&self) -> &str {
-            "counting"
-        }
-        fn queue_max_sizes(&self) -> &[u16] {
-            &[8]
-        }
-        fn features(&self) -> u64 {
-            0
-        }
-        fn read_config(&self, _offset: u64, _data: &mut [u8]) {}
-        fn activate(&mut self, _activation: Activation) -> Result<(), VirtioError> {
-            Ok(())
-        }
-        fn is_activated(&self) -> bool {
-            true
-        }
-        fn queue_notified(&mut self, _index: usize) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-        fn reset(&mut self) {}
-        fn counters(&self) -> DeviceCounters {
-            DeviceCounters::default()
-        }
-    }
-
-    fn wait_for(count: &AtomicUsize, want: usize) -> bool {
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if count.load(Ordering::SeqCst) == want {
-                return true;
-            }
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        false
-    }
-
-    /// A device counting its queue notifications: the count, the eventfd
-    /// that notifies it, and the device as the loop takes it.
-    fn counting_device() -> (Arc<AtomicUsize>, EventFd, LoopDevice) {
-        let count = Arc::new(AtomicUsize::new(0));
-        let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
-        let kick = evt.try_clone().unwrap();
-        let device: Arc<Mutex<dyn VirtioDevice>> = Arc::new(Mutex::new(Counting(count.clone())));
-        let loop_device = LoopDevice {
-            device,
-            queue_events: vec![evt],
-        };
-        (count, kick, loop_device)
-    }
-
-    /// A device whose output queue the test fills: `published` requests
-    /// so far, `served` of them served.
-    #[derive(Default)]
-    struct Ring {
-        published: std::sync::atomic::AtomicU16,
-        served: std::sync::atomic::AtomicU16,
-    }
-
-    struct Outputs(Arc<Ring>);
-
-    impl VirtioDevice for Outputs {
-        fn device_type(&self) -> u32 {
-            TYPE_NET
-        }
-        fn name(&self) -> &str {
-            "outputs"
+            "test"
         }
         fn queue_max_sizes(&self) -> &[u16] {
             &[256]
@@ -714,22 +654,56 @@ mod tests {
         fn is_activated(&self) -> bool {
             true
         }
-        fn queue_notified(&mut self, _index: usize) {}
+        fn queue_notified(&mut self, _index: usize) {
+            self.notified.fetch_add(1, Ordering::SeqCst);
+        }
         fn output_queue(&self) -> Option<usize> {
-            Some(0)
+            self.ring.as_ref().map(|_| 0)
         }
         fn pending_outputs(&self) -> Option<PendingOutputs> {
-            let limit = self.0.published.load(Ordering::SeqCst);
-            let requests = limit.wrapping_sub(self.0.served.load(Ordering::SeqCst));
+            let ring = self.ring.as_ref()?;
+            let limit = ring.published.load(Ordering::SeqCst);
+            let requests = limit.wrapping_sub(ring.served.load(Ordering::SeqCst));
             (requests != 0).then_some(PendingOutputs { limit, requests })
         }
         fn serve_outputs_until(&mut self, limit: u16) -> u16 {
-            limit.wrapping_sub(self.0.served.swap(limit, Ordering::SeqCst))
+            self.ring.as_ref().map_or(0, |ring| {
+                limit.wrapping_sub(ring.served.swap(limit, Ordering::SeqCst))
+            })
         }
         fn reset(&mut self) {}
         fn counters(&self) -> DeviceCounters {
             DeviceCounters::default()
         }
+    }
+
+    fn wait_for(count: &AtomicUsize, want: usize) -> bool {
+        until(|| count.load(Ordering::SeqCst) == want)
+    }
+
+    /// A device counting its queue notifications: the count, the eventfd
+    /// that notifies it, and the device as the loop takes it.
+    fn counting_device() -> (Arc<AtomicUsize>, EventFd, LoopDevice) {
+        let count = Arc::new(AtomicUsize::new(0));
+        let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
+        let kick = evt.try_clone().unwrap();
+        let device: Arc<Mutex<dyn VirtioDevice>> = Arc::new(Mutex::new(TestDevice {
+            notified: count.clone(),
+            ring: None,
+        }));
+        let loop_device = LoopDevice {
+            device,
+            queue_events: vec![evt],
+        };
+        (count, kick, loop_device)
+    }
+
+    /// An output queue the test fills: `published` requests so far,
+    /// `served` of them served.
+    #[derive(Default)]
+    struct Ring {
+        published: std::sync::atomic::AtomicU16,
+        served: std::sync::atomic::AtomicU16,
     }
 
     /// A gate releasing each batch once the test confirms its ticket;
@@ -794,7 +768,10 @@ mod tests {
         let ring = Arc::new(Ring::default());
         let evt = EventFd::new(libc::EFD_NONBLOCK).unwrap();
         let kick = evt.try_clone().unwrap();
-        let device: Arc<Mutex<dyn VirtioDevice>> = Arc::new(Mutex::new(Outputs(ring.clone())));
+        let device: Arc<Mutex<dyn VirtioDevice>> = Arc::new(Mutex::new(TestDevice {
+            notified: Arc::default(),
+            ring: Some(ring.clone()),
+        }));
         (
             ring,
             kick,
