@@ -21,8 +21,8 @@ Seen on these virtual hosts with both VMMs (docs/lab.md, "Soak" and
   host in CI although it passes most runs): a timeout, or "No route to host"
   when a guest stops answering ARP.
 
-The acceptance tests run a scenario once more, loudly, when its first run
-failed with one of these. A nested guest's own panic, a VMM's non-zero exit,
+The acceptance tests run a scenario again, loudly (up to three runs in
+all), while each run failed with one of these. A nested guest's own panic, a VMM's non-zero exit,
 or any check that found wrong data (a corrupted echo, a lost record, a dirty
 filesystem) is never retried; a stall that happens every time still fails
 on the second run.

@@ -42,13 +42,20 @@ def kemari_skip_reason() -> str | None:
     return None
 
 
+# Runs of a scenario at most, while each fails on the platform. Two were
+# not enough in CI on 2026-11-27: guest-reboots lost its virtual host (the
+# guest silent on ARP, the host's shell silent for minutes) in two runs in a
+# row, and passed 4 of 4 runs outside CI that hour.
+ATTEMPTS = 3
+
+
 def run_scenario(name: str, vmm: str) -> dict[str, float]:
-    """Runs scenario `name` in a fresh lab; once more (said loudly) if the
-    first run failed on a fault of the virtual hosts (a guest reset, a dead
-    or locked-up host kernel: kemari_lab/platform_reset.py), never for
-    anything else."""
+    """Runs scenario `name` in a fresh lab; again (said loudly), up to
+    ATTEMPTS runs in all, while each run failed on a fault of the virtual
+    hosts (a guest reset, a dead, locked-up or silent host: see
+    kemari_lab/platform_reset.py), never for anything else."""
     sc = SCENARIOS[name]
-    for attempt in (1, 2):
+    for attempt in range(1, ATTEMPTS + 1):
         lab = Lab(hosts=sc.hosts, **sc.lab_options)
         try:
             with lab:
@@ -56,11 +63,11 @@ def run_scenario(name: str, vmm: str) -> dict[str, float]:
                 times.update(sc.run(lab, vmm))
         except LabError as e:
             fault = platform_fault_in(lab.run_dir, str(e))
-            if attempt == 2 or fault is None:
+            if attempt == ATTEMPTS or fault is None:
                 raise
             message = (
                 f"{name} with {vmm} failed ({e}) on a fault of the virtual hosts: {fault}; "
-                f"run once more (consoles in {lab.run_dir}; docs/lab.md, 'Soak')"
+                f"run {attempt + 1} of at most {ATTEMPTS} (consoles in {lab.run_dir}; docs/lab.md, 'Soak')"
             )
             print(f"\nLAB RETRY: {message}", file=sys.stderr)
             warnings.warn(message, stacklevel=1)
