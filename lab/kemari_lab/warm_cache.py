@@ -100,7 +100,10 @@ def read_big_file(lab: Lab, ip: str, out: dict[str, float], key: str) -> None:
     """The guest reads big.bin once: out[key + "_mb_s"], MB/s as its clock
     measured it, and out[key + "_disk_requests"], the read requests its disk
     saw meanwhile (none when the page cache had it all)."""
-    body = lab.client_http_get(ip, "/cgi-bin/read?big.bin", timeout=900)
+    # 256 MiB at 0.9 MB/s, under the slowest read seen (2 MB/s, a loaded
+    # machine): a guest that crashed mid-read (docs/lab.md, issue 24) is
+    # reported, with its diagnostics, within minutes.
+    body = lab.client_http_get(ip, "/cgi-bin/read?big.bin", timeout=300)
     m = READ_RE.search(body)
     if m is None or int(m.group(1)) != BIG_MB << 20:
         raise LabError(f"guest {ip}: reading big.bin answered {body.strip()!r}")

@@ -40,26 +40,7 @@ pub fn pwritev_all(
     Ok(())
 }
 
-/// Data extents `[start, end)` of `file` up to `size` (never-written parts
-/// of a sparse file are holes); the whole range if the file system cannot
-/// tell.
-pub fn data_extents(file: &std::fs::File, size: u64) -> Vec<(u64, u64)> {
-    use std::os::fd::AsFd;
-    let fd = file.as_fd();
-    let mut out = Vec::new();
-    let mut pos: i64 = 0;
-    while (pos as u64) < size {
-        let data = match vmm::sys::seek_data(fd, pos) {
-            Ok(d) => d,
-            Err(e) if e.raw_os_error() == Some(libc::ENXIO) => break,
-            Err(_) => return vec![(0, size)],
-        };
-        let end = vmm::sys::seek_hole(fd, data).unwrap_or(size as i64);
-        out.push((data as u64, (end as u64).min(size)));
-        pos = end;
-    }
-    out
-}
+pub use vmm::sys::data_extents;
 
 /// Which socket buffer.
 #[derive(Debug, Clone, Copy)]

@@ -9,7 +9,7 @@
 use std::ffi::{c_int, c_uint, c_void, CStr};
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::ptr::NonNull;
 
 /// `-1` from a call as the calling thread's `errno`.
@@ -68,6 +68,26 @@ pub fn seek_data(fd: BorrowedFd<'_>, from: i64) -> io::Result<i64> {
 #[inline]
 pub fn seek_hole(fd: BorrowedFd<'_>, from: i64) -> io::Result<i64> {
     lseek(fd, from, libc::SEEK_HOLE)
+}
+
+/// Data extents `[start, end)` of `file` up to `size` (never-written parts
+/// of a sparse file, and pages given back, are holes); the whole range if
+/// the file system cannot tell.
+pub fn data_extents(file: &File, size: u64) -> Vec<(u64, u64)> {
+    let fd = file.as_fd();
+    let mut out = Vec::new();
+    let mut pos: i64 = 0;
+    while (pos as u64) < size {
+        let data = match seek_data(fd, pos) {
+            Ok(d) => d,
+            Err(e) if e.raw_os_error() == Some(libc::ENXIO) => break,
+            Err(_) => return vec![(0, size)],
+        };
+        let end = seek_hole(fd, data).unwrap_or(size as i64);
+        out.push((data as u64, (end as u64).min(size)));
+        pos = end;
+    }
+    out
 }
 
 /// `fallocate(fd, mode, offset, len)` (punch a hole, zero a range...).

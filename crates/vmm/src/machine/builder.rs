@@ -184,7 +184,7 @@ impl Machine {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn assemble_in(
+    pub(super) fn assemble_in(
         mut config: MachineConfig,
         prepared: PreparedVm,
         slots_registered: bool,

@@ -8,8 +8,12 @@
 //! initramfs and the boot structures (command line, memory map, ACPI
 //! tables) are loaded again from the configuration. What is kept:
 //!
-//! - the memory file (a memfd, a named file), cleared: its pages are given
-//!   back, so the guest reads zeroes where it left its data, as at power-on;
+//! - the memory file (a memfd, a named file) and the VMM's mapping of it,
+//!   cleared: the pages the guest touched are zeroed where they are (a
+//!   hugetlbfs file's are given back), so the guest reads zeroes where it
+//!   left its data, as at power-on, and the next boot finds them
+//!   allocated and mapped in the VMM (only the new VM's KVM mappings are
+//!   made again, at the guest's first touch);
 //! - each virtio device model with its backend — the disk image or NBD
 //!   connection and the TAP stay open — reset as a driver's reset does, and
 //!   wired to the new VM in the same MMIO window and interrupt line;
@@ -17,7 +21,7 @@
 //!
 //! ```text
 //!  old VM: vCPU threads end, device loop ends ─▶ devices reset, console output taken
-//!        ─▶ old VM closed ─▶ memory file cleared ─▶ new VM: memory slots, devices
+//!        ─▶ old VM closed ─▶ memory zeroed in place ─▶ new VM: memory slots, devices
 //!           re-wired, kernel loaded, vCPUs made ─▶ vCPUs run
 //! ```
 
@@ -25,14 +29,15 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::setup::Kept;
-use super::{Machine, MachineError, RunState};
+use super::{Machine, MachineError, PreparedVm, RunState};
 use crate::config::MachineConfig;
 use crate::dirty::DirtyTrackerConfig;
 use crate::output::PassThroughGate;
+use crate::vstate::vm::Vm;
 use crate::vstate::VmEventSink;
 
 impl Machine {
-    /// Reboots the guest in place: a new VM around the same memory (cleared)
+    /// Reboots the guest in place: a new VM around the same memory (zeroed)
     /// and devices (reset, backends open), the kernel loaded again (see the
     /// module documentation). Its events go to `events` (the old machine's
     /// late events can then be told apart). The machine comes back running,
@@ -60,6 +65,10 @@ impl Machine {
         };
         let config = MachineConfig::clone(&self.core.config);
         let memory_file = self.core.memory_file.clone();
+        // The same mapping: the host's page tables for it stay, so the new
+        // boot's first touches (the kernel's loader, then the devices'
+        // writes into guest memory) take no page fault here.
+        let guest_memory = self.core.guest_memory.clone();
         // The fence (etcd lease, lock) is the process's, not the boot's: the
         // new boot's outputs stay behind it.
         let fence = self.fence.fence();
@@ -68,9 +77,19 @@ impl Machine {
         let stopped = started.elapsed();
         memory_file.clear()?;
         let cleared = started.elapsed();
-        let machine = Self::assemble(
-            config,
+        let prepared = PreparedVm {
             memory_file,
+            guest_memory,
+            vm: Vm::new()?,
+            dirty: None,
+            vcpus: Vec::new(),
+            threads_ahead: Vec::new(),
+            event_loop_ahead: None,
+        };
+        let machine = Self::assemble_in(
+            config,
+            prepared,
+            false,
             events,
             start_paused,
             Arc::new(PassThroughGate),

@@ -8,7 +8,6 @@
 //! first extent that does not match. Both files are created 0600.
 
 use std::fs::File;
-use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
@@ -77,25 +76,6 @@ pub struct ImageStats {
     pub extents: u64,
 }
 
-/// The data extents `[start, end)` of `file` up to `size` (the whole range if
-/// the file system does not report holes).
-fn data_extents(file: &File, size: u64) -> Vec<(u64, u64)> {
-    let fd = file.as_fd();
-    let mut out = Vec::new();
-    let mut pos: i64 = 0;
-    while (pos as u64) < size {
-        let data = match sys::seek_data(fd, pos) {
-            Ok(data) => data,
-            Err(e) if e.raw_os_error() == Some(libc::ENXIO) => break, // no more data
-            Err(_) => return vec![(0, size)], // no hole support: copy everything
-        };
-        let end = sys::seek_hole(fd, data).unwrap_or(size as i64);
-        out.push((data as u64, (end as u64).min(size)));
-        pos = end;
-    }
-    out
-}
-
 fn io_err(path: &Path) -> impl Fn(std::io::Error) -> ImageError + '_ {
     move |source| ImageError::Io {
         path: path.display().to_string(),
@@ -119,7 +99,7 @@ fn write_extents(
     let mut stats = ImageStats::default();
     let mut extents = Vec::new();
     let mut buf = vec![0u8; CHUNK];
-    for (start, end) in data_extents(src, size) {
+    for (start, end) in sys::data_extents(src, size) {
         let mut off = start;
         while off < end {
             let n = ((end - off) as usize).min(CHUNK);
