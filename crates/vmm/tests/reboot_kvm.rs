@@ -104,6 +104,9 @@ fn a_reboot_zeroes_memory_in_place_reloads_the_kernel_and_keeps_the_disk_open() 
         .guest_memory()
         .write_obj(0x6b65_6d61_7269u64, marker)
         .unwrap();
+    // Recording of the VMM's writes left on (a tracking the caller did not
+    // stop): it must not go on into the next boot's kept mapping.
+    vmm::memory::set_vmm_dirty_tracking(machine.guest_memory(), true);
     // Reopening the disk by its path would fail now.
     std::fs::remove_file(&disk).unwrap();
     let mut machine = machine
@@ -126,6 +129,11 @@ fn a_reboot_zeroes_memory_in_place_reloads_the_kernel_and_keeps_the_disk_open() 
         mem.read_obj::<u64>(marker).unwrap(),
         0,
         "memory not cleared"
+    );
+    mem.write_obj(1u64, marker).unwrap();
+    assert!(
+        vmm::memory::harvest_vmm_dirty(mem).is_empty(),
+        "the VMM's writes are still recorded after the reboot"
     );
     let mut code = [0u8; 3];
     mem.read_slice(&mut code, GuestAddress(u64::from(ENTRY)))

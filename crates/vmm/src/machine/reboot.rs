@@ -69,6 +69,9 @@ impl Machine {
         // boot's first touches (the kernel's loader, then the devices'
         // writes into guest memory) take no page fault here.
         let guest_memory = self.core.guest_memory.clone();
+        // Whatever tracking recorded of the VMM's writes meant the old VM.
+        crate::memory::set_vmm_dirty_tracking(&guest_memory, false);
+        drop(crate::memory::harvest_vmm_dirty(&guest_memory));
         // The fence (etcd lease, lock) is the process's, not the boot's: the
         // new boot's outputs stay behind it.
         let fence = self.fence.fence();
