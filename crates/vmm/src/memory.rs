@@ -176,8 +176,16 @@ impl GuestMemoryFile {
     /// host the most (docs/architecture.md, "Reboot"). Holes stay holes.
     /// A file that cannot be written (hugetlbfs) has its pages given back.
     pub fn clear(&self) -> Result<(), MemoryError> {
-        if self.backing != MemoryBacking::MemfdHugetlb && self.zero_in_place().is_ok() {
-            return Ok(());
+        if self.backing != MemoryBacking::MemfdHugetlb {
+            match self.zero_in_place() {
+                Ok(()) => return Ok(()),
+                // A hugetlbfs file is refused here (EINVAL); anything else
+                // is worth a look, since the pages then go back.
+                Err(e) => tracing::debug!(
+                    error = %e,
+                    "cannot zero guest memory in place: giving its pages back instead"
+                ),
+            }
         }
         let len = i64::try_from(self.size).map_err(|_| {
             MemoryError::Clear(std::io::Error::from(std::io::ErrorKind::InvalidInput))
