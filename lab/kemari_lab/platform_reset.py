@@ -22,10 +22,10 @@ Seen on these virtual hosts with both VMMs (docs/lab.md, "Soak" and
   when a guest stops answering ARP.
 
 The acceptance tests run a scenario again, loudly (up to three runs in
-all), while each run failed with one of these. A nested guest's own panic, a VMM's non-zero exit,
-or any check that found wrong data (a corrupted echo, a lost record, a dirty
-filesystem) is never retried; a stall that happens every time still fails
-on the second run.
+all), while each run failed with one of these. A nested guest's own panic,
+a VMM's non-zero exit, or any check that found wrong data (a corrupted
+echo, a lost record, a dirty filesystem) is never retried; a stall that
+happens every time still fails, on the last run.
 """
 
 from __future__ import annotations
