@@ -12,6 +12,9 @@ through a bridge and the test guest's TAP to the guest's echo service (port
   warm             plain warm restart, then `kemari --restore DIR`
   live             pre-copy live migration over loopback to a second kemari
                    on a second TAP on the same bridge
+  ft               event-driven fault tolerance (standby on the same host and
+                   TAP, a fence file), then the primary killed with SIGKILL:
+                   the standby fails over
   none             no hand-over (the same window, the VM left alone): the
                    host's own noise floor, with downtime 0
 
@@ -25,7 +28,8 @@ received chunks, from 1 s before the request to 3 s after it; one chunk
 every 8 ms when nothing stalls) and the VMM's downtime (the VM paused: the
 operation's own `downtime_ms`; for the plain warm restart the old process's
 pause until it answered plus the new process's start until its API says
-`running`, an upper bound). Goal: stall <= downtime + 50 ms in every run.
+`running`, an upper bound; for the FT failover the kill until the standby's
+`ft status` says `failed_over`, polled every millisecond). Goal: stall <= downtime + 50 ms in every run.
 
   flock /work/bench.lock scripts/handover-stall.py [--runs 10] [--ops ...] [--json FILE]
 
@@ -49,7 +53,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.environ.get("BIN", os.path.join(ROOT, "target/release"))
 ELF = os.environ.get("ELF", os.path.join(ROOT, "target/x86_64-unknown-none/release/guest"))
-OPS = ["none", "zero-copy", "warm-prepared", "warm", "live"]
+OPS = ["none", "zero-copy", "warm-prepared", "warm", "live", "ft"]
 SUBNET = "10.203.77"
 GUEST_IP = f"{SUBNET}.2"
 CHUNK = 2048
@@ -251,6 +255,16 @@ def read(path):
         return ""
 
 
+def ft_state(vmm):
+    """The `ft status` state of a VMM (None while its API does not answer)."""
+    try:
+        return vmm.ctl("ft", "status", timeout=5).get("state")
+    except (RuntimeError, subprocess.TimeoutExpired, ValueError):
+        if vmm.p.poll() is not None:
+            raise RuntimeError(f"the VMM exited ({vmm.p.returncode}): {read(vmm.out.name)[-500:]}")
+        return None
+
+
 def downtime_of(report):
     """The VMM's downtime (ms) in an operation's answer."""
     for k in ("downtime_ms",):
@@ -269,22 +283,33 @@ def one(op, w, net, port):
     mem = f"/dev/shm/kst-{os.getpid()}-mem"
     if os.path.exists(mem):
         os.unlink(mem)
+    keyfile = os.path.join(w, "key")
+    with open(keyfile, "wb") as f:
+        f.write(KEY)
+    os.chmod(keyfile, 0o600)
+    # FT: the primary and its standby share the TAP, one at a time, behind a fence file.
+    fence = ["--ft-fence", os.path.join(w, "fence")] if op == "ft" else []
+    standby = None
+    if op == "ft":
+        standby = Vmm(w, "dst", ["--ft-standby", f"127.0.0.1:{port}", "--migration-key-file", keyfile,
+                                 "--net", f"tap={net.taps[0]}"] + fence)
     src = Vmm(w, "src", ["--kernel", ELF, "--memory", "256M", "--memory-file", mem,
                          "--cmdline", f"counter=100 ip={GUEST_IP}/24 dirty=2000,8",
-                         "--net", f"tap={net.taps[0]}"])
-    vmms = [src]
+                         "--net", f"tap={net.taps[0]}"] + fence)
+    vmms = [standby, src] if standby else [src]
     try:
         wait("the guest's network", lambda: "net: up" in read(src.console))
+        if standby:
+            wait("the standby to listen", lambda: ft_state(standby) == "standby", 30, 0.05)
+            rep = src.ctl("ft", "start", "--peer", f"127.0.0.1:{port}", "--key-file", keyfile, "--timeout-ms", "1000")
+            if rep.get("state") != "protected":
+                raise RuntimeError(f"ft start: {rep}")
         echo = Echo(GUEST_IP)
         wait("echo traffic", lambda: echo.received > 64 * 1024 or echo.error, 30)
-        keyfile = os.path.join(w, "key")
-        with open(keyfile, "wb") as f:
-            f.write(KEY)
-        os.chmod(keyfile, 0o600)
         state = os.path.join(w, "state")
         shutil.rmtree(state, ignore_errors=True)
         os.makedirs(state)
-        dst = None
+        dst = standby
         if op == "zero-copy":
             sock = os.path.join(w, "local.sock")
             dst = Vmm(w, "dst", ["--incoming-local", sock, "--memory-file", mem])
@@ -315,6 +340,13 @@ def one(op, w, net, port):
             t_run = time.monotonic()
         elif op == "live":
             rep = src.ctl("migrate", "--to", f"127.0.0.1:{port}", "--key-file", keyfile)
+        elif op == "ft":
+            src.p.kill()
+            src.p.wait()
+            wait("the standby to fail over", lambda: ft_state(dst) == "failed_over", 10, 0.001)
+            st = dst.ctl("ft", "status")
+            rep = {"downtime_ms": (time.monotonic() - t0) * 1000, "failover_ms": st.get("failover_ms"),
+                   "epoch": st.get("epoch")}
         else:
             time.sleep(0.03)
             rep = {"downtime_ms": 0.0}
