@@ -57,7 +57,7 @@ from kemari_lab.migration import install_key, live_migrate
 from kemari_lab.qemu_migration import qemu_live_migrate
 from kemari_lab.shared_disk import SharedDisk
 from kemari_lab.soak import Slot, crash_excerpt
-from kemari_lab.vhost import VirtualHost
+from kemari_lab.vhost import VirtualHost, tcg_accel
 
 # QEMU's -M microvm cannot live-migrate (docs/system/i386/microvm.rst: "Live
 # migration" under Limitations): QEMU's guests here are -M pc (virtio-pci).
@@ -422,6 +422,7 @@ def soak_round(lab: Lab, vmm: str = "", minutes: float | None = None) -> dict[st
             "wall_minutes": round((time.monotonic() - t_start) / 60, 2),
             "slots": [s.move_summary() for s in slots],
             "host_deaths": [host_death(h) for h in hosts if not h.alive()],
+            "virtual_hosts": {"accel": tcg_accel(), "shmem_thp": os.environ.get("KEMARI_LAB_SHMEM_THP", "")},
         }
         (lab.run_dir / "soak-round.json").write_text(json.dumps(record, indent=1) + "\n")
         all_rounds = add_round(path, record)

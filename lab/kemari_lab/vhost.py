@@ -43,6 +43,16 @@ class CommandResult:
         return self.status == 0
 
 
+def tcg_accel() -> str:
+    """QEMU's -accel for the virtual hosts: TCG, its vCPUs each in a thread of
+    their own (QEMU's default for an x86 host) or, with
+    KEMARI_LAB_TCG_THREAD=single, all in one thread (issue 24's A/B)."""
+    thread = os.environ.get("KEMARI_LAB_TCG_THREAD", "")
+    if thread not in ("", "single", "multi"):
+        raise LabError(f"KEMARI_LAB_TCG_THREAD={thread!r}: single or multi")
+    return f"tcg,thread={thread}" if thread else "tcg"
+
+
 class VirtualHost:
     """One QEMU/TCG virtual host on the lab bridge."""
 
@@ -103,7 +113,7 @@ class VirtualHost:
             ]  # fmt: skip
         return [
             "qemu-system-x86_64",
-            "-accel", "tcg",
+            "-accel", tcg_accel(),
             "-cpu", "EPYC,+svm",
             "-smp", str(self.cpus),
             "-m", str(self.memory_mb),

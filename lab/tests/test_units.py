@@ -93,6 +93,18 @@ def test_qemu_memfd_variant_backs_guest_memory_with_a_memfd(monkeypatch: pytest.
             soak_vmms()
 
 
+def test_virtual_hosts_tcg_thread_mode_is_chosen_or_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kemari_lab.vhost import tcg_accel
+
+    monkeypatch.delenv("KEMARI_LAB_TCG_THREAD", raising=False)
+    assert tcg_accel() == "tcg"
+    monkeypatch.setenv("KEMARI_LAB_TCG_THREAD", "single")
+    assert tcg_accel() == "tcg,thread=single"
+    monkeypatch.setenv("KEMARI_LAB_TCG_THREAD", "one")
+    with pytest.raises(LabError, match="single or multi"):
+        tcg_accel()
+
+
 def test_guest_spec_shared_disk_and_api_socket() -> None:
     spec = GuestSpec(name="roam", vmm="kemari", disk_url="nbd://10.77.0.1:10809/disk")
     cmd = spec.vmm_command()
