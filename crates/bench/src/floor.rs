@@ -6,10 +6,10 @@
 //! An output may leave only once the standby holds a state taken after the
 //! guest asked for it. So every protected request/response exchange pays, on
 //! top of the unprotected exchange, at least
-//! - the save of the vCPU that produced the output ([`vcpu_save`]: kemari's
-//!   own `save_with`, run as the primary runs it, on the vCPU's thread right
-//!   after the pause's exit — the cheapest moment, with registers from
-//!   `kvm_run`), and
+//! - the save of the vCPU that produced the output ([`vcpu_stop_and_save`]:
+//!   kemari's own `save_with`, run as the primary runs it, on the vCPU's
+//!   thread right after the pause's exit — the cheapest moment, with
+//!   registers from `kvm_run`), and
 //! - one round trip to the standby process ([`loopback_round_trip`]: 64 bytes
 //!   out, 16 back, between two threads over loopback TCP), measured twice:
 //!   with both ends sleeping in `read` until data comes (what a synchronizer
@@ -19,6 +19,13 @@
 //! Everything else a sync does (stopping the vCPU, harvesting and copying
 //! pages, encoding, authenticating, the standby's checks) comes on top; the
 //! ceiling [`Floor::ceiling`] leaves it out, so it is an upper bound.
+//!
+//! Of those, stopping the vCPU is the host's too: its registers can only be
+//! read from its own thread once `KVM_RUN` has returned, so every sync takes
+//! the guest out to user space at least once (a kick, or an exit the output
+//! itself caused). [`vcpu_stop_and_save`] times that stop as well — from the
+//! pause's request to the moment the save can begin on the vCPU's thread —
+//! and [`Floor::ceiling_with_stop`] counts it.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -36,6 +43,9 @@ use vmm::vstate::VmEventSink;
 /// The host's per-sync minimums, medians.
 #[derive(Debug, Clone, Copy)]
 pub struct Floor {
+    /// Stopping a running vCPU: its kick until its thread is out of
+    /// `KVM_RUN` and can save it.
+    pub vcpu_stop: Duration,
     /// One vCPU state save after a guest exit.
     pub vcpu_save: Duration,
     /// One loopback round trip between two threads sleeping in `read`.
@@ -45,10 +55,12 @@ pub struct Floor {
 }
 
 impl Floor {
-    /// Measures all three.
+    /// Measures all four.
     pub fn measure() -> Result<Floor, String> {
+        let (vcpu_stop, vcpu_save) = vcpu_stop_and_save(200)?;
         Ok(Floor {
-            vcpu_save: vcpu_save(200)?,
+            vcpu_stop,
+            vcpu_save,
             round_trip_sleeping: loopback_round_trip(2000, false)?,
             round_trip_polling: loopback_round_trip(5000, true)?,
         })
@@ -61,6 +73,13 @@ impl Floor {
     pub fn ceiling(&self, unprotected: Duration, round_trip: Duration) -> f64 {
         let t = unprotected.as_secs_f64();
         t / (t + self.vcpu_save.as_secs_f64() + round_trip.as_secs_f64())
+    }
+
+    /// The same with the vCPU's stop counted too: every protected exchange
+    /// takes at least `unprotected + vcpu_stop + vcpu_save + round_trip`.
+    pub fn ceiling_with_stop(&self, unprotected: Duration, round_trip: Duration) -> f64 {
+        let t = unprotected.as_secs_f64();
+        t / (t + (self.vcpu_stop + self.vcpu_save + round_trip).as_secs_f64())
     }
 }
 
@@ -77,8 +96,9 @@ fn median(mut v: Vec<Duration>) -> Duration {
 /// fault-tolerance primary does it at every sync: the vCPU runs a guest on
 /// its own thread, `VcpuSet::pause_with` kicks it out of KVM_RUN and runs the
 /// save on that thread right after the exit (registers from `kvm_run`).
-/// Only the save is timed, over `rounds` pauses.
-pub fn vcpu_save(rounds: usize) -> Result<Duration, String> {
+/// Returns the medians over `rounds` pauses of the stop (the pause's request
+/// until the save begins on the vCPU's thread) and of the save.
+pub fn vcpu_stop_and_save(rounds: usize) -> Result<(Duration, Duration), String> {
     let file =
         GuestMemoryFile::create(64 << 20, &MemoryBacking::Memfd).map_err(ctx("guest memory"))?;
     let mem = file.map().map_err(ctx("guest memory"))?;
@@ -102,25 +122,27 @@ pub fn vcpu_save(rounds: usize) -> Result<Duration, String> {
         )
         .map_err(ctx("vCPU thread"))?;
     let vcpus = VcpuSet::new(vec![handle], false);
-    let mut times = Vec::with_capacity(rounds);
+    let (mut stops, mut saves) = (Vec::with_capacity(rounds), Vec::with_capacity(rounds));
     for i in 0..rounds + 10 {
         // Let the guest run between pauses, as between syncs.
         std::thread::sleep(Duration::from_micros(200));
         let (msrs, constants) = (msrs.clone(), constants.clone());
+        let asked = Instant::now();
         let saved = vcpus.pause_with(PauseLength::Brief, move |index, fd| {
             let t = Instant::now();
             let r = save_with(fd, index, &msrs, &constants);
-            (t.elapsed(), r.map(|_| ()).map_err(|e| e.to_string()))
+            (t - asked, t.elapsed(), r.map(|_| ()).map_err(|e| e.to_string()))
         });
         vcpus.resume().map_err(ctx("vCPU resume"))?;
-        for (took, r) in saved.map_err(ctx("vCPU pause"))? {
+        for (stop, save, r) in saved.map_err(ctx("vCPU pause"))? {
             r.map_err(ctx("vCPU save"))?;
             if i >= 10 {
-                times.push(took);
+                stops.push(stop);
+                saves.push(save);
             }
         }
     }
-    Ok(median(times))
+    Ok((median(stops), median(saves)))
 }
 
 /// The median round trip of a 64-byte message answered by 16 bytes between
@@ -202,6 +224,7 @@ mod tests {
     #[test]
     fn ceiling_adds_the_floor_to_every_exchange() {
         let f = Floor {
+            vcpu_stop: Duration::from_micros(60),
             vcpu_save: Duration::from_micros(40),
             round_trip_sleeping: Duration::from_micros(20),
             round_trip_polling: Duration::from_micros(5),
@@ -212,13 +235,15 @@ mod tests {
         // A slower unprotected exchange, or a faster link, leaves more room.
         assert!(f.ceiling(us(120), f.round_trip_sleeping) > 0.6);
         assert!((f.ceiling(us(30), f.round_trip_polling) - 0.4).abs() < 1e-9);
+        // Counting the stop: 30 / (30 + 60 + 40 + 5).
+        assert!((f.ceiling_with_stop(us(30), f.round_trip_polling) - 30.0 / 135.0).abs() < 1e-9);
     }
 
     #[test]
     #[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
-    fn vcpu_save_is_measured_through_a_pause() {
-        let save = vcpu_save(5).unwrap();
-        assert!(save > Duration::ZERO);
+    fn vcpu_stop_and_save_are_measured_through_a_pause() {
+        let (stop, save) = vcpu_stop_and_save(5).unwrap();
+        assert!(stop > Duration::ZERO && save > Duration::ZERO);
     }
 
     #[test]
