@@ -131,7 +131,11 @@ pub fn vcpu_stop_and_save(rounds: usize) -> Result<(Duration, Duration), String>
         let saved = vcpus.pause_with(PauseLength::Brief, move |index, fd| {
             let t = Instant::now();
             let r = save_with(fd, index, &msrs, &constants);
-            (t - asked, t.elapsed(), r.map(|_| ()).map_err(|e| e.to_string()))
+            (
+                t - asked,
+                t.elapsed(),
+                r.map(|_| ()).map_err(|e| e.to_string()),
+            )
         });
         vcpus.resume().map_err(ctx("vCPU resume"))?;
         for (stop, save, r) in saved.map_err(ctx("vCPU pause"))? {

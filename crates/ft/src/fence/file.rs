@@ -51,7 +51,9 @@ impl Fence {
             if Instant::now() >= deadline {
                 return Err(FenceError::Held(path.to_path_buf()));
             }
-            std::thread::sleep(retry_delay(attempt).min(deadline.saturating_duration_since(Instant::now())));
+            std::thread::sleep(
+                retry_delay(attempt).min(deadline.saturating_duration_since(Instant::now())),
+            );
             attempt += 1;
         }
     }
