@@ -53,6 +53,19 @@ pub struct Vmm {
     pub api: PathBuf,
 }
 
+impl Vmm {
+    /// If the VMM has exited: its status and what it wrote to stderr (for
+    /// a test's failure message); None while it runs.
+    pub fn exit_report(&mut self) -> Option<String> {
+        let status = self.child.0.try_wait().ok().flatten()?;
+        let mut err = String::new();
+        if let Some(e) = self.child.0.stderr.as_mut() {
+            let _ = std::io::Read::read_to_string(e, &mut err);
+        }
+        Some(format!("the VMM exited ({status}); its stderr:\n{err}"))
+    }
+}
+
 pub fn spawn_vmm(args: &[String], console: &Path, api: &Path, env: &[(&str, &str)]) -> Vmm {
     let mut cmd = kemari();
     cmd.args(args)
