@@ -107,12 +107,8 @@ fn ft_status(vmm: &Vmm) -> serde_json::Value {
 
 /// The state a VMM reports, or why it cannot (its API not up yet, or gone).
 fn ft_state(vmm: &mut Vmm) -> Result<String, String> {
-    if let Ok(Some(st)) = vmm.child.0.try_wait() {
-        let mut err = String::new();
-        if let Some(e) = vmm.child.0.stderr.as_mut() {
-            let _ = e.read_to_string(&mut err);
-        }
-        panic!("the VMM exited ({st}): {err}");
+    if let Some(exited) = vmm.exit_report() {
+        panic!("{exited}");
     }
     let out = ctl(&vmm.api, &["ft", "status"]);
     if !out.status.success() {
