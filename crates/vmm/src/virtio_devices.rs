@@ -152,6 +152,26 @@ impl AttachedDevice {
     }
 }
 
+impl AttachedDevice {
+    /// Takes the device's wiring out of `vm` (its queue notifications and
+    /// interrupt line), for a reboot that keeps the VM and wires the device
+    /// in again ([`reattach_all`]): KVM refuses a second ioeventfd on the
+    /// same address and value.
+    pub fn unwire(&self, vm: &Vm) -> Result<(), AttachError> {
+        let kvm_err = |source| AttachError::Kvm {
+            device: self.info.name.clone(),
+            source,
+        };
+        let notify = self.info.address + MmioTransport::queue_notify_address_offset();
+        for (q, evt) in self.queue_events.iter().enumerate() {
+            vm.unregister_mmio_ioevent(evt, notify, q as u32)
+                .map_err(kvm_err)?;
+        }
+        vm.unregister_irqfd(&self._irq, self.info.gsi)
+            .map_err(kvm_err)
+    }
+}
+
 /// Wires devices kept from the machine's previous boot into `vm`, each in
 /// the MMIO window and on the interrupt line it had (they are placed by
 /// position), behind a new transport: the guest finds them as at a cold

@@ -1,5 +1,5 @@
-//! `Machine::reboot` with real KVM: a new VM around the same memory and
-//! device models. Guest memory reads zeroes again but for what the boot
+//! `Machine::reboot` with real KVM: the same KVM VM (and vCPUs), memory
+//! and device models. Guest memory reads zeroes again but for what the boot
 //! loads (the kernel, at its address); the disk stays open (its file is
 //! unlinked before the reboot, which needs no path); the devices keep their
 //! windows and lines; a paused machine comes back paused.
@@ -96,6 +96,7 @@ fn a_reboot_zeroes_memory_in_place_reloads_the_kernel_and_keeps_the_disk_open() 
     )
     .expect("building a machine around the halting kernel");
     let devices = machine.devices();
+    let vm = machine.vm_id();
     // The process's fence (an etcd lease, a lock) outlives the boot.
     assert!(machine.fence_outputs(std::sync::Arc::new(Holding)));
     // What the guest left in memory, far from anything the boot loads.
@@ -113,6 +114,8 @@ fn a_reboot_zeroes_memory_in_place_reloads_the_kernel_and_keeps_the_disk_open() 
         .reboot(VmEventSink::new(|_| {}))
         .expect("the reboot");
     assert_eq!(machine.state(), RunState::Running);
+    // The same KVM VM: its mappings of guest memory stay.
+    assert_eq!(machine.vm_id(), vm, "the reboot made a new KVM VM");
     // Cleared in place: the page the guest had touched is still the file's,
     // so the next boot does not fault in a fresh one. Looked at before the
     // marker is read: reading a hole through the mapping fills it.
@@ -169,6 +172,7 @@ fn a_reboot_zeroes_memory_in_place_reloads_the_kernel_and_keeps_the_disk_open() 
         .reboot(VmEventSink::new(|_| {}))
         .expect("the second reboot");
     assert_eq!(machine.state(), RunState::Paused);
+    assert_eq!(machine.vm_id(), vm);
     assert_eq!(machine.metrics().devices.len(), devices.len());
     drop(machine);
     std::fs::remove_dir_all(&dir).unwrap();

@@ -212,6 +212,12 @@ impl Machine {
             threads_ahead,
             event_loop_ahead,
         } = prepared;
+        // A boot given vCPUs (a reboot keeping its VM) runs those; a restore
+        // writes its state into those made ahead.
+        let (kept_vcpus, vcpus_ahead) = match saved {
+            None => (vcpus_ahead, Vec::new()),
+            Some(_) => (Vec::new(), vcpus_ahead),
+        };
         // Before any vCPU exists: the dirty ring must be enabled first.
         let dirty = match dirty_ahead {
             Some(d) => d,
@@ -231,6 +237,7 @@ impl Machine {
                 kept,
                 start_paused,
                 event_loop_ahead,
+                kept_vcpus,
             )
         };
         let (setup, t_slots) = if slots_registered {
@@ -289,7 +296,9 @@ impl Machine {
             });
         }
         for mut vcpu in created {
-            dirty.attach_vcpu(&mut vcpu)?;
+            if !vcpu.dirty_ring_attached() {
+                dirty.attach_vcpu(&mut vcpu)?;
+            }
             vcpus.push(vcpu.start(
                 io_bus.clone(),
                 mmio_bus.clone(),

@@ -20,6 +20,7 @@ mod guest_uptime;
 mod monitor;
 mod prepared;
 mod reboot;
+mod reset;
 mod setup;
 
 use std::sync::Arc;
@@ -183,6 +184,11 @@ impl Machine {
     /// machine: see [`MachineMonitor`].
     pub fn monitor(&self) -> MachineMonitor {
         MachineMonitor::new(self.status.clone())
+    }
+
+    /// Which KVM VM of this process runs the guest ([`Vm::id`](crate::vstate::vm::Vm::id)).
+    pub fn vm_id(&self) -> u64 {
+        self.core.vm.id()
     }
 
     /// Guest memory.

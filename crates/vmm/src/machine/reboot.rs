@@ -1,56 +1,69 @@
 //! Rebooting a machine in place, for a guest reset (i8042, ACPI reset
 //! register, port 0xcf9) or a triple fault the VMM is told to restart.
 //!
-//! The reboot makes a new KVM VM around the same guest memory file and the
-//! same device models, and boots it as [`Machine::build`] does: vCPUs,
-//! local APICs, irqchip, PIT and clock are those of a VM KVM just made, so
-//! no register can be left over from the old boot, and the kernel, the
-//! initramfs and the boot structures (command line, memory map, ACPI
-//! tables) are loaded again from the configuration. What is kept:
+//! The reboot keeps the KVM VM, as QEMU does, and boots it again as
+//! [`Machine::build`] does: every vCPU and the irqchip, PIT and clock are
+//! written back to the state of a VM KVM has just made ([`super::reset`]),
+//! so no register, pending interrupt or guest-enabled MSR is left over
+//! from the old boot, and the kernel, the initramfs and the boot
+//! structures (command line, memory map, ACPI tables) are loaded again
+//! from the configuration. What is kept:
 //!
+//! - the VM with its memory slots and vCPUs (new threads run them), and so
+//!   KVM's mappings of guest memory: the new boot's first touch of a page
+//!   takes no fault in KVM (in a nested host each such fault is costly);
 //! - the memory file (a memfd, a named file) and the VMM's mapping of it,
 //!   cleared: the pages the guest touched are zeroed where they are (a
 //!   hugetlbfs file's are given back), so the guest reads zeroes where it
-//!   left its data, as at power-on, and the next boot finds them
-//!   allocated and mapped in the VMM (only the new VM's KVM mappings are
-//!   made again, at the guest's first touch);
+//!   left its data, as at power-on;
 //! - each virtio device model with its backend — the disk image or NBD
 //!   connection and the TAP stay open — reset as a driver's reset does, and
-//!   wired to the new VM in the same MMIO window and interrupt line;
+//!   wired in again in the same MMIO window and on the same interrupt line;
 //! - the serial console's output (its file or socket and the clients on it).
 //!
 //! ```text
-//!  old VM: vCPU threads end, device loop ends ─▶ devices reset, console output taken
-//!        ─▶ old VM closed ─▶ memory zeroed in place ─▶ new VM: memory slots, devices
-//!           re-wired, kernel loaded, vCPUs made ─▶ vCPUs run
+//!  vCPU threads end (vCPUs kept), device loop ends ─▶ devices unwired and reset,
+//!  console output taken ─▶ memory zeroed in place ─▶ vCPUs, irqchip, PIT, clock
+//!  to power-on ─▶ devices re-wired, kernel loaded ─▶ vCPUs run on new threads
 //! ```
 
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::reset::PowerOnState;
 use super::setup::Kept;
 use super::{Machine, MachineError, PreparedVm, RunState};
 use crate::config::MachineConfig;
 use crate::dirty::DirtyTrackerConfig;
 use crate::output::PassThroughGate;
-use crate::vstate::vm::Vm;
 use crate::vstate::VmEventSink;
 
 impl Machine {
-    /// Reboots the guest in place: a new VM around the same memory (zeroed)
-    /// and devices (reset, backends open), the kernel loaded again (see the
-    /// module documentation). Its events go to `events` (the old machine's
-    /// late events can then be told apart). The machine comes back running,
-    /// or paused if it was. Dirty-page tracking and any output gate end with
-    /// the old VM: a reboot under migration or fault tolerance is the
-    /// caller's to settle first. On error the old VM is gone: the machine
-    /// cannot run again.
+    /// Reboots the guest in place: the same VM back at power-on, around the
+    /// same memory (zeroed) and devices (reset, backends open), the kernel
+    /// loaded again (see the module documentation). Its events go to
+    /// `events` (the old machine's late events can then be told apart). The
+    /// machine comes back running, or paused if it was. Dirty-page tracking
+    /// and any output gate end with the old boot: a reboot under migration
+    /// or fault tolerance is the caller's to settle first. On error the
+    /// machine is gone: it cannot run again.
     pub fn reboot(mut self, events: VmEventSink) -> Result<Machine, MachineError> {
         let started = Instant::now();
         let start_paused = self.status.state() == RunState::Paused;
+        // Read first, before anything of the machine is stopped.
+        let power_on = PowerOnState::read(self.core.config.vcpus)?;
+        let vm = self.core.vm.try_clone()?;
         // Nothing touches devices or memory from here on.
-        self.core.vcpus.exit_all();
+        let vcpus = self.core.vcpus.exit_all_keeping_vcpus();
         self.event_loop = None;
+        let Some(mut vcpus) = vcpus else {
+            return Err(MachineError::InvalidState(
+                "a vCPU thread had ended: the VM cannot boot again".into(),
+            ));
+        };
+        for d in &self.core.virtio {
+            d.unwire(&vm)?;
+        }
         let virtio = self.core.virtio.iter().map(|d| d.keep()).collect();
         let serial = self
             .core
@@ -69,30 +82,33 @@ impl Machine {
         // boot's first touches (the kernel's loader, then the devices'
         // writes into guest memory) take no page fault here.
         let guest_memory = self.core.guest_memory.clone();
-        // Whatever tracking recorded of the VMM's writes meant the old VM.
+        // Whatever tracking recorded meant the old boot.
+        let dirty = self.core.dirty.clone();
+        dirty.stop()?;
         crate::memory::set_vmm_dirty_tracking(&guest_memory, false);
         drop(crate::memory::harvest_vmm_dirty(&guest_memory));
         // The fence (etcd lease, lock) is the process's, not the boot's: the
         // new boot's outputs stay behind it.
         let fence = self.fence.fence();
-        // The old VM (and its mapping of guest memory) goes.
+        // The old boot's machine goes (the VM stays, held by `vm`).
         drop(self);
         let stopped = started.elapsed();
         memory_file.clear()?;
         let cleared = started.elapsed();
+        power_on.write(&vm, &mut vcpus)?;
         let prepared = PreparedVm {
             memory_file,
             guest_memory,
-            vm: Vm::new()?,
-            dirty: None,
-            vcpus: Vec::new(),
+            vm,
+            dirty: Some(dirty),
+            vcpus,
             threads_ahead: Vec::new(),
             event_loop_ahead: None,
         };
         let machine = Self::assemble_in(
             config,
             prepared,
-            false,
+            true,
             events,
             start_paused,
             Arc::new(PassThroughGate),

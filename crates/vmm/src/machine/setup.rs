@@ -63,6 +63,7 @@ impl Machine {
         kept: Option<Kept>,
         start_paused: bool,
         event_loop_ahead: Option<EventLoopAhead>,
+        kept_vcpus: Vec<Vcpu>,
     ) -> Result<Setup, MachineError> {
         let (kept_serial, kept_virtio) = match kept {
             Some(k) => (Some((k.serial, k.serial_backend)), Some(k.virtio)),
@@ -146,7 +147,7 @@ impl Machine {
                         gsi: d.info.gsi,
                     })
                     .collect();
-                Self::boot_fresh(config, vm, guest_memory, cmdline.trim(), &descs)?
+                Self::boot_fresh(config, vm, guest_memory, cmdline.trim(), &descs, kept_vcpus)?
             }
             // Restored by restore_vcpus.
             Some(_) => Vec::new(),
@@ -211,13 +212,16 @@ impl Machine {
         Ok(restoring)
     }
 
-    /// Loads the kernel and creates the vCPUs in their boot state.
+    /// Loads the kernel and creates the vCPUs in their boot state, or uses
+    /// the `kept` ones of a reboot (already in their power-on state, see
+    /// [`super::reset`]).
     fn boot_fresh(
         config: &MachineConfig,
         vm: &Vm,
         guest_memory: &GuestMemoryMmap,
         cmdline: &str,
         virtio: &[crate::acpi::VirtioMmioDesc],
+        kept: Vec<Vcpu>,
     ) -> Result<Vec<Vcpu>, MachineError> {
         let boot_entry = if boot::bzimage::is_bzimage(&config.kernel).unwrap_or(false) {
             let rsdp = crate::acpi::create_acpi_tables(guest_memory, config.vcpus, virtio)?;
@@ -253,6 +257,12 @@ impl Machine {
                 start_info: pvh.start_info,
             }
         };
+        if !kept.is_empty() {
+            if let Some(boot) = kept.first() {
+                boot.set_boot_state(boot_entry)?;
+            }
+            return Ok(kept);
+        }
         let mut base_cpuid = None;
         let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
         for i in 0..config.vcpus {

@@ -84,6 +84,8 @@ fn kvm_err(what: &'static str) -> impl FnOnce(kvm_ioctls::Error) -> VmError {
 pub struct Vm {
     kvm: Kvm,
     fd: VmFd,
+    /// Which VM of this process it is ([`id`](Self::id)); shared with clones.
+    id: u64,
     slots: Arc<std::sync::atomic::AtomicU32>,
     /// The slots as registered (flags aside), for dirty logging to re-register
     /// them; shared with clones.
@@ -120,12 +122,20 @@ impl Vm {
             ..Default::default()
         };
         fd.create_pit2(pit).map_err(kvm_err("KVM_CREATE_PIT2"))?;
+        static CREATED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Ok(Vm {
             kvm,
             fd,
+            id: CREATED.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1,
             slots: Arc::new(std::sync::atomic::AtomicU32::new(0)),
             regions: Arc::new(Mutex::new(Vec::new())),
         })
+    }
+
+    /// Which KVM VM of this process this is (1 for the first made; the
+    /// same for its clones): an in-place reboot keeps it, a restore does not.
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// The /dev/kvm handle.
@@ -192,6 +202,25 @@ impl Vm {
             .map_err(kvm_err("KVM_IOEVENTFD"))
     }
 
+    /// Undoes [`register_irqfd`](Self::register_irqfd).
+    pub fn unregister_irqfd(&self, evt: &EventFd, gsi: u32) -> Result<(), VmError> {
+        self.fd
+            .unregister_irqfd(evt, gsi)
+            .map_err(kvm_err("KVM_IRQFD (deassign)"))
+    }
+
+    /// Undoes [`register_mmio_ioevent`](Self::register_mmio_ioevent).
+    pub fn unregister_mmio_ioevent(
+        &self,
+        evt: &EventFd,
+        addr: u64,
+        datamatch: u32,
+    ) -> Result<(), VmError> {
+        self.fd
+            .unregister_ioevent(evt, &IoEventAddress::Mmio(addr), datamatch)
+            .map_err(kvm_err("KVM_IOEVENTFD (deassign)"))
+    }
+
     /// A second handle on the same KVM VM (duplicated file descriptors), for
     /// components that outlive borrows of the machine (the dirty tracker).
     pub fn try_clone(&self) -> Result<Vm, VmError> {
@@ -214,6 +243,7 @@ impl Vm {
         Ok(Vm {
             kvm,
             fd,
+            id: self.id,
             slots: self.slots.clone(),
             regions: self.regions.clone(),
         })

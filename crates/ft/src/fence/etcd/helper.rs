@@ -183,6 +183,7 @@ impl<'a> Etcd<'a> {
                 }
                 Err(Miss::Unreachable(why)) => {
                     holder = None;
+                    self.reconnect_next_time();
                     if purpose == Purpose::Start && started.elapsed() > held_patience {
                         return Err(format!(
                             "etcd at {} cannot be reached: {why}",
@@ -275,11 +276,13 @@ impl<'a> Etcd<'a> {
                 Ok(Ok(s)) => s,
                 Ok(Err(e)) => {
                     tracing::warn!(error = %e, "etcd fence: cannot renew the lease");
+                    self.reconnect_next_time();
                     tokio::time::sleep(RETRY).await;
                     continue;
                 }
                 Err(_) => {
                     tracing::warn!("etcd fence: cannot renew the lease: no answer");
+                    self.reconnect_next_time();
                     continue;
                 }
             };
@@ -327,8 +330,16 @@ impl<'a> Etcd<'a> {
                 }
                 tokio::time::sleep(every).await;
             }
+            self.reconnect_next_time();
             tokio::time::sleep(RETRY).await;
         }
+    }
+
+    /// Drops the cached client after a failed call: its connections may be
+    /// to a member that is gone or cut off, and a new client tries every
+    /// endpoint again from the start.
+    fn reconnect_next_time(&mut self) {
+        self.client = None;
     }
 
     /// Gives `lease` back (best effort: unrevoked, it expires).

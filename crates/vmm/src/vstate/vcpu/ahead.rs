@@ -68,7 +68,7 @@ pub struct VcpuThreadAhead {
     requests: Sender<AheadRequest>,
     /// The thread's kernel id, once it has run (0 before).
     tid: Arc<std::sync::atomic::AtomicI32>,
-    thread: JoinHandle<()>,
+    thread: JoinHandle<Option<Vcpu>>,
 }
 
 impl VcpuThreadAhead {
@@ -166,7 +166,7 @@ impl VcpuThreadAhead {
 }
 
 /// The body of a [`VcpuThreadAhead`].
-fn thread_ahead(rx: &Receiver<AheadRequest>, tid: &std::sync::atomic::AtomicI32) {
+fn thread_ahead(rx: &Receiver<AheadRequest>, tid: &std::sync::atomic::AtomicI32) -> Option<Vcpu> {
     // The CPUs it may use, before get_ready narrows them.
     let allowed = affinity::current();
     tid.store(sys::gettid(), Ordering::Release);
@@ -180,7 +180,7 @@ fn thread_ahead(rx: &Receiver<AheadRequest>, tid: &std::sync::atomic::AtomicI32)
             rx.recv().ok()
         };
         match next {
-            None => return,
+            None => return None,
             Some(AheadRequest::FirstRun(r)) => {
                 // SAFETY: see FirstRun: the fd and the kvm_run mapping are
                 // the live vCPU's, whose owner waits for `done`. KVM_RUN
@@ -208,7 +208,7 @@ fn thread_ahead(rx: &Receiver<AheadRequest>, tid: &std::sync::atomic::AtomicI32)
                 }
                 let (mut runner, start_paused) = *b;
                 runner.run(start_paused);
-                return;
+                return Some(runner.into_vcpu());
             }
         }
     }

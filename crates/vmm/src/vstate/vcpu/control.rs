@@ -13,7 +13,7 @@ use kvm_ioctls::VcpuFd;
 use vmm_sys_util::signal::Killable;
 
 use super::kick::kick_signal;
-use super::{PauseLength, VcpuError, VcpuExitCounters};
+use super::{PauseLength, Vcpu, VcpuError, VcpuExitCounters};
 
 pub(super) type VcpuJob = Box<dyn FnOnce(&mut VcpuFd) + Send>;
 
@@ -59,7 +59,7 @@ impl VcpuControl {
         )
     }
 
-    pub(super) fn handle(self, thread: JoinHandle<()>) -> VcpuHandle {
+    pub(super) fn handle(self, thread: JoinHandle<Option<Vcpu>>) -> VcpuHandle {
         VcpuHandle {
             index: self.index,
             requests: self.requests,
@@ -75,7 +75,7 @@ pub struct VcpuHandle {
     index: u8,
     requests: Sender<VcpuRequest>,
     pending: Arc<AtomicBool>,
-    thread: Mutex<Option<JoinHandle<()>>>,
+    thread: Mutex<Option<JoinHandle<Option<Vcpu>>>>,
     counters: Arc<VcpuExitCounters>,
 }
 
@@ -189,18 +189,24 @@ impl VcpuHandle {
 
     /// Ends the vCPU thread and waits for it.
     pub fn exit(&self) {
+        drop(self.exit_keeping_vcpu());
+    }
+
+    /// Ends the vCPU thread, waits for it and returns its vCPU (an I/O in
+    /// flight completed, as at every stop); `None` if the thread had ended
+    /// already or never ran it.
+    pub fn exit_keeping_vcpu(&self) -> Option<Vcpu> {
         if self.send(VcpuRequest::Exit).is_ok() {
             self.kick();
         }
         let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(t) = thread {
-            // Keep kicking until the thread leaves KVM_RUN.
-            while !t.is_finished() {
-                let _ = t.kill(kick_signal());
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            let _ = t.join();
+        let t = thread?;
+        // Keep kicking until the thread leaves KVM_RUN.
+        while !t.is_finished() {
+            let _ = t.kill(kick_signal());
+            std::thread::sleep(Duration::from_millis(1));
         }
+        t.join().ok().flatten()
     }
 }
 impl Drop for VcpuHandle {
@@ -325,5 +331,17 @@ impl VcpuSet {
         for v in &self.handles {
             v.exit();
         }
+    }
+
+    /// Ends every vCPU thread and returns the vCPUs, in index order, to run
+    /// again on new threads; `None` if any is missing (its thread had
+    /// ended, or panicked).
+    pub fn exit_all_keeping_vcpus(&self) -> Option<Vec<Vcpu>> {
+        let vcpus: Vec<Option<Vcpu>> = self
+            .handles
+            .iter()
+            .map(VcpuHandle::exit_keeping_vcpu)
+            .collect();
+        vcpus.into_iter().collect()
     }
 }

@@ -260,7 +260,10 @@ impl Vcpu {
         let mut runner = self.runner(wiring, io_bus, mmio_bus, events);
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{index}"))
-            .spawn(move || runner.run(start_paused))
+            .spawn(move || {
+                runner.run(start_paused);
+                Some(runner.into_vcpu())
+            })
             .map_err(|source| VcpuError::Spawn { index, source })?;
         Ok(control.handle(thread))
     }

@@ -89,6 +89,18 @@ impl VcpuRunner {
         KICK_EXIT_FLAG.with(|f| f.set(std::ptr::null_mut()));
     }
 
+    /// The vCPU, back from its ended thread: an in-place reboot runs it
+    /// again on a new thread (KVM keeps a vCPU for its VM's lifetime).
+    pub(super) fn into_vcpu(self) -> Vcpu {
+        Vcpu {
+            index: self.index,
+            fd: self.fd,
+            dirty_ring_full: self.dirty_ring_full,
+            in_place: None,
+            sync_regs: self.sync_regs,
+        }
+    }
+
     fn run_loop(&mut self, start_paused: bool) {
         let mut paused = start_paused;
         loop {
