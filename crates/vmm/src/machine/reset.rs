@@ -11,10 +11,10 @@
 
 use kvm_bindings::{Msrs, KVM_MAX_CPUID_ENTRIES};
 
+use super::setup::configured_vcpu;
 use super::MachineError;
 use crate::persist::vcpu::{self as vcpu_state, InPlace, VcpuState};
 use crate::persist::KvmVmState;
-use crate::vstate::cpuid;
 use crate::vstate::vcpu::Vcpu;
 use crate::vstate::vm::{Vm, VmError};
 
@@ -38,17 +38,7 @@ impl PowerOnState {
         let mut base = None;
         let mut states = Vec::with_capacity(usize::from(vcpus));
         for i in 0..vcpus {
-            let mut vcpu = Vcpu::new(scratch.fd(), i)?;
-            let base = match &mut base {
-                Some(b) => b,
-                None => base.insert(cpuid::base(scratch.kvm(), vcpu.tsc_khz()).map_err(
-                    |source| VmError::Kvm {
-                        what: "KVM_GET_SUPPORTED_CPUID",
-                        source,
-                    },
-                )?),
-            };
-            vcpu.configure(base, vcpus)?;
+            let mut vcpu = configured_vcpu(&scratch, i, vcpus, &mut base)?;
             states.push(vcpu_state::save(vcpu.fd(), i, &msrs).map_err(MachineError::VcpuState)?);
         }
         let kvm = KvmVmState::save(scratch.fd()).map_err(MachineError::VmState)?;
@@ -110,8 +100,13 @@ impl PowerOnState {
 mod tests {
     use super::*;
 
+    /// Whether KVM is here; says so visibly when it is not.
     fn kvm_here() -> bool {
-        std::path::Path::new("/dev/kvm").exists()
+        let here = std::path::Path::new("/dev/kvm").exists();
+        if !here {
+            eprintln!("SKIPPED: no /dev/kvm");
+        }
+        here
     }
 
     /// The MSR by which a guest has KVM write its kvmclock into its memory.
@@ -130,18 +125,13 @@ mod tests {
     #[test]
     fn a_vcpu_a_guest_left_behind_reads_as_at_power_on() {
         if !kvm_here() {
-            eprintln!("SKIPPED: no /dev/kvm");
             return;
         }
         let power_on = PowerOnState::read(2).unwrap();
         let vm = Vm::new().unwrap();
-        let base = cpuid::base(vm.kvm(), None).unwrap();
+        let mut base = None;
         let mut vcpus: Vec<Vcpu> = (0..2)
-            .map(|i| {
-                let v = Vcpu::new(vm.fd(), i).unwrap();
-                v.configure(&base, 2).unwrap();
-                v
-            })
+            .map(|i| configured_vcpu(&vm, i, 2, &mut base).unwrap())
             .collect();
         // What a guest leaves: registers, a kvmclock page, a pending NMI.
         let fd = vcpus[0].fd();
@@ -199,7 +189,6 @@ mod tests {
     #[test]
     fn a_different_vcpu_count_is_refused() {
         if !kvm_here() {
-            eprintln!("SKIPPED: no /dev/kvm");
             return;
         }
         let power_on = PowerOnState::read(1).unwrap();

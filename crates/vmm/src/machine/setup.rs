@@ -266,19 +266,7 @@ impl Machine {
         let mut base_cpuid = None;
         let mut vcpus = Vec::with_capacity(usize::from(config.vcpus));
         for i in 0..config.vcpus {
-            let vcpu = Vcpu::new(vm.fd(), i)?;
-            let base_cpuid =
-                match &mut base_cpuid {
-                    Some(base) => base,
-                    // The timing leaf needs a vCPU to ask KVM for the TSC rate.
-                    None => base_cpuid.insert(cpuid::base(vm.kvm(), vcpu.tsc_khz()).map_err(
-                        |source| VmError::Kvm {
-                            what: "KVM_GET_SUPPORTED_CPUID",
-                            source,
-                        },
-                    )?),
-                };
-            vcpu.configure(base_cpuid, config.vcpus)?;
+            let vcpu = configured_vcpu(vm, i, config.vcpus, &mut base_cpuid)?;
             if i == 0 {
                 vcpu.set_boot_state(boot_entry)?;
             }
@@ -286,6 +274,30 @@ impl Machine {
         }
         Ok(vcpus)
     }
+}
+
+/// Creates vCPU `index` of `vcpus` and configures it as a boot does
+/// ([`Vcpu::configure`]); `base` is the machine's CPUID, asked of KVM with
+/// the first vCPU (the timing leaf needs one for the TSC rate).
+pub(super) fn configured_vcpu(
+    vm: &Vm,
+    index: u8,
+    vcpus: u8,
+    base: &mut Option<kvm_bindings::CpuId>,
+) -> Result<Vcpu, MachineError> {
+    let vcpu = Vcpu::new(vm.fd(), index)?;
+    let base =
+        match base {
+            Some(b) => b,
+            None => base.insert(cpuid::base(vm.kvm(), vcpu.tsc_khz()).map_err(|source| {
+                VmError::Kvm {
+                    what: "KVM_GET_SUPPORTED_CPUID",
+                    source,
+                }
+            })?),
+        };
+    vcpu.configure(base, vcpus)?;
+    Ok(vcpu)
 }
 
 fn open_serial(cfg: &SerialConfig) -> Result<(SerialOutput, String), MachineError> {
