@@ -92,8 +92,12 @@ def test_cpu_poll_leaves_out_vcpu_threads_and_keeps_exited_ones():
     used = poll.used()
     stop.set()
     v.join()
-    # The worker's 0.3 s of CPU, not the vcpu thread's (CPU, not wall time).
-    assert used is not None and 0.25 <= used < 0.6, used
+    # The worker's 0.3 s of CPU, not the vcpu thread's (~0.9 s). /proc's
+    # per-thread and per-process times are tick samples scaled apart, so
+    # on a loaded machine the difference reads a little off (0.21 seen in
+    # CI with a build beside it): counted is well above 0, excluded well
+    # below the vcpu thread's time.
+    assert used is not None and 0.15 <= used < 0.6, used
     assert poll.waited() >= 0
 
 
