@@ -28,6 +28,10 @@ what the nested guest's request path allows here. Run by hand (not in CI):
 ``python3 -m kemari_lab run warm-cache-bench --vmm kemari``
 (KEMARI_WARM_CACHE_ROUNDS and KEMARI_WARM_CACHE_HTTP_FILES shorten it: on
 a loaded machine one HTTP pass of 64 MiB took 5 minutes).
+``KEMARI_WARM_CACHE_HTTP_EXTRA=1`` adds two HTTP passes to each guest's
+round: ``dropped`` (before the reboot, the guest's page cache dropped: the
+disk path alone) and ``after_again`` (right after *after*: what the reboot
+leaves behind once the files are cached again).
 """
 
 from __future__ import annotations
@@ -252,6 +256,7 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
             lab.wait_client_reach(g.spec.ip, timeout=120)
         pids = {n: int(g.info()["pid"]) for n, g in guests.items()}
         boots = {n: 0 for n in guests}
+        extra = os.environ.get("KEMARI_WARM_CACHE_HTTP_EXTRA") == "1"
         for r in range(1, int(os.environ.get("KEMARI_WARM_CACHE_ROUNDS", ROUNDS)) + 1):
             order = names if r % 2 else names[::-1]
             for name in order:
@@ -261,6 +266,12 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
                     read_big_file(lab, ip, out, f"{p}_read_before")
                     out[f"{p}_http_first_mb_s"] = http_mb_s(lab, ip)
                     out[f"{p}_http_before_mb_s"] = http_mb_s(lab, ip)
+                    if extra:
+                        # The disk path alone, no reboot: the guest's page
+                        # cache dropped (/cgi-bin/disk syncs a token, then
+                        # drops it), the same pass again.
+                        lab.client_http_get(ip, "/cgi-bin/disk?warm-cache-bench")
+                        out[f"{p}_http_dropped_mb_s"] = http_mb_s(lab, ip)
                     c0 = cache_counters(g)
                     boots[name] += 1
                     out[f"{p}_reboot_to_ready_s"] = reboot(
@@ -268,6 +279,10 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
                     )
                     read_big_file(lab, ip, out, f"{p}_read_after")
                     out[f"{p}_http_after_mb_s"] = http_mb_s(lab, ip)
+                    if extra:
+                        # Once more, every file in the page cache again: what
+                        # the reboot left behind beyond the first pass.
+                        out[f"{p}_http_after_again_mb_s"] = http_mb_s(lab, ip)
                     c1 = cache_counters(g)
                     for k in ("hit_bytes", "miss_bytes"):
                         if k in c1:
@@ -300,6 +315,12 @@ def summary(times: dict[str, float]) -> dict[str, float]:
     for name in ("warm", other):
         for what in ("read_before", "read_after", "http_before", "http_after"):
             s[f"{name}_{what}_median_mb_s"] = med(rf"{name}_r\d+_{what}_mb_s")
+        for what in ("http_dropped", "http_after_again"):
+            if any(re.fullmatch(rf"{name}_r\d+_{what}_mb_s", k) for k in times):
+                s[f"{name}_{what}_median_mb_s"] = med(rf"{name}_r\d+_{what}_mb_s")
+                s[f"{name}_{what}_over_before"] = (
+                    s[f"{name}_{what}_median_mb_s"] / s[f"{name}_http_before_median_mb_s"]
+                )
     # Against the RAM disk, 1.0 means the cache is at the lab's floor.
     s[f"read_warm_after_over_{other}_after"] = (
         s["warm_read_after_median_mb_s"] / s[f"{other}_read_after_median_mb_s"]

@@ -771,6 +771,20 @@ def test_warm_cache_summary_and_http_bench(tmp_path: Path) -> None:
     assert s["read_warm_after_over_cold_after"] == pytest.approx(15.0)
     assert s["read_warm_after_over_before"] == pytest.approx(0.9)
     assert s["http_warm_after_over_before"] == pytest.approx(0.95)
+    assert "warm_http_dropped_over_before" not in s
+    # With the extra passes (KEMARI_WARM_CACHE_HTTP_EXTRA=1): their ratios too.
+    e = summary(
+        {
+            "warm_r1_read_before_mb_s": 500.0, "warm_r1_read_after_mb_s": 450.0,
+            "cold_r1_read_before_mb_s": 500.0, "cold_r1_read_after_mb_s": 30.0,
+            "warm_r1_http_before_mb_s": 40.0, "warm_r1_http_after_mb_s": 36.0,
+            "warm_r1_http_dropped_mb_s": 38.0, "warm_r1_http_after_again_mb_s": 39.0,
+            "cold_r1_http_before_mb_s": 40.0, "cold_r1_http_after_mb_s": 10.0,
+        }
+    )  # fmt: skip
+    assert e["warm_http_dropped_over_before"] == pytest.approx(0.95)
+    assert e["warm_http_after_again_over_before"] == pytest.approx(0.975)
+    assert "cold_http_dropped_over_before" not in e
     # The floor run: the cached guest against one whose disk is in RAM.
     f = summary(
         {

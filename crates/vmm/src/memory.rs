@@ -27,6 +27,9 @@ use crate::sys;
 pub type GuestMemoryMmap = vm_memory::GuestMemoryMmap<VmmDirtyPages>;
 /// One region of [`GuestMemoryMmap`].
 pub type GuestRegionMmap = vm_memory::GuestRegionMmap<VmmDirtyPages>;
+/// A range of guest memory inside one region, as devices fill it: writes
+/// through it are recorded by [`VmmDirtyPages`] like any other.
+pub type GuestSlice<'a> = vm_memory::VolatileSlice<'a, vm_memory::bitmap::BS<'a, VmmDirtyPages>>;
 
 /// Errors while setting up guest memory.
 #[derive(Debug, thiserror::Error)]

@@ -97,6 +97,45 @@ pub fn fallocate(fd: BorrowedFd<'_>, mode: c_int, offset: i64, len: i64) -> io::
     check(unsafe { libc::fallocate(fd.as_raw_fd(), mode, offset, len) }).map(drop)
 }
 
+/// `pread(2)` of `dst.len()` bytes at `offset` of `fd` straight into guest
+/// memory, retried on `EINTR` and short reads; the bytes read are marked
+/// in `dst`'s bitmap (dirty tracking), as vm-memory's own writes are. A file
+/// shorter than the range is `UnexpectedEof`.
+pub fn pread_exact_volatile<B: vm_memory::bitmap::BitmapSlice>(
+    fd: BorrowedFd<'_>,
+    dst: &vm_memory::VolatileSlice<'_, B>,
+    offset: u64,
+) -> io::Result<()> {
+    let guard = dst.ptr_guard_mut();
+    let base = guard.as_ptr();
+    let mut done = 0usize;
+    let result = loop {
+        if done == dst.len() {
+            break Ok(());
+        }
+        let Ok(at) = libc::off_t::try_from(offset + done as u64) else {
+            break Err(io::Error::from(io::ErrorKind::InvalidInput));
+        };
+        // SAFETY: `base` points at `dst.len()` bytes of mapped guest memory
+        // (the VolatileSlice's invariant, held by `guard`); the kernel writes
+        // at most the `dst.len() - done` bytes from `base + done`, and no
+        // Rust reference to that memory exists.
+        let n = unsafe { libc::pread(fd.as_raw_fd(), base.add(done).cast(), dst.len() - done, at) };
+        match n {
+            0 => break Err(io::Error::from(io::ErrorKind::UnexpectedEof)),
+            n if n > 0 => done += n as usize,
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    break Err(e);
+                }
+            }
+        }
+    };
+    dst.bitmap().mark_dirty(0, done);
+    result
+}
+
 /// One `write(2)` of `buf` to `fd`: the bytes written. `fd` is a
 /// descriptor the caller holds open (a device's TAP); a stale number only
 /// makes the call fail or write elsewhere, it touches no memory.

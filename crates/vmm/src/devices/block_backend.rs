@@ -12,6 +12,9 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use nbd_client::page_buf::PageBuf;
+
+use crate::memory::GuestSlice;
 use crate::sys;
 
 /// Sector size of the virtio-blk protocol; image sizes must be a multiple of it.
@@ -80,6 +83,25 @@ pub trait BlockBackend: Send {
     fn read_only(&self) -> bool;
     /// Reads `buf.len()` bytes at `off`.
     fn read_at(&mut self, off: u64, buf: &mut [u8]) -> io::Result<()>;
+    /// Reads `dst.len()` bytes at `off` into guest memory. By default
+    /// through [`read_at`](Self::read_at) into `bounce` (the caller's,
+    /// reused from request to request) and a copy; a backend that can fill
+    /// guest memory itself (a file by `pread`, the warm cache from its
+    /// store) saves that copy.
+    fn read_to_guest(
+        &mut self,
+        off: u64,
+        dst: &GuestSlice<'_>,
+        bounce: &mut PageBuf,
+    ) -> io::Result<()> {
+        let len = dst.len();
+        if bounce.len() < len {
+            bounce.set_len(len);
+        }
+        self.read_at(off, &mut bounce[..len])?;
+        dst.copy_from(&bounce[..len]);
+        Ok(())
+    }
     /// Writes `buf` at `off`.
     fn write_at(&mut self, off: u64, buf: &[u8]) -> io::Result<()>;
     /// Makes every completed write durable.
@@ -219,6 +241,16 @@ impl BlockBackend for RawFileBackend {
     fn read_at(&mut self, off: u64, buf: &mut [u8]) -> io::Result<()> {
         check_range(self.size, off, buf.len() as u64)?;
         self.file.read_exact_at(buf, off)
+    }
+
+    fn read_to_guest(
+        &mut self,
+        off: u64,
+        dst: &GuestSlice<'_>,
+        _bounce: &mut PageBuf,
+    ) -> io::Result<()> {
+        check_range(self.size, off, dst.len() as u64)?;
+        sys::pread_exact_volatile(self.file.as_fd(), dst, off)
     }
 
     fn write_at(&mut self, off: u64, buf: &[u8]) -> io::Result<()> {

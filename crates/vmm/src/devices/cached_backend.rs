@@ -20,10 +20,45 @@
 use std::ffi::CString;
 use std::io;
 
+use nbd_client::page_buf::PageBuf;
+
 use super::block_backend::BlockBackend;
 use super::disk_cache::{BlockStore, CacheCounters, CACHE_BLOCK};
+use crate::memory::GuestSlice;
 
 const BLOCK: u64 = CACHE_BLOCK as u64;
+
+/// Where a read lands: a buffer of the caller's or guest memory.
+trait ReadDest {
+    fn len(&self) -> usize;
+    /// Copies `data` to `at`.
+    fn put(&mut self, at: usize, data: &[u8]) -> io::Result<()>;
+}
+
+impl ReadDest for [u8] {
+    fn len(&self) -> usize {
+        <[u8]>::len(self)
+    }
+
+    fn put(&mut self, at: usize, data: &[u8]) -> io::Result<()> {
+        self[at..at + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+}
+
+impl ReadDest for &GuestSlice<'_> {
+    fn len(&self) -> usize {
+        vm_memory::VolatileSlice::len(*self)
+    }
+
+    fn put(&mut self, at: usize, data: &[u8]) -> io::Result<()> {
+        // Through the slice, so the write is recorded for dirty tracking.
+        self.subslice(at, data.len())
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?
+            .copy_from(data);
+        Ok(())
+    }
+}
 
 /// A backend with a warm read cache.
 pub struct CachedBackend {
@@ -54,21 +89,52 @@ impl CachedBackend {
         })
     }
 
-    /// Reads blocks `first..end` from the disk into the cache and the part
-    /// of them the guest asked for (`off..off + out.len()`) into `out`.
-    fn fill(&mut self, first: u64, end: u64, off: u64, out: &mut [u8]) -> io::Result<()> {
+    /// Reads blocks `first..end` from the disk into the cache; the part of
+    /// them the guest asked for (`len` bytes from `off`) starts at the
+    /// returned index of `self.scratch`.
+    fn fill(&mut self, first: u64, end: u64, off: u64, len: usize) -> io::Result<usize> {
         let start = first * BLOCK;
         let stop = (end * BLOCK).min(self.inner.size());
-        let len = (stop - start) as usize;
-        self.scratch.resize(len, 0);
+        self.scratch.resize((stop - start) as usize, 0);
         self.inner.read_at(start, &mut self.scratch)?;
         for b in first..end.min(self.blocks) {
             let at = ((b - first) * BLOCK) as usize;
             self.store.put(b, &self.scratch[at..at + CACHE_BLOCK]);
         }
-        let from = (off - start) as usize;
-        out.copy_from_slice(&self.scratch[from..from + out.len()]);
-        self.store.count_misses(end - first, out.len() as u64);
+        self.store.count_misses(end - first, len as u64);
+        Ok((off - start) as usize)
+    }
+
+    /// Reads `dst.len()` bytes at `off` into `dst`: cached blocks from the
+    /// store, each run of uncached ones with one read from the disk.
+    fn read_into<D: ReadDest + ?Sized>(&mut self, off: u64, dst: &mut D) -> io::Result<()> {
+        let end = off
+            .checked_add(dst.len() as u64)
+            .filter(|&e| e <= self.size())
+            .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+        let mut pos = off;
+        while pos < end {
+            let b = pos / BLOCK;
+            let in_block = (pos % BLOCK) as usize;
+            let n = ((BLOCK - pos % BLOCK).min(end - pos)) as usize;
+            let at = (pos - off) as usize;
+            if let Some(data) = self.store.cached(b, in_block, n) {
+                dst.put(at, data)?;
+                self.store.count_hits(1, n as u64);
+                pos += n as u64;
+                continue;
+            }
+            // A run of blocks not cached: one read from the disk.
+            let mut miss_end = b + 1;
+            while miss_end * BLOCK < end && !self.store.contains(miss_end) {
+                miss_end += 1;
+            }
+            let stop = (miss_end * BLOCK).min(end);
+            let len = (stop - pos) as usize;
+            let from = self.fill(b, miss_end, pos, len)?;
+            dst.put(at, &self.scratch[from..from + len])?;
+            pos = stop;
+        }
         Ok(())
     }
 
@@ -87,32 +153,17 @@ impl BlockBackend for CachedBackend {
     }
 
     fn read_at(&mut self, off: u64, buf: &mut [u8]) -> io::Result<()> {
-        let end = off
-            .checked_add(buf.len() as u64)
-            .filter(|&e| e <= self.size())
-            .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
-        let mut pos = off;
-        while pos < end {
-            let b = pos / BLOCK;
-            let in_block = (pos % BLOCK) as usize;
-            let n = ((BLOCK - pos % BLOCK).min(end - pos)) as usize;
-            let at = (pos - off) as usize;
-            if self.store.get(b, in_block, &mut buf[at..at + n]) {
-                self.store.count_hits(1, n as u64);
-                pos += n as u64;
-                continue;
-            }
-            // A run of blocks not cached: one read from the disk.
-            let mut miss_end = b + 1;
-            while miss_end * BLOCK < end && !self.store.contains(miss_end) {
-                miss_end += 1;
-            }
-            let stop = (miss_end * BLOCK).min(end);
-            let len = (stop - pos) as usize;
-            self.fill(b, miss_end, pos, &mut buf[at..at + len])?;
-            pos = stop;
-        }
-        Ok(())
+        self.read_into(off, buf)
+    }
+
+    fn read_to_guest(
+        &mut self,
+        off: u64,
+        dst: &GuestSlice<'_>,
+        _bounce: &mut PageBuf,
+    ) -> io::Result<()> {
+        // Hits are copied from the store straight into guest memory.
+        self.read_into(off, &mut &*dst)
     }
 
     fn write_at(&mut self, off: u64, buf: &[u8]) -> io::Result<()> {

@@ -94,20 +94,28 @@ impl BlockStore {
             .wrapping_add(slot as usize * CACHE_BLOCK)
     }
 
+    /// `len` bytes of cached block `block` from `offset` within it, the
+    /// block marked used; `None` if not cached.
+    pub fn cached(&mut self, block: u64, offset: usize, len: usize) -> Option<&[u8]> {
+        assert!(offset + len <= CACHE_BLOCK);
+        let &slot = self.index.get(&block)?;
+        // SAFETY: the slot lies inside the live mapping (see `slot`), and
+        // `offset + len` stays within its block. Only this store writes the
+        // mapping (a memfd of its own, never guest memory), through `&mut
+        // self`, which the returned borrow holds.
+        Some(unsafe { std::slice::from_raw_parts(self.slot(slot).add(offset), len) })
+    }
+
     /// Copies cached block `block` into `out` (from `offset` within the
     /// block, `out.len()` bytes) and marks it used; false if not cached.
     pub fn get(&mut self, block: u64, offset: usize, out: &mut [u8]) -> bool {
-        assert!(offset + out.len() <= CACHE_BLOCK);
-        let Some(&slot) = self.index.get(&block) else {
-            return false;
-        };
-        // SAFETY: the slot lies inside the live mapping (see `slot`), and
-        // `offset + out.len()` stays within its block; `out` is our own
-        // buffer, which the mapping cannot overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.slot(slot).add(offset), out.as_mut_ptr(), out.len())
-        };
-        true
+        match self.cached(block, offset, out.len()) {
+            Some(data) => {
+                out.copy_from_slice(data);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Whether `block` is cached (without marking it used).

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use nbd_client::page_buf::PageBuf;
 use tracing::{debug, info, warn};
 use virtio_queue::{Queue, QueueT};
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 use self::request::{
     gather, sub_segments, ParseFailure, RawDesc, Request, RequestKind, Segment, ID_BYTES,
@@ -333,6 +333,17 @@ impl Block {
         let mut off = req.sector * SECTOR_SIZE;
         let mut result = Ok(());
         for (addr, len) in Self::chunks(&req.data) {
+            // Straight into guest memory where the range is in one region
+            // (the backend may then skip the bounce copy); a range across
+            // regions, or one outside memory, through the buffer.
+            if let Ok(dst) = mem.get_slice(addr, len) {
+                if let Err(e) = self.backend.read_to_guest(off, &dst, &mut buf) {
+                    result = Err(e.to_string());
+                    break;
+                }
+                off += len as u64;
+                continue;
+            }
             if buf.len() < len {
                 buf.set_len(len);
             }

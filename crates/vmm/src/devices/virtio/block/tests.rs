@@ -466,24 +466,73 @@ fn event_idx_writes_avail_event() {
     assert_eq!(f.blk.queue_progress()[0].next_avail, 2);
 }
 
+/// 1 MiB of a pattern that differs from 4 KiB block to block and within each.
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i / 4096 * 7 + i % 251) as u8).collect()
+}
+
 #[test]
 fn block_reads_into_guest_memory_are_dirty_tracked() {
-    let mut f = fixture(
-        Box::new(MemoryBackend::new(1 << 20, false)),
-        FEATURE_VERSION_1,
-    );
-    crate::memory::set_vmm_dirty_tracking(&f.ring.mem, true);
-    let _ = crate::memory::harvest_vmm_dirty(&f.ring.mem);
-    assert_eq!(f.submit(types::IN, 0, Some((8192, true))).0, status::OK);
-    let dirty = crate::memory::harvest_vmm_dirty(&f.ring.mem);
-    for pfn in [
-        DATA >> 12,
-        (DATA >> 12) + 1,
-        STATUS >> 12,
-        f.ring.used >> 12,
-    ] {
-        assert!(dirty.contains(&pfn), "pfn {pfn:#x} not in {dirty:x?}");
+    // Each way a read reaches guest memory: a backend's buffer and a copy
+    // (memory disk), `pread` straight into it (file), the warm cache's
+    // copy out of its store (a hit) and out of its fill (a miss).
+    let path = temp_image("dirty-read", 1 << 20);
+    std::fs::write(&path, pattern(1 << 20)).unwrap();
+    let mut mem_disk = MemoryBackend::new(1 << 20, false);
+    mem_disk.write_at(0, &pattern(1 << 20)).unwrap();
+    let cached = crate::devices::cached_backend::CachedBackend::new(
+        Box::new(RawFileBackend::open(&path, false).unwrap()),
+        "dirty-read",
+        1 << 20,
+    )
+    .unwrap();
+    let backends: Vec<(&str, Box<dyn BlockBackend>)> = vec![
+        ("memory", Box::new(mem_disk)),
+        (
+            "file",
+            Box::new(RawFileBackend::open(&path, false).unwrap()),
+        ),
+        ("cache", Box::new(cached)),
+    ];
+    for (name, backend) in backends {
+        let mut f = fixture(backend, FEATURE_VERSION_1);
+        // The cache: the first pass misses, the second hits.
+        for pass in 0..2 {
+            f.ring
+                .mem
+                .write_slice(&[0u8; 12288], GuestAddress(DATA))
+                .unwrap();
+            crate::memory::set_vmm_dirty_tracking(&f.ring.mem, true);
+            let _ = crate::memory::harvest_vmm_dirty(&f.ring.mem);
+            // Sector 9: not block aligned, three pages of guest memory.
+            assert_eq!(f.submit(types::IN, 9, Some((8192, true))).0, status::OK);
+            let dirty = crate::memory::harvest_vmm_dirty(&f.ring.mem);
+            for pfn in [
+                DATA >> 12,
+                (DATA >> 12) + 1,
+                STATUS >> 12,
+                f.ring.used >> 12,
+            ] {
+                assert!(
+                    dirty.contains(&pfn),
+                    "{name} pass {pass}: pfn {pfn:#x} not in {dirty:x?}"
+                );
+            }
+            let mut back = vec![0u8; 8192];
+            f.ring
+                .mem
+                .read_slice(&mut back, GuestAddress(DATA))
+                .unwrap();
+            assert!(
+                back == pattern(1 << 20)[9 * 512..9 * 512 + 8192],
+                "{name} pass {pass}: wrong data"
+            );
+        }
+        if let Some(c) = f.blk.counters().cache {
+            assert_eq!((c.misses, c.hits), (3, 3), "{name}: {c:?}");
+        }
     }
+    let _ = std::fs::remove_file(&path);
 }
 
 #[test]
