@@ -86,3 +86,31 @@ def test_the_output_is_deterministic(bench_dir, tmp_path):
     svg = (bench_dir / "ft-ratios.svg").read_text()
     assert render(bench_dir, tmp_path) == first
     assert (bench_dir / "ft-ratios.svg").read_text() == svg
+
+
+def load_script():
+    """bench-report as a module (it has no .py suffix)."""
+    import importlib.machinery
+    import importlib.util
+    loader = importlib.machinery.SourceFileLoader("bench_report", SCRIPT)
+    spec = importlib.util.spec_from_loader("bench_report", loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def test_headlines_that_differ_in_their_last_part_share_a_row():
+    merged = load_script().merged_headlines([
+        ("Boot", "QEMU ÷ kemari, 256M", "6.88x"),
+        ("Live", "downtime, 4G, dirty 0/s", "0.86x"),
+        ("Boot", "QEMU ÷ kemari, 4G", "5.40x"),
+        ("Live", "downtime, 4G, dirty 10000/s", "0.59x"),
+        ("NBD", "kemari-nbd ÷ best (12 cases)", "1.10–2.46x"),
+        ("FT", "rr x1 ÷ unprotected, 256M", "0.22x"),
+    ])
+    assert merged == [
+        ["Boot", "QEMU ÷ kemari, 256M / 4G", "6.88x / 5.40x"],
+        ["Live", "downtime, 4G, dirty 0/s / dirty 10000/s", "0.86x / 0.59x"],
+        ["NBD", "kemari-nbd ÷ best (12 cases)", "1.10–2.46x"],
+        ["FT", "rr x1 ÷ unprotected, 256M", "0.22x"],
+    ]
