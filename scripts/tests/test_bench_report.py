@@ -44,6 +44,10 @@ def test_every_section_and_plot(bench_dir, tmp_path):
     assert "| 4k randread QD1 | 20,000 | 11,000 | 10,000 | 1.82 |" in text
     # A cell that failed says so.
     assert "failed" in text
+    # Two sections from one run show its command once.
+    migration = text.split("## Live migration (pre-copy over TCP) vs QEMU")[1].split("\n## ")[0]
+    assert "Same run and command as the section above." in migration
+    assert "```sh" not in migration
     # Plots exist, are SVG, and the doc links them.
     for name in ("boot", "whole-vm-downtime", "migration-downtime", "ft-ratios", "nbd-loopback",
                  "nbd-relocation-timeline"):
