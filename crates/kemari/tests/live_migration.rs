@@ -53,12 +53,18 @@ fn destination(dir: &Path, br: &Bridge, listen: &str, key: &Path, env: &[(&str, 
         "--net".into(),
         format!("tap={}", br.taps[1]),
     ];
-    spawn_vmm(
+    let vmm = spawn_vmm(
         &args,
         &dir.join("console-2.log"),
         &dir.join("api-2.sock"),
         env,
-    )
+    );
+    // A migration started before the destination listens is refused
+    // (CI once saw it when the source's guest was quick): wait, without
+    // connecting, as the destination accepts exactly one connection.
+    let port = listen.rsplit(':').next().and_then(|p| p.parse().ok());
+    wait_listening(port.expect("the destination's address has a port"));
+    vmm
 }
 
 fn migrate(api: &Path, to: &str, key: &Path, extra: &[&str]) -> std::process::Output {
@@ -118,7 +124,6 @@ fn live_migration_keeps_counter_disk_and_tcp() {
     let mac = guest_mac(&src.api);
     let to = format!("127.0.0.1:{}", port(0));
     let dst = destination(&dir, &br, &to, &key, &[]);
-    std::thread::sleep(Duration::from_millis(300));
     let capture = AnnounceCapture::start(&br.name);
     let out = migrate(&src.api, &to, &key, &[]);
     assert!(
@@ -169,7 +174,6 @@ fn heavy_dirtier_converges_or_stops_at_the_round_limit() {
     let (mut src, echo) = start(&dir, &br, &disk, "dirty=10000,128");
     let to = format!("127.0.0.1:{}", port(1));
     let dst = destination(&dir, &br, &to, &key, &[]);
-    std::thread::sleep(Duration::from_millis(300));
     let out = migrate(
         &src.api,
         &to,
@@ -255,7 +259,6 @@ fn wrong_key_is_refused_and_the_source_runs_on() {
     let (src, echo) = start(&dir, &br, &disk, "");
     let to = format!("127.0.0.1:{}", port(2));
     let mut dst = destination(&dir, &br, &to, &other, &[]);
-    std::thread::sleep(Duration::from_millis(300));
     let out = migrate(&src.api, &to, &key, &[]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
@@ -289,7 +292,6 @@ fn destination_killed_mid_migration_leaves_the_source_running() {
         &key,
         &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "3000")],
     );
-    std::thread::sleep(Duration::from_millis(300));
     let api = src.api.clone();
     let (to2, key2) = (to.clone(), key.clone());
     let m = std::thread::spawn(move || migrate(&api, &to2, &key2, &[]));
@@ -322,7 +324,6 @@ fn source_killed_mid_migration_leaves_nothing_half_made() {
         &key,
         &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "2000")],
     );
-    std::thread::sleep(Duration::from_millis(300));
     let api = src.api.clone();
     let (to2, key2) = (to.clone(), key.clone());
     let m = std::thread::spawn(move || migrate(&api, &to2, &key2, &[]));
@@ -366,7 +367,6 @@ fn source_killed_before_the_commit_leaves_nothing_of_the_destinations_run() {
         &key,
         &[("KEMARI_FAULT_HOLD_BEFORE_COMMIT_MS", "2000")],
     );
-    std::thread::sleep(Duration::from_millis(300));
     let api = src.api.clone();
     let (to2, key2) = (to.clone(), key.clone());
     let m = std::thread::spawn(move || migrate(&api, &to2, &key2, &[]));
@@ -498,7 +498,6 @@ fn link_cut_mid_migration_leaves_the_source_running() {
         &key,
         &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "2000")],
     );
-    std::thread::sleep(Duration::from_millis(300));
     let cut = Arc::new(AtomicBool::new(false));
     let moved = Arc::new(AtomicU64::new(0));
     let relay_port = port(2) + 2000;
@@ -636,7 +635,6 @@ fn a_page_stream_cut_mid_migration_leaves_the_source_running() {
     let (src, echo) = start(&dir, &br, &disk, "dirty=1000,32");
     let real = format!("127.0.0.1:{}", port(0) + 4000);
     let mut dst = destination(&dir, &br, &real, &key, &[]);
-    std::thread::sleep(Duration::from_millis(300));
     let relay_port = port(1) + 4000;
     let conns = relay_each(relay_port, real);
     let api = src.api.clone();
