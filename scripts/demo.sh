@@ -2,7 +2,8 @@
 # The main demo: sets up the machine, builds kemari and its test guest, boots the
 # guest with a disk and a network device, and drives it: serial output, the
 # guest's HTTP and TCP echo services through a TAP, pause/resume via kemarictl,
-# metrics, shutdown. Run as root (TAP devices, /dev/kvm).
+# a zero-copy migration into a fresh kemari process (the guest runs on, its
+# memory is not copied), metrics, shutdown. Run as root (TAP devices, /dev/kvm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -45,6 +46,20 @@ after=$(grep -c '^counter' "$work/console.log")
 echo "counter lines while paused: $before -> $after"
 ctl resume >/dev/null; sleep 1.5
 echo "after resume: $(grep '^counter' "$work/console.log" | tail -n 1)"
+echo "== zero-copy migration into a fresh kemari process (memory stays in its memfd)"
+target/release/kemari --incoming-local "$work/incoming.sock" \
+  --serial "file:$work/console-2.log" --api-socket "$work/api-2.sock" &
+new_pid=$!
+for _ in $(seq 100); do [[ -S "$work/incoming.sock" ]] && break; sleep 0.1; done
+ctl migrate-local "$work/incoming.sock" |
+  python3 -c 'import json, sys; r = json.load(sys.stdin); print("downtime %.1f ms, %d bytes of state sent, memory not copied" % (r["downtime_ms"], r["state_bytes"]))'
+wait "$vmm_pid" && echo "the old kemari (pid $vmm_pid) exited with status 0"
+vmm_pid=$new_pid
+ctl() { target/release/kemarictl --api-socket "$work/api-2.sock" "$@"; }
+echo "the VM now runs in pid $(ctl info | python3 -c 'import json, sys; print(json.load(sys.stdin)["pid"])')"
+sleep 1.5
+echo "its counter goes on: $(grep '^counter' "$work/console-2.log" | tail -n 1)"
+echo "the guest's HTTP service kept its state: $(curl -s -m 5 http://10.199.0.2/)"
 echo "== metrics"; ctl metrics | head -n 20
 echo "== shutdown"; ctl shutdown >/dev/null; wait "$vmm_pid"; vmm_pid=
 echo "kemari exited with status 0"
