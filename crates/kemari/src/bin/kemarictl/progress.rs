@@ -42,7 +42,7 @@ fn step(line: &Value) -> Option<Step> {
         .filter(|p| !p.is_empty())
         .or_else(|| line["status"].as_str().filter(|s| *s != "running"))?;
     let bytes = p["bytes_sent"].as_u64().unwrap_or(0);
-    let mut message = format!("{:.1} MiB sent", bytes as f64 / (1 << 20) as f64);
+    let mut message = format!("{} sent", amount(bytes));
     if let Some(rate) = p["rate_mb_s"].as_f64().filter(|r| *r > 0.0) {
         message.push_str(&format!(" {rate:.0} MB/s"));
     }
@@ -58,6 +58,16 @@ fn step(line: &Value) -> Option<Step> {
         unit: "pages",
         message,
     })
+}
+
+/// `bytes` in the unit that shows it: a zero-copy hand-over sends a few
+/// KiB of state, a migration GiB of pages.
+fn amount(bytes: u64) -> String {
+    match bytes {
+        0..1024 => format!("{bytes} B"),
+        1024..1_048_576 => format!("{:.1} KiB", bytes as f64 / 1024.0),
+        _ => format!("{:.1} MiB", bytes as f64 / (1 << 20) as f64),
+    }
 }
 
 #[cfg(test)]
@@ -82,8 +92,17 @@ mod tests {
                            "progress": {"round_pages_sent": 16384, "round_pages_total": 16384}});
         assert_eq!(
             step(&ended).unwrap().line(),
-            "snapshot 3: completed: 16384/16384 pages (100%) 0.0 MiB sent"
+            "snapshot 3: completed: 16384/16384 pages (100%) 0 B sent"
         );
         assert!(step(&json!({"status": "running", "phase": ""})).is_none());
+    }
+
+    #[test]
+    fn amounts_are_shown_in_the_unit_that_fits() {
+        assert_eq!(amount(0), "0 B");
+        assert_eq!(amount(1023), "1023 B");
+        assert_eq!(amount(11921), "11.6 KiB");
+        assert_eq!(amount(1 << 20), "1.0 MiB");
+        assert_eq!(amount(63 << 20), "63.0 MiB");
     }
 }
