@@ -288,6 +288,13 @@ fn zero_copy_local_migration_keeps_counter_disk_and_tcp() {
         report["state_bytes"].as_u64().unwrap() < 1 << 20,
         "only state moves, not memory"
     );
+    // The progress kemarictl showed ends with what went over the socket.
+    let shown = String::from_utf8_lossy(&out.stderr);
+    let last = shown.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("completed") && last.contains("KiB sent"),
+        "{shown}"
+    );
     // The source left only once the destination said the guest runs there.
     let running = report["running_ms"].as_f64().expect("running_ms");
     assert!(

@@ -115,7 +115,12 @@ fn migrate_out_inner(
     let mut fds = vec![machine.memory_file().file().as_raw_fd()];
     fds.extend(machine.tap_fds());
     source::offer(&mut ch, Mode::Local, machine, &fds, progress)?;
-    source::pause_and_hand_over(&mut ch, machine, None, Delivery::Inline, cancel, progress)
+    let handed =
+        source::pause_and_hand_over(&mut ch, machine, None, Delivery::Inline, cancel, progress)?;
+    // What went over the socket (the state; the memory went as an fd), so
+    // that the operation's progress says what its report says.
+    progress.sent(0, ch.bytes_sent, 0);
+    Ok(handed)
 }
 
 /// Destination side: waits on `socket` for one source on this host, takes
