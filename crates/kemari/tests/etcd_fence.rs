@@ -28,10 +28,10 @@ use kemari_testkit::*;
 /// machine (each call may take a third of it).
 const TTL_S: u64 = 5;
 /// The lease TTL where a member, maybe etcd's leader, is killed: a new
-/// leader takes up to twice the election timeout (2 s here, randomized up
-/// to 4 s) and more on a loaded machine, while a 5 s lease renewed every
-/// 1.7 s may have only 0.5 s beyond that (CI, 2026-11-29: lost after 1.3 s
-/// of "no leader"). An operator's TTL, too, must outlast an election.
+/// leader takes one to two election timeouts (2 s here, so 2-4 s) and more
+/// on a loaded machine, while a 5 s lease whose leader dies just before a
+/// renewal has 2.8 s left (CI, 2026-11-29: lost after 1.3 s of "no
+/// leader"); 12 s leaves 6.8 s. docs/fleet.md: choosing the TTL.
 const MEMBER_LOSS_TTL_S: u64 = 12;
 /// The sync link's peer timeout; a killed primary's link closes at once.
 const TIMEOUT_MS: u64 = 3000;
