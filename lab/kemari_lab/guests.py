@@ -239,6 +239,20 @@ class Guest:
                     )
             except Exception as e:  # noqa: BLE001 - diagnostics must not hide the failure
                 parts.append(f"  kemarictl metrics: {e}")
+            try:
+                # Whether a silent guest runs (exits keep coming: spinning or
+                # waiting on a device) or has stopped (halted, no exits).
+                info = self.ctl("info", timeout=30)
+                first = self.ctl("metrics", timeout=30).get("exits", {})
+                time.sleep(5)
+                second = self.ctl("metrics", timeout=30).get("exits", {})
+                delta = {k: v - first.get(k, 0) for k, v in second.items() if v != first.get(k, 0)}
+                parts.append(
+                    f"  kemari: state {info.get('state')} reboots {info.get('reboots')}"
+                    f" guest_uptime_ms {info.get('guest_uptime_ms')}; vCPU exits in 5 s: {delta or 'none'}"
+                )
+            except Exception as e:  # noqa: BLE001
+                parts.append(f"  kemarictl info/metrics: {e}")
         try:
             # A seccomp kill (kemari exits 159, SIGSYS) names its call here.
             audit = self.host.run("dmesg | grep -a 'type=1326' | tail -5", timeout=30, check=False).output.strip()
@@ -259,7 +273,8 @@ class Guest:
         except Exception as e:  # noqa: BLE001
             parts.append(f"  tap: {e}")
         try:
-            parts.append("console:\n" + self.console_text()[-console_chars:])
+            if console_chars > 0:  # 0: the caller shows the console itself
+                parts.append("console:\n" + self.console_text()[-console_chars:])
         except Exception as e:  # noqa: BLE001
             parts.append(f"console: {e}")
         return f"{self.spec.name} on {self.host.name}:\n" + "\n".join(parts)

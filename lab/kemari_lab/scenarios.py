@@ -193,7 +193,10 @@ def guest_reboots(lab: Lab, vmm: str) -> dict[str, float]:
                 if console.count("KLAB-GUEST-READY") > boot:
                     break
                 if "KLAB-VMM-EXIT" in console or time.monotonic() > deadline:
-                    raise LabError(f"{host.name}: the guest did not come back from reboot {boot}:\n{console[-3000:]}")
+                    raise LabError(
+                        f"{host.name}: the guest did not come back from reboot {boot}:\n{console[-3000:]}\n"
+                        f"{guest.diagnostics(console_chars=0)}"
+                    )
                 time.sleep(2)
             times[f"reboot_{boot}_to_ready_s"] = time.monotonic() - t0
             # This boot's part of the console: from the reboot on.
