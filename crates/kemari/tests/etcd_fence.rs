@@ -192,6 +192,7 @@ fn kill_primary_then_standby_runs_alone(etcd: &EtcdCluster, pair: Pair) -> Vmm {
     let mut saw_dead_lease = false;
     wait_for(
         "the standby to run the VM",
+        // The longest lease a caller uses (TTL_S or MEMBER_LOSS_TTL_S).
         Duration::from_secs(MEMBER_LOSS_TTL_S * 2 + 20),
         || {
             // The console first, then the key: output seen here means the
