@@ -41,10 +41,16 @@ fn step(line: &Value) -> Option<Step> {
         .as_str()
         .filter(|p| !p.is_empty())
         .or_else(|| line["status"].as_str().filter(|s| *s != "running"))?;
-    let bytes = p["bytes_sent"].as_u64().unwrap_or(0);
-    let mut message = format!("{} sent", amount(bytes));
+    // A warm restart or a snapshot sends nothing: no "0 B sent" then.
+    let mut message = match p["bytes_sent"].as_u64().unwrap_or(0) {
+        0 => String::new(),
+        bytes => format!("{} sent", amount(bytes)),
+    };
     if let Some(rate) = p["rate_mb_s"].as_f64().filter(|r| *r > 0.0) {
-        message.push_str(&format!(" {rate:.0} MB/s"));
+        if !message.is_empty() {
+            message.push(' ');
+        }
+        message.push_str(&format!("{rate:.0} MB/s"));
     }
     Some(Step {
         prefix: format!(
@@ -92,8 +98,11 @@ mod tests {
                            "progress": {"round_pages_sent": 16384, "round_pages_total": 16384}});
         assert_eq!(
             step(&ended).unwrap().line(),
-            "snapshot 3: completed: 16384/16384 pages (100%) 0 B sent"
+            "snapshot 3: completed: 16384/16384 pages (100%)"
         );
+        let warm = json!({"id": 4, "kind": "warm_restart", "status": "completed", "phase": "",
+                          "progress": {"bytes_sent": 0}});
+        assert_eq!(step(&warm).unwrap().line(), "warm_restart 4: completed");
         assert!(step(&json!({"status": "running", "phase": ""})).is_none());
     }
 
