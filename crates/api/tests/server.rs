@@ -9,7 +9,7 @@ use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{raise_fd_limit, raw_exchange, scratch};
@@ -21,23 +21,65 @@ use serde_json::json;
 /// What a `GET /vm` may take at most here, whatever else goes on.
 const PROMPT: Duration = Duration::from_secs(1);
 
-/// The test handler: `GET /vm` answers at once, `PUT /vm/pause` after
-/// `pause_for`, `GET /vm/operation?follow` streams what `streams` hands out,
-/// and a few actions answer with each kind of error.
+/// The test handler: `GET /vm` answers at once, `PUT /vm/pause` when the
+/// test lets it go ([`TestVmm::release`]) or after `pause_for`, `GET
+/// /vm/operation?follow` streams what `streams` hands out, and a few actions
+/// answer with each kind of error. The tests wait for a pause to be in its
+/// handler ([`TestVmm::wait_paused`]) rather than sleep and hope.
 struct TestVmm {
     pause_for: Duration,
     streams: Mutex<Option<mpsc::Receiver<LineStream>>>,
+    /// Pauses in their handler so far, and whether they may answer.
+    pauses: Mutex<(usize, bool)>,
+    changed: Condvar,
 }
 
-fn start(path: &Path, options: ServerOptions, vmm: TestVmm) -> ApiServer {
-    let vmm = Arc::new(vmm);
+impl TestVmm {
+    /// The pause handler: counted, then held until released or `pause_for`.
+    fn pause(&self) {
+        let mut p = self.pauses.lock().unwrap();
+        p.0 += 1;
+        self.changed.notify_all();
+        let deadline = Instant::now() + self.pause_for;
+        while !p.1 {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            p = self.changed.wait_timeout(p, left).unwrap().0;
+        }
+    }
+
+    /// Waits until `n` pauses are in the handler (a minute at most).
+    fn wait_paused(&self, n: usize) {
+        let p = self.pauses.lock().unwrap();
+        let (p, timeout) = self
+            .changed
+            .wait_timeout_while(p, Duration::from_secs(60), |p| p.0 < n)
+            .unwrap();
+        assert!(
+            !timeout.timed_out(),
+            "{} of {n} pauses reached the handler",
+            p.0
+        );
+    }
+
+    /// Lets every held pause answer.
+    fn release(&self) {
+        self.pauses.lock().unwrap().1 = true;
+        self.changed.notify_all();
+    }
+}
+
+fn start(path: &Path, options: ServerOptions, vmm: impl Into<Arc<TestVmm>>) -> ApiServer {
+    let vmm: Arc<TestVmm> = vmm.into();
     ApiServer::start(
         path,
         options,
         Arc::new(move |routed: Routed| match routed.request {
             ApiRequest::Info => Ok(Reply::Json(json!({ "state": "running" }))),
             ApiRequest::Pause => {
-                std::thread::sleep(vmm.pause_for);
+                vmm.pause();
                 Ok(Reply::Json(json!({ "state": "paused" })))
             }
             ApiRequest::Snapshot { dir, .. } => Ok(Reply::Accepted(json!({ "snapshot": dir }))),
@@ -59,8 +101,10 @@ fn start(path: &Path, options: ServerOptions, vmm: TestVmm) -> ApiServer {
 
 fn test_vmm() -> TestVmm {
     TestVmm {
-        pause_for: Duration::from_secs(3),
+        pause_for: Duration::from_secs(60),
         streams: Mutex::new(None),
+        pauses: Mutex::new((0, false)),
+        changed: Condvar::new(),
     }
 }
 
@@ -165,21 +209,20 @@ fn idle_and_slow_clients_delay_no_one_and_the_slow_one_gets_408() {
 fn a_slow_handler_does_not_delay_another_request() {
     let dir = scratch("slowhandler");
     let sock = dir.join("api.sock");
-    let server = start(&sock, ServerOptions::default(), test_vmm());
-    let s = sock.clone();
-    let pause = std::thread::spawn(move || {
-        let started = Instant::now();
-        let r = client::call(&s, &ApiRequest::Pause).unwrap();
-        (r, started.elapsed())
-    });
-    std::thread::sleep(Duration::from_millis(200));
+    let vmm = Arc::new(test_vmm());
+    let server = start(&sock, ServerOptions::default(), vmm.clone());
+    let pause = pause_in_background(&sock);
+    vmm.wait_paused(1);
     for _ in 0..5 {
-        let took = timed_info(&sock);
-        assert!(took < PROMPT, "GET /vm took {took:?} beside a 3 s handler");
+        timed_info(&sock);
     }
-    let (r, took) = pause.join().unwrap();
-    assert_eq!(r["state"], "paused");
-    assert!(took >= Duration::from_secs(3));
+    // Answered while the pause is held in its handler: nothing waited for it.
+    assert!(
+        !pause.is_finished(),
+        "the pause answered before it was released"
+    );
+    vmm.release();
+    assert_eq!(pause.join().unwrap().unwrap()["state"], "paused");
     server.shutdown(Duration::from_secs(1));
 }
 
@@ -191,10 +234,12 @@ fn handlers_beyond_the_limit_are_refused_with_503() {
         max_handlers: 2,
         ..ServerOptions::default()
     };
-    let server = start(&sock, options, test_vmm());
+    let vmm = Arc::new(test_vmm());
+    let server = start(&sock, options, vmm.clone());
     let busy: Vec<_> = (0..2).map(|_| pause_in_background(&sock)).collect();
-    std::thread::sleep(Duration::from_millis(500));
+    vmm.wait_paused(2);
     assert_refused(client::call(&sock, &ApiRequest::Info), 503, "busy");
+    vmm.release();
     for b in busy {
         b.join().unwrap().unwrap();
     }
@@ -343,23 +388,24 @@ fn the_shutdown_grace_flushes_what_a_stream_was_sent() {
 #[test]
 fn an_answer_in_flight_at_shutdown_is_still_written_within_the_grace() {
     let sock = scratch("inflight").join("api.sock");
-    let vmm = TestVmm {
+    let vmm = Arc::new(TestVmm {
         pause_for: Duration::from_millis(300),
         ..test_vmm()
-    };
-    let server = start(&sock, ServerOptions::default(), vmm);
+    });
+    let server = start(&sock, ServerOptions::default(), vmm.clone());
     let pause = pause_in_background(&sock);
-    std::thread::sleep(Duration::from_millis(100));
+    vmm.wait_paused(1);
     server.shutdown(Duration::from_secs(5));
     assert_eq!(pause.join().unwrap().unwrap()["state"], "paused");
 
     // An answer not ready within the grace: 503, and the shutdown does not
     // wait for the handler.
-    let server = start(&sock, ServerOptions::default(), test_vmm());
+    let vmm = Arc::new(test_vmm());
+    let server = start(&sock, ServerOptions::default(), vmm.clone());
     let pause = pause_in_background(&sock);
-    std::thread::sleep(Duration::from_millis(100));
-    let started = Instant::now();
+    vmm.wait_paused(1);
     server.shutdown(Duration::from_millis(100));
-    assert!(started.elapsed() < Duration::from_secs(2));
+    // Refused while the handler still holds it (it would for a minute).
     assert_refused(pause.join().unwrap(), 503, "shutting down");
+    vmm.release();
 }
