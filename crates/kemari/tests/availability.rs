@@ -317,11 +317,12 @@ fn destination_killed_mid_migration_leaves_the_source_running() {
     let disk = disk_image(&dir);
     let (src, echo) = start_source(&dir, &net, &disk, &[]);
     let sock = dir.join("incoming.sock");
+    let hold = FaultHold::new(&dir, "KEMARI_FAULT_HOLD_MIGRATE_IN_MS", 60_000);
     let mut dst = spawn_vmm(
         &["--incoming-local".into(), sock.display().to_string()],
         &dir.join("console-2.log"),
         &dir.join("api-2.sock"),
-        &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "3000")],
+        &hold.env(),
     );
     wait_for("the destination's socket", Duration::from_secs(30), || {
         sock.exists()
@@ -331,7 +332,7 @@ fn destination_killed_mid_migration_leaves_the_source_running() {
     let migrate =
         std::thread::spawn(move || ctl(&api, &["migrate-local", sock2.to_str().unwrap()]));
     // The destination holds after receiving the state: the source is paused.
-    std::thread::sleep(Duration::from_millis(1000));
+    hold.wait_reached();
     dst.child.0.kill().unwrap();
     let _ = dst.child.0.wait();
     let out = migrate.join().unwrap();

@@ -285,18 +285,13 @@ fn destination_killed_mid_migration_leaves_the_source_running() {
     let key = key_file(&dir, KEY);
     let (src, echo) = start(&dir, &br, &disk, "");
     let to = format!("127.0.0.1:{}", port(3));
-    let mut dst = destination(
-        &dir,
-        &br,
-        &to,
-        &key,
-        &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "3000")],
-    );
+    let hold = FaultHold::new(&dir, "KEMARI_FAULT_HOLD_MIGRATE_IN_MS", 60_000);
+    let mut dst = destination(&dir, &br, &to, &key, &hold.env());
     let api = src.api.clone();
     let (to2, key2) = (to.clone(), key.clone());
     let m = std::thread::spawn(move || migrate(&api, &to2, &key2, &[]));
     // The destination holds with the VM received, the source paused.
-    std::thread::sleep(Duration::from_millis(1500));
+    hold.wait_reached();
     dst.child.0.kill().unwrap();
     let _ = dst.child.0.wait();
     let out = m.join().unwrap();
@@ -317,17 +312,12 @@ fn source_killed_mid_migration_leaves_nothing_half_made() {
     let key = key_file(&dir, KEY);
     let (mut src, echo) = start(&dir, &br, &disk, "");
     let to = format!("127.0.0.1:{}", port(0) + 2000);
-    let mut dst = destination(
-        &dir,
-        &br,
-        &to,
-        &key,
-        &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "2000")],
-    );
+    let hold = FaultHold::new(&dir, "KEMARI_FAULT_HOLD_MIGRATE_IN_MS", 2000);
+    let mut dst = destination(&dir, &br, &to, &key, &hold.env());
     let api = src.api.clone();
     let (to2, key2) = (to.clone(), key.clone());
     let m = std::thread::spawn(move || migrate(&api, &to2, &key2, &[]));
-    std::thread::sleep(Duration::from_millis(1000));
+    hold.wait_reached();
     src.child.0.kill().unwrap(); // power failure of the source, mid-migration
     let _ = src.child.0.wait();
     let _ = m.join();
@@ -360,17 +350,12 @@ fn source_killed_before_the_commit_leaves_nothing_of_the_destinations_run() {
     let to = format!("127.0.0.1:{}", port(0) + 2001);
     // The destination restores the VM and runs it (its outputs held) for
     // 2 s before it tells the source; the source dies meanwhile.
-    let mut dst = destination(
-        &dir,
-        &br,
-        &to,
-        &key,
-        &[("KEMARI_FAULT_HOLD_BEFORE_COMMIT_MS", "2000")],
-    );
+    let hold = FaultHold::new(&dir, "KEMARI_FAULT_HOLD_BEFORE_COMMIT_MS", 2000);
+    let mut dst = destination(&dir, &br, &to, &key, &hold.env());
     let api = src.api.clone();
     let (to2, key2) = (to.clone(), key.clone());
     let m = std::thread::spawn(move || migrate(&api, &to2, &key2, &[]));
-    std::thread::sleep(Duration::from_millis(1000));
+    hold.wait_reached();
     src.child.0.kill().unwrap(); // power failure of the source, before its commit
     let _ = src.child.0.wait();
     let _ = m.join();

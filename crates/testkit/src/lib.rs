@@ -43,7 +43,7 @@ pub use net::{
 pub use notify::NotifySocket;
 pub use procs::{
     assert_every_thread_filtered, assert_quiet_on_closed_stdout, assert_verbose_log_filter_refused,
-    run, run_with_timeout, sh, thread_seccomp, tool, wait_exit, wait_for, KillOnDrop,
+    run, run_with_timeout, sh, thread_seccomp, tool, wait_exit, wait_for, FaultHold, KillOnDrop,
     ThreadSeccomp,
 };
 pub use promtool::{promtool_check, sample_sum, samples};

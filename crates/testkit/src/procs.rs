@@ -190,3 +190,46 @@ pub fn assert_every_thread_filtered(pid: u32, what: &str) -> Vec<ThreadSeccomp> 
     }
     threads
 }
+
+/// A hand-over held at a fault-injection point (kemari's `fault-injection`
+/// feature): the variables that set the hold, and the file its start
+/// creates, so that a test acts once the hold begins instead of guessing
+/// how long the hand-over takes to get there.
+pub struct FaultHold {
+    variable: &'static str,
+    ms: String,
+    reached: std::path::PathBuf,
+    reached_text: String,
+}
+
+impl FaultHold {
+    /// A hold of `ms` at the point `variable` names
+    /// (`KEMARI_FAULT_HOLD_MIGRATE_IN_MS`, …), noted in `dir`.
+    pub fn new(dir: &std::path::Path, variable: &'static str, ms: u64) -> Self {
+        let reached = dir.join(format!("{variable}.reached"));
+        let _ = std::fs::remove_file(&reached);
+        FaultHold {
+            variable,
+            ms: ms.to_string(),
+            reached_text: reached.display().to_string(),
+            reached,
+        }
+    }
+
+    /// The environment of the process that holds.
+    pub fn env(&self) -> [(&str, &str); 2] {
+        [
+            (self.variable, &self.ms),
+            ("KEMARI_FAULT_HOLD_REACHED_FILE", &self.reached_text),
+        ]
+    }
+
+    /// Waits (a minute at most) until the hold has begun.
+    pub fn wait_reached(&self) {
+        wait_for(
+            &format!("the hand-over to reach {}", self.variable),
+            Duration::from_secs(60),
+            || self.reached.exists(),
+        );
+    }
+}

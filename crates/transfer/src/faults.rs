@@ -2,6 +2,9 @@
 //! `fault-injection` feature (the test builds; never a release build): a
 //! hand-over holds at a chosen step for as long as an environment variable
 //! says, so that a test can kill an end or cut the link exactly there.
+//! With `KEMARI_FAULT_HOLD_REACHED_FILE` set, the hold creates that file as
+//! it begins: the test acts when the file appears, not after a guess of how
+//! long the hand-over takes to get there.
 
 use std::time::Duration;
 
@@ -30,6 +33,9 @@ impl HoldPoint {
     }
 }
 
+/// The variable naming the file a hold creates as it begins.
+pub const REACHED_FILE: &str = "KEMARI_FAULT_HOLD_REACHED_FILE";
+
 /// Holds at `point` if the test asked for it.
 #[cfg(feature = "fault-injection")]
 pub fn hold(point: HoldPoint) {
@@ -38,6 +44,11 @@ pub fn hold(point: HoldPoint) {
         .and_then(|v| v.parse::<u64>().ok())
     {
         tracing::warn!(?point, ms, "fault injection: holding the hand-over");
+        if let Some(path) = std::env::var_os(REACHED_FILE) {
+            if let Err(e) = std::fs::write(&path, point.variable()) {
+                tracing::error!(error = %e, "fault injection: cannot create {REACHED_FILE}");
+            }
+        }
         std::thread::sleep(Duration::from_millis(ms));
     }
 }
