@@ -6,6 +6,7 @@
 //! at once with the operation (`kemarictl operation` shows it later).
 
 mod progress;
+mod rounding;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -202,7 +203,7 @@ fn main() -> ExitCode {
     match answer {
         Ok(v) => {
             // A closed stdout (`kemarictl config | head -1`) ends us quietly.
-            let text = serde_json::to_string_pretty(&v).unwrap_or_default();
+            let text = serde_json::to_string_pretty(&rounding::rounded(v)).unwrap_or_default();
             if let Err(e) = kemari_logging::stdout::line(&text) {
                 eprintln!("kemarictl: cannot write the answer: {e}");
                 return ExitCode::from(1);
