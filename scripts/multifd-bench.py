@@ -424,6 +424,13 @@ def main():
         sys.exit(f"{QEMU} not found: apt-get install qemu-system-x86, or leave the qemu variants out")
     started = datetime.datetime.now(datetime.timezone.utc)
     load0 = os.getloadavg()
+    thp = huge_page_settings()
+    # kemari's memory is a memfd (shmem), QEMU's anonymous: each VMM's
+    # destination gets 2 MiB pages only where its own setting allows.
+    print(f"transparent huge pages: anonymous (QEMU) {thp['anonymous']}, shmem (kemari) {thp['shmem']}"
+          + ("" if thp["shmem"] in ("advise", "always", "within_size", "force") else
+             ": kemari's destination touches 4 KiB pages where QEMU's touches 2 MiB ones (docs/operations.md)"),
+          flush=True)
     w = tempfile.mkdtemp(prefix="multifd-bench.")
     net = Netns(a.capped) if a.capped else Local()
     results, failures = [], []
@@ -466,7 +473,8 @@ def main():
             "command": "flock /work/bench.lock scripts/multifd-bench.py " + " ".join(sys.argv[1:]),
             "started": started.isoformat(timespec="seconds"),
             "git_commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], stdout=subprocess.PIPE, text=True).stdout.strip(),
-            "host": {"cpus": os.cpu_count(), "loadavg_start": list(load0), "loadavg_end": list(os.getloadavg())},
+            "host": {"cpus": os.cpu_count(), "loadavg_start": list(load0), "loadavg_end": list(os.getloadavg()),
+                     "transparent_hugepage": thp},
             "params": {"runs": a.runs, "variants": variants, "capped": a.capped, "max_bandwidth": a.max_bandwidth,
                        "guest": f"{MEMORY}, {CMDLINE}"},
             "tables": [{"title": "live migration, medians" + (f", across a tbf {a.capped} veth link" if a.capped else ", loopback"),
@@ -478,6 +486,19 @@ def main():
             json.dump(doc, f, indent=1)
             f.write("\n")
     sys.exit(1 if failures else 0)
+
+
+def huge_page_settings():
+    """The host's transparent huge page modes (the bracketed word), anonymous and shmem."""
+    out = {}
+    for key, name in (("anonymous", "enabled"), ("shmem", "shmem_enabled")):
+        try:
+            with open(f"/sys/kernel/mm/transparent_hugepage/{name}") as f:
+                text = f.read()
+            out[key] = text[text.index("[") + 1:text.index("]")]
+        except (OSError, ValueError):
+            out[key] = "unknown"
+    return out
 
 
 if __name__ == "__main__":

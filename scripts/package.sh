@@ -53,6 +53,8 @@ grep -q -- "--api-socket" <<<"$page"
 grep -q "EXIT STATUS" <<<"$page"
 sed -n 1,6p <<<"$page"
 bash -c 'source /usr/share/bash-completion/completions/kemarictl && complete -p kemarictl' >/dev/null
+# The host setting the package brings (applied at boot, not here).
+grep -q "^w /sys/kernel/mm/transparent_hugepage/shmem_enabled .* advise$" /usr/lib/tmpfiles.d/kemari.conf
 for f in /usr/share/zsh/vendor-completions/_kemari /usr/share/fish/vendor_completions.d/kemari-nbd.fish; do
   test -s "$f"
 done
