@@ -220,6 +220,7 @@ impl FaultHold {
     pub fn env(&self) -> [(&str, &str); 2] {
         [
             (self.variable, &self.ms),
+            // transfer::faults::REACHED_FILE (testkit depends on no kemari crate).
             ("KEMARI_FAULT_HOLD_REACHED_FILE", &self.reached_text),
         ]
     }
