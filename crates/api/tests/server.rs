@@ -7,12 +7,12 @@ mod common;
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{raise_fd_limit, raw_exchange, scratch};
+use common::{raise_fd_limit, raw_exchange, scratch, Scratch};
 use kemari_api::client::{self, ClientError};
 use kemari_api::latency::{probe, ProbeOptions};
 use kemari_api::{ActionError, ApiRequest, ApiServer, LineStream, Reply, Routed, ServerOptions};
@@ -326,8 +326,9 @@ type Follower = std::thread::JoinHandle<(Vec<serde_json::Value>, serde_json::Val
 
 /// A server whose `GET /vm/operation?follow` streams what the returned
 /// sender sends, and a client following it.
-fn follow_a_stream(name: &str) -> (ApiServer, PathBuf, mpsc::Sender<String>, Follower) {
-    let sock = scratch(name).join("api.sock");
+fn follow_a_stream(name: &str) -> (ApiServer, Scratch, mpsc::Sender<String>, Follower) {
+    let dir = scratch(name);
+    let sock = dir.join("api.sock");
     let (give, streams) = mpsc::channel();
     let vmm = TestVmm {
         streams: Mutex::new(Some(streams)),
@@ -343,12 +344,12 @@ fn follow_a_stream(name: &str) -> (ApiServer, PathBuf, mpsc::Sender<String>, Fol
             client::follow(&s, &ApiRequest::OperationStatus, |v| lines.push(v.clone())).unwrap();
         (lines, last)
     });
-    (server, sock, tx, follower)
+    (server, dir, tx, follower)
 }
 
 #[test]
 fn a_stream_delivers_every_line_in_order() {
-    let (server, _, tx, follower) = follow_a_stream("stream");
+    let (server, _dir, tx, follower) = follow_a_stream("stream");
     for i in 0..200 {
         // Pretty JSON: its newlines must not split the line.
         tx.send(serde_json::to_string_pretty(&json!({ "step": i })).unwrap())
@@ -367,7 +368,8 @@ fn a_stream_delivers_every_line_in_order() {
 
 #[test]
 fn the_shutdown_grace_flushes_what_a_stream_was_sent() {
-    let (server, sock, tx, follower) = follow_a_stream("grace");
+    let (server, dir, tx, follower) = follow_a_stream("grace");
+    let sock = dir.join("api.sock");
     tx.send(json!({ "step": "first" }).to_string()).unwrap();
     std::thread::sleep(Duration::from_millis(200));
     for i in 0..1000 {
@@ -387,7 +389,8 @@ fn the_shutdown_grace_flushes_what_a_stream_was_sent() {
 
 #[test]
 fn an_answer_in_flight_at_shutdown_is_still_written_within_the_grace() {
-    let sock = scratch("inflight").join("api.sock");
+    let dir = scratch("inflight");
+    let sock = dir.join("api.sock");
     let vmm = Arc::new(TestVmm {
         pause_for: Duration::from_millis(300),
         ..test_vmm()

@@ -238,13 +238,8 @@ mod tests {
     use crate::cli::{OnCrash, OnReboot};
 
     fn args(file: &str, flags: &[&str]) -> Result<Args, CliError> {
-        let dir = std::env::temp_dir().join(format!(
-            "kemari-roles-{}-{}",
-            std::process::id(),
-            file.len()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("vm.toml");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vm.toml");
         std::fs::write(&path, file).unwrap();
         let mut argv = vec![
             "kemari".to_owned(),

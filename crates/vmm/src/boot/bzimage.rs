@@ -359,10 +359,11 @@ mod tests {
             .unwrap()
     }
 
-    fn temp(name: &str, bytes: &[u8]) -> PathBuf {
-        let p = std::env::temp_dir().join(format!("kemari-bz-{}-{name}", std::process::id()));
-        File::create(&p).unwrap().write_all(bytes).unwrap();
-        p
+    /// A file holding `bytes`, removed when dropped.
+    fn temp(bytes: &[u8]) -> tempfile::TempPath {
+        let mut f = tempfile::NamedTempFile::new().unwrap();
+        f.write_all(bytes).unwrap();
+        f.into_temp_path()
     }
 
     /// A minimal bzImage: a boot sector and one setup sector carrying the
@@ -390,8 +391,8 @@ mod tests {
     fn loads_kernel_and_writes_zero_page() {
         let m = mem();
         let payload: Vec<u8> = (0..8192u32).map(|i| i as u8).collect();
-        let kernel = temp("k1", &fake_bzimage(0x020f, 0x3, &payload));
-        let initrd = temp("i1", &[0x5a; 10000]);
+        let kernel = temp(&fake_bzimage(0x020f, 0x3, &payload));
+        let initrd = temp(&[0x5a; 10000]);
         assert!(is_bzimage(&kernel).unwrap());
         let boot = load(
             &m,
@@ -454,33 +455,35 @@ mod tests {
     #[test]
     fn refuses_what_it_cannot_boot() {
         let m = mem();
-        let spec = |k: &'static Path| BzImageSpec {
-            kernel: k,
-            initramfs: None,
-            cmdline: "",
-            rsdp: None,
-        };
+        fn spec(kernel: &Path) -> BzImageSpec<'_> {
+            BzImageSpec {
+                kernel,
+                initramfs: None,
+                cmdline: "",
+                rsdp: None,
+            }
+        }
         let e = load(&m, MEM, &spec(Path::new("/nonexistent/bzImage"))).unwrap_err();
         assert!(matches!(e, BzImageError::KernelFile { .. }), "{e}");
 
-        let garbage = temp("g", &[0x7f; 4096]);
-        let e = load(&m, MEM, &spec(Box::leak(garbage.into_boxed_path()))).unwrap_err();
+        let garbage = temp(&[0x7f; 4096]);
+        let e = load(&m, MEM, &spec(&garbage)).unwrap_err();
         assert!(matches!(e, BzImageError::Load { .. }), "{e}");
 
-        let no64 = temp("n64", &fake_bzimage(0x020f, 0x0, &[0; 512]));
+        let no64 = temp(&fake_bzimage(0x020f, 0x0, &[0; 512]));
         assert!(!is_bzimage(Path::new("/dev/null")).unwrap());
-        let e = load(&m, MEM, &spec(Box::leak(no64.into_boxed_path()))).unwrap_err();
+        let e = load(&m, MEM, &spec(&no64)).unwrap_err();
         assert!(matches!(e, BzImageError::Unsupported { .. }), "{e}");
 
-        let old = temp("old", &fake_bzimage(0x0206, 0x1, &[0; 512]));
-        let e = load(&m, MEM, &spec(Box::leak(old.into_boxed_path()))).unwrap_err();
+        let old = temp(&fake_bzimage(0x0206, 0x1, &[0; 512]));
+        let e = load(&m, MEM, &spec(&old)).unwrap_err();
         assert!(matches!(e, BzImageError::Unsupported { .. }), "{e}");
     }
 
     #[test]
     fn refuses_long_cmdline_and_huge_initramfs() {
         let m = mem();
-        let kernel = temp("k2", &fake_bzimage(0x020f, 0x1, &[0; 512]));
+        let kernel = temp(&fake_bzimage(0x020f, 0x1, &[0; 512]));
         let long = "x".repeat(4096);
         let e = load(
             &m,
@@ -495,7 +498,7 @@ mod tests {
         .unwrap_err();
         assert!(matches!(e, BzImageError::Cmdline(_)), "{e}");
 
-        let big = temp("big", &vec![0u8; (MEM + 4096) as usize]);
+        let big = temp(&vec![0u8; (MEM + 4096) as usize]);
         let e = load(
             &m,
             MEM,
@@ -508,6 +511,5 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(e, BzImageError::Initramfs { .. }), "{e}");
-        std::fs::remove_file(big).unwrap();
     }
 }
