@@ -209,12 +209,21 @@ fn a_bandwidth_cap_holds_the_rounds_to_it() {
     let disk = disk_image(&dir);
     let key = key_file(&dir, KEY);
     // Dirtying 4 MB/s, well below the cap: the rounds converge.
-    let (mut src, echo) = start(&dir, &br, &disk, "dirty=1000,32");
+    let (mut src, echo) = start(&dir, &br, &disk, "dirty=1000,16");
     let to = format!("127.0.0.1:{}", port(3) + 2000);
     let dst = destination(&dir, &br, &to, &key, &[]);
     // Enough memory touched to tell a cap from a burst: the dirty workload
-    // covers its 32 MiB working set at 1,000 pages/s within ~8 s.
-    std::thread::sleep(Duration::from_secs(9));
+    // has written each page of its 16 MiB working set (~4 s at 1,000
+    // pages/s).
+    wait_for(
+        "the dirty workload to cover its working set",
+        Duration::from_secs(60),
+        || {
+            dirty_reports(&src.console)
+                .last()
+                .is_some_and(|&(ws, total, _)| total >= ws)
+        },
+    );
     let cap_mib_s = 16.0;
     let out = migrate(
         &src.api,
@@ -476,13 +485,8 @@ fn link_cut_mid_migration_leaves_the_source_running() {
     let key = key_file(&dir, KEY);
     let (src, echo) = start(&dir, &br, &disk, "");
     let real = format!("127.0.0.1:{}", port(1) + 2000);
-    let mut dst = destination(
-        &dir,
-        &br,
-        &real,
-        &key,
-        &[("KEMARI_FAULT_HOLD_MIGRATE_IN_MS", "2000")],
-    );
+    let hold = FaultHold::new(&dir, "KEMARI_FAULT_HOLD_MIGRATE_IN_MS", 2000);
+    let mut dst = destination(&dir, &br, &real, &key, &hold.env());
     let cut = Arc::new(AtomicBool::new(false));
     let moved = Arc::new(AtomicU64::new(0));
     let relay_port = port(2) + 2000;
@@ -491,12 +495,9 @@ fn link_cut_mid_migration_leaves_the_source_running() {
     let key2 = key.clone();
     let m =
         std::thread::spawn(move || migrate(&api, &format!("127.0.0.1:{relay_port}"), &key2, &[]));
-    wait_for(
-        "memory flowing over the link",
-        Duration::from_secs(30),
-        || moved.load(Ordering::SeqCst) > 64 << 10,
-    );
-    std::thread::sleep(Duration::from_millis(500));
+    // Cut when the destination has the whole VM and waits to restore it.
+    hold.wait_reached();
+    assert!(moved.load(Ordering::SeqCst) > 64 << 10, "no memory moved");
     cut.store(true, Ordering::SeqCst);
     for s in sockets.lock().unwrap().iter() {
         let _ = s.shutdown(Shutdown::Both);
