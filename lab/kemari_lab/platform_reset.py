@@ -11,6 +11,10 @@ Seen on these virtual hosts with both VMMs (docs/lab.md, "Soak" and
 - the virtual host's own kernel dying inside KVM_RUN ("BUG: TASK stack guard
   page was hit", "Kernel panic - not syncing: corrupted stack end"): no
   userspace VMM can do that;
+- a virtual host that resets with nothing on its console: QEMU, run with
+  -no-reboot, exits by itself with status 0 while the scenario runs (seen
+  in CI on 2026-11-29 during the guest-reboots scenario); a signal from
+  QEMU's own crash ends it likewise;
 - the virtual host's kernel holding a CPU for minutes ("soft lockup - CPU#1
   stuck for 104s! [qemu-system-x86]"): the harness's command on that host
   times out, whatever the nested VMM is.
@@ -109,7 +113,30 @@ def stall_in(error: str) -> str | None:
     return f"a timeout with no wrong data ({first[:200]})"
 
 
+# vhost.py's words for a virtual host whose QEMU ended without the lab
+# stopping it.
+HOST_EXIT_RE = re.compile(r"(vh\d+): .*its QEMU exited by itself \(status (-?\d+)\)")
+
+
+def host_exit_in(error: str) -> str | None:
+    """A virtual host whose QEMU ended by itself (a reset of the virtual
+    host under -no-reboot, or QEMU's crash), said in one line, or None;
+    wrong data never counts."""
+    said = _without_attachments(error)
+    m = HOST_EXIT_RE.search(said)
+    if m is None or WRONG_DATA.search(said):
+        return None
+    vh, status = m.group(1), int(m.group(2))
+    if status == 0:
+        how = "a reset of the virtual host (-no-reboot)"
+    elif status < 0:
+        how = f"QEMU ended by signal {-status}"
+    else:
+        how = f"status {status}"
+    return f"{vh}: its QEMU exited by itself: {how}"
+
+
 def platform_fault_in(run_dir: Path, error: str) -> str | None:
     """Why a scenario that failed with `error` may have failed on the
-    platform (retried once), or None."""
-    return platform_reset_in(run_dir) or host_fault_in(run_dir, error) or stall_in(error)
+    platform (retried), or None."""
+    return platform_reset_in(run_dir) or host_fault_in(run_dir, error) or host_exit_in(error) or stall_in(error)

@@ -91,6 +91,8 @@ class VirtualHost:
         self._cmd_lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._cleanup: int | None = None
+        # Whether the lab itself stopped this host (kill, power_fail).
+        self._stopped_by_lab = False
         self.boot_seconds: float | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -148,6 +150,16 @@ class VirtualHost:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def _how_it_ended(self) -> str:
+        """Why this host is not running, for an error: stopped by the lab, or
+        its QEMU exited by itself — with -no-reboot a reset of the virtual
+        host (a triple fault of its kernel) ends QEMU with status 0 and no
+        message (platform_reset.py tells that from a VMM's failure)."""
+        if self._stopped_by_lab:
+            return "stopped by the lab"
+        status = self._proc.poll() if self._proc is not None else None
+        return f"its QEMU exited by itself (status {status})"
+
     def wait_ready(self, timeout: float = 120) -> None:
         """Waits for KLAB-HOST-READY and checks /dev/kvm is there."""
         m = self.wait_for(READY_RE, timeout, what="the virtual host to boot")
@@ -164,6 +176,7 @@ class VirtualHost:
         if proc is None or proc.poll() is not None:
             raise LabError(f"{self.name}: cannot cut the power: the virtual host is not running")
         killed_at = time.monotonic()
+        self._stopped_by_lab = True
         proc.kill()
         proc.wait(timeout=10)
         self.kill()  # closes the console pipe, joins the reader, forgets the cleanup action
@@ -175,6 +188,7 @@ class VirtualHost:
         if proc is None:
             return
         if proc.poll() is None:
+            self._stopped_by_lab = True
             cleanup.stop_process(proc)
         if proc.stdin:
             try:
@@ -223,7 +237,8 @@ class VirtualHost:
                     return m
                 if not self.alive():
                     raise LabError(
-                        f"{self.name}: QEMU exited while waiting for {what}; console tail:\n{self._tail()}"
+                        f"{self.name}: QEMU exited while waiting for {what} ({self._how_it_ended()}); "
+                        f"console tail:\n{self._tail()}"
                     )
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -235,7 +250,9 @@ class VirtualHost:
     def run(self, command: str, timeout: float = 60, check: bool = True) -> CommandResult:
         """Runs a shell command on the virtual host and returns its output and status."""
         if not self.alive():
-            raise LabError(f"{self.name}: cannot run `{command}`: the virtual host is not running")
+            raise LabError(
+                f"{self.name}: cannot run `{command}`: the virtual host is not running ({self._how_it_ended()})"
+            )
         with self._cmd_lock:
             self._seq += 1
             n = self._seq

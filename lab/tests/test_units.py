@@ -598,6 +598,17 @@ def test_a_dead_or_locked_up_virtual_host_is_told_from_other_failures(tmp_path: 
     )
     found = platform_fault_in(tmp_path, "reboot 1 of 5: vh0: QEMU exited while waiting for command")
     assert found is not None and "vh0.console" in found and "died" in found
+    # A virtual host whose QEMU ended by itself, nothing on its console (CI,
+    # 2026-11-29): a reset under -no-reboot. One the lab stopped, or wrong
+    # data with it, is not the platform's.
+    host.write_text("[    1.0] booted\n")
+    ended = "reboot 2 of 5: vh0: cannot run `cat /tmp/kemari0.console`: the virtual host is not running"
+    found = platform_fault_in(tmp_path, ended + " (its QEMU exited by itself (status 0))")
+    assert found is not None and "vh0" in found and "reset" in found
+    found = platform_fault_in(tmp_path, "vh1: QEMU exited while waiting for x (its QEMU exited by itself (status -11))")
+    assert found is not None and "vh1" in found and "signal 11" in found
+    assert platform_fault_in(tmp_path, ended + " (stopped by the lab)") is None
+    assert platform_fault_in(tmp_path, "records lost; vh0: x (its QEMU exited by itself (status 0))") is None
 
 
 def test_a_stall_is_retried_wrong_data_never(tmp_path: Path) -> None:
