@@ -11,10 +11,10 @@ Seen on these virtual hosts with both VMMs (docs/lab.md, "Soak" and
 - the virtual host's own kernel dying inside KVM_RUN ("BUG: TASK stack guard
   page was hit", "Kernel panic - not syncing: corrupted stack end"): no
   userspace VMM can do that;
-- a virtual host that resets with nothing on its console: QEMU, run with
-  -no-reboot, exits by itself with status 0 while the scenario runs (seen
-  in CI on 2026-11-29 during the guest-reboots scenario); a signal from
-  QEMU's own crash ends it likewise;
+- a virtual host whose QEMU ends by itself mid-scenario with nothing on
+  its console (a CI rehearsal on 2026-11-29, guest-reboots; most likely a
+  reset of the virtual host, which under -no-reboot ends QEMU with status
+  0); a signal from QEMU's own crash ends it likewise;
 - the virtual host's kernel holding a CPU for minutes ("soft lockup - CPU#1
   stuck for 104s! [qemu-system-x86]"): the harness's command on that host
   times out, whatever the nested VMM is.

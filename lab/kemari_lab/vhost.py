@@ -152,9 +152,9 @@ class VirtualHost:
 
     def _how_it_ended(self) -> str:
         """Why this host is not running, for an error: stopped by the lab, or
-        its QEMU exited by itself — with -no-reboot a reset of the virtual
-        host (a triple fault of its kernel) ends QEMU with status 0 and no
-        message (platform_reset.py tells that from a VMM's failure)."""
+        its QEMU exited by itself, with its status — under -no-reboot a
+        reset of the virtual host ends QEMU with status 0 and no message
+        (platform_reset.py tells that from a VMM's failure)."""
         if self._stopped_by_lab:
             return "stopped by the lab"
         status = self._proc.poll() if self._proc is not None else None

@@ -598,8 +598,8 @@ def test_a_dead_or_locked_up_virtual_host_is_told_from_other_failures(tmp_path: 
     )
     found = platform_fault_in(tmp_path, "reboot 1 of 5: vh0: QEMU exited while waiting for command")
     assert found is not None and "vh0.console" in found and "died" in found
-    # A virtual host whose QEMU ended by itself, nothing on its console (CI,
-    # 2026-11-29): a reset under -no-reboot. One the lab stopped, or wrong
+    # A virtual host whose QEMU ended by itself, nothing on its console (a
+    # CI rehearsal, 2026-11-29): most likely a reset under -no-reboot. One the lab stopped, or wrong
     # data with it, is not the platform's.
     host.write_text("[    1.0] booted\n")
     ended = "reboot 2 of 5: vh0: cannot run `cat /tmp/kemari0.console`: the virtual host is not running"
