@@ -11,6 +11,8 @@ use crate::num::{parse_size, parse_u64};
 pub const MAX_DEVICES: usize = 8;
 /// Most `disk=` jobs the guest accepts; they run in the order given.
 pub const MAX_DISK_JOBS: usize = 4;
+/// Most `pmem=` jobs the guest accepts; they run in the order given.
+pub const MAX_PMEM_JOBS: usize = 4;
 
 /// One `virtio_mmio.device=<size>@<base>:<irq>` parameter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,6 +57,17 @@ pub enum DiskJob {
     Verify { blocks: u64 },
 }
 
+/// One `pmem=` job, on the first virtio-pmem device's window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PmemJob {
+    /// `pmem=verify`: checks that the window holds a whole generation.
+    Verify,
+    /// `pmem=write[,next]`: writes a generation over the window, then
+    /// flushes it: generation 1, or with `next` one past the generation the
+    /// boot's last verify read (1 if it read none).
+    Write { next: bool },
+}
+
 /// Paced writing: `blocks` blocks every `period_ms` milliseconds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Burst {
@@ -85,9 +98,11 @@ pub struct Config {
     pub counter_ms: Option<u64>,
     pub dirty: Option<DirtySpec>,
     pub disk_jobs: [Option<DiskJob>; MAX_DISK_JOBS],
+    pub pmem_jobs: [Option<PmemJob>; MAX_PMEM_JOBS],
     pub ip: Option<Ipv4Cidr>,
     pub gw: Option<[u8; 4]>,
-    /// `poweroff=done`: power off once the finite workloads (disk jobs) end.
+    /// `poweroff=done`: power off once the finite workloads (disk and pmem
+    /// jobs) end.
     pub poweroff_done: bool,
     /// `poweroff_after=<ms>`: power off at this uptime.
     pub poweroff_after_ms: Option<u64>,
@@ -107,6 +122,10 @@ impl Config {
 
     pub fn disk_jobs(&self) -> impl Iterator<Item = DiskJob> + '_ {
         self.disk_jobs.iter().flatten().copied()
+    }
+
+    pub fn pmem_jobs(&self) -> impl Iterator<Item = PmemJob> + '_ {
+        self.pmem_jobs.iter().flatten().copied()
     }
 }
 
@@ -160,6 +179,15 @@ pub fn parse(cmdline: &str) -> Result<Config, CmdlineError<'_>> {
                     "expected write,<blocks>,seq|rand[,flush][,burst=<n>/<ms>][,next] or verify,<blocks>";
                 let job = parse_disk(value).ok_or(err(WANT))?;
                 push(&mut cfg.disk_jobs, job).ok_or(err("too many disk jobs"))?;
+            }
+            "pmem" => {
+                let job = match value {
+                    "verify" => PmemJob::Verify,
+                    "write" => PmemJob::Write { next: false },
+                    "write,next" => PmemJob::Write { next: true },
+                    _ => return Err(err("expected verify, write or write,next")),
+                };
+                push(&mut cfg.pmem_jobs, job).ok_or(err("too many pmem jobs"))?;
             }
             "ip" => cfg.ip = Some(parse_cidr(value).ok_or(err("expected a.b.c.d/prefix"))?),
             "gw" => cfg.gw = Some(parse_ipv4(value).ok_or(err("expected a.b.c.d"))?),
@@ -435,12 +463,34 @@ mod tests {
             "reboot_after=",
             "fault=",
             "fault=maybe",
+            "pmem=",
+            "pmem=read",
+            "pmem=verify,1",
+            "pmem=write,",
+            "pmem=write,next,next",
+            "pmem=write,flush",
             "virtio_mmio.device=4K@0xd0000000",
             "virtio_mmio.device=0@0xd0000000:5",
             "virtio_mmio.device=4K@zz:5",
         ] {
             assert!(parse(bad).is_err(), "{bad} should be rejected");
         }
+    }
+
+    #[test]
+    fn pmem_jobs_run_in_order() {
+        let cfg = parse("pmem=verify pmem=write,next pmem=write").unwrap();
+        assert_eq!(
+            cfg.pmem_jobs().collect::<Vec<_>>(),
+            [
+                PmemJob::Verify,
+                PmemJob::Write { next: true },
+                PmemJob::Write { next: false }
+            ]
+        );
+        assert_eq!(parse("").unwrap().pmem_jobs().next(), None);
+        let line = "pmem=verify ".repeat(MAX_PMEM_JOBS + 1);
+        assert_eq!(parse(&line).unwrap_err().expected, "too many pmem jobs");
     }
 
     #[test]
@@ -505,10 +555,11 @@ mod tests {
     #[test]
     fn random_lines_never_panic() {
         const ALPHABET: &[u8] = b"=,@:./xX0123456789KMGkmg abcdefghilmnoprstuvwy_-\xff";
-        const WORDS: [&str; 10] = [
+        const WORDS: [&str; 11] = [
             "counter=",
             "dirty=",
             "disk=",
+            "pmem=",
             "write,",
             "verify,",
             "ip=",

@@ -9,22 +9,26 @@ use crate::start_info::BootInfo;
 use crate::virtio::blk::Blk;
 use crate::virtio::mmio::{MmioTransport, Probe};
 use crate::virtio::net::VirtioNet;
+use crate::virtio::pmem::{self, Pmem};
 use crate::workloads::counter::Counter;
 use crate::workloads::dirty::Dirty;
 use crate::workloads::disk::DiskRunner;
+use crate::workloads::pmem::PmemRunner;
 
 /// The devices found on the command line.
 struct Devices {
     blk: Option<Blk>,
     net: Option<VirtioNet>,
+    pmem: Option<Pmem>,
 }
 
-/// Probes each `virtio_mmio.device=` slot and brings up the first block
-/// and the first network device.
+/// Probes each `virtio_mmio.device=` slot and brings up the first block,
+/// the first network and the first pmem device.
 fn probe_devices(cfg: &Config) -> Devices {
     let mut devs = Devices {
         blk: None,
         net: None,
+        pmem: None,
     };
     for d in cfg.devices() {
         if d.base.saturating_add(d.size) > 1 << 32 {
@@ -60,6 +64,19 @@ fn probe_devices(cfg: &Config) -> Devices {
                     devs.net = Some(n);
                 }
                 Err(e) => say!("virtio: net at {:#x}: {}", d.base, e),
+            },
+            Probe::Device(pmem::DEVICE_ID) if devs.pmem.is_none() => match Pmem::new(t) {
+                Ok(p) => {
+                    say!(
+                        "virtio: pmem at {:#x} irq={} start={:#x} size={}",
+                        d.base,
+                        d.irq,
+                        p.start(),
+                        p.size()
+                    );
+                    devs.pmem = Some(p);
+                }
+                Err(e) => say!("virtio: pmem at {:#x}: {}", d.base, e),
             },
             Probe::Empty => {}
             other => say!("virtio: {:#x}: skipped ({:?})", d.base, other),
@@ -132,6 +149,15 @@ fn run(cfg: &Config) -> ! {
             exit(ExitCode::CmdlineError);
         }
     };
+    let mut pmem = devs.pmem;
+    let mut pmem_jobs = match (&pmem, cfg.pmem_jobs().next()) {
+        (_, None) => None,
+        (Some(_), Some(_)) => Some(PmemRunner::new(cfg)),
+        (None, Some(_)) => {
+            say!("cmdline error: pmem=: no virtio-pmem device found");
+            exit(ExitCode::CmdlineError);
+        }
+    };
     let mut net = match (devs.net, cfg.ip) {
         (Some(dev), Some(ip)) => Some(NetStack::new(dev, ip, cfg.gw, crate::time::now_us())),
         (Some(_), None) => {
@@ -200,12 +226,18 @@ fn run(cfg: &Config) -> ! {
         if let (Some(d), Some(b)) = (disk.as_mut(), blk.as_mut()) {
             d.poll(b, now_ms);
         }
+        if let (Some(j), Some(p)) = (pmem_jobs.as_mut(), pmem.as_mut()) {
+            j.poll(p, now_ms);
+        }
         if let Some(n) = net.as_mut() {
             n.poll(now_ns / 1000);
         }
         let disk_done = disk.as_ref().is_none_or(|d| d.done());
-        if cfg.poweroff_done && disk_done {
-            if disk.as_ref().is_some_and(|d| d.failed()) {
+        let pmem_done = pmem_jobs.as_ref().is_none_or(|j| j.done());
+        if cfg.poweroff_done && disk_done && pmem_done {
+            if disk.as_ref().is_some_and(|d| d.failed())
+                || pmem_jobs.as_ref().is_some_and(|j| j.failed())
+            {
                 exit(ExitCode::VerifyFailed);
             }
             poweroff();

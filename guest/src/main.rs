@@ -1,7 +1,7 @@
 //! kemari's test guest: a PVH ELF whose tiny CPL0 bootstrap (`boot.rs`)
 //! drops to CPL3, where everything else runs and polls: serial console,
-//! virtio-mmio block and net drivers, a smoltcp TCP/IP stack with echo and
-//! HTTP services, and the `counter`, `dirty` and `disk` workloads.
+//! virtio-mmio block, net and pmem drivers, a smoltcp TCP/IP stack with echo
+//! and HTTP services, and the `counter`, `dirty`, `disk` and `pmem` workloads.
 //! See docs/test-guest.md.
 //!
 //! Only `x86_64-unknown-none` builds the guest; on any other target the

@@ -109,6 +109,7 @@ pub fn run(args: &StateCodecArgs, report: &mut Report) -> Result<(), StateCodecE
                 cache_bytes: None,
             }],
             nets: Vec::new(),
+            pmem: Vec::new(),
             id: None,
             name: None,
         };

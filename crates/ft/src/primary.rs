@@ -59,6 +59,14 @@ pub fn start(
     if matches!(shared.state(), FtState::Protected | FtState::Syncing) {
         return Err(FtError::State("the VM is already protected".into()));
     }
+    if let Some(p) = machine.config().pmem.first() {
+        // Its window is outside guest RAM: no sync would carry the guest's
+        // writes to it, and the standby could not map it (docs/warm-cache.md).
+        return Err(FtError::State(format!(
+            "fault tolerance cannot protect a VM with a pmem device ({}): its writes to the pmem are not replicated",
+            p.path.display()
+        )));
+    }
     let period = match opts.mode {
         SyncMode::Periodic(p) => Some(p),
         SyncMode::EventDriven => None,

@@ -6,7 +6,8 @@ use clap::Parser;
 
 mod roles;
 use vmm::config::{
-    parse_memory_size, ConfigError, DiskConfig, MachineConfig, NetConfig, SerialConfig, MAX_VCPUS,
+    parse_memory_size, ConfigError, DiskConfig, MachineConfig, NetConfig, PmemConfig, SerialConfig,
+    MAX_VCPUS,
 };
 use vmm::memory::MemoryBacking;
 
@@ -60,6 +61,12 @@ pub struct Args {
     /// A virtio-net device: tap=NAME[,mac=MAC]. Repeat for more.
     #[arg(long = "net")]
     pub nets: Vec<String>,
+    /// A virtio-pmem device: a file or block device (size a multiple of
+    /// 2 MiB) mapped into the guest, which sees /dev/pmemN and may mount it
+    /// with `-o dax`: its pages stay in this host's page cache across the
+    /// guest's reboots (docs/warm-cache.md). Repeatable.
+    #[arg(long = "pmem", value_name = "PATH")]
+    pub pmem: Vec<PathBuf>,
     /// Serve the control API on this Unix socket.
     #[arg(long)]
     pub api_socket: Option<PathBuf>,
@@ -74,7 +81,7 @@ pub struct Args {
     /// or `kemarictl warm-restart`) instead of booting a kernel. --serial,
     /// --api-socket and --memory-file/--hugepages (for a full snapshot's copy
     /// of memory) may be given; the rest comes from the snapshot.
-    #[arg(long, conflicts_with_all = ["kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "nets"])]
+    #[arg(long, conflicts_with_all = ["kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "nets", "pmem"])]
     pub restore: Option<PathBuf>,
     /// With --restore DIR: be the VM's prepared successor. Start before the
     /// state exists, while the old kemari still runs the VM: read
@@ -90,20 +97,20 @@ pub struct Args {
     /// With --memory-file PATH (the source VM's own memory file) the KVM VM
     /// and its memory slots are built at start-up, before the source
     /// connects, and an offer of any other memory is refused.
-    #[arg(long, conflicts_with_all = ["kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "nets", "restore"])]
+    #[arg(long, conflicts_with_all = ["kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "nets", "pmem", "restore"])]
     pub incoming_local: Option<PathBuf>,
     /// Wait on this TCP address (HOST:PORT) for a live migration from another
     /// kemari (`kemarictl migrate --to`) and run the VM. Needs
     /// --migration-key-file; --net tap=NAME may rename TAPs for this host,
     /// --serial and --api-socket may be given.
-    #[arg(long, conflicts_with_all = ["kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "restore", "incoming_local"])]
+    #[arg(long, conflicts_with_all = ["kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "pmem", "restore", "incoming_local"])]
     pub incoming: Option<String>,
     /// Be the fault-tolerance standby of the VM whose primary will connect to
     /// this TCP address (HOST:PORT; `kemarictl ft start --peer`): receive its
     /// synchronizations and run the VM if the primary is lost. Needs
     /// --migration-key-file; --net tap=NAME, --serial and --api-socket may be
     /// given.
-    #[arg(long, conflicts_with_all = ["kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "restore", "incoming_local", "incoming"])]
+    #[arg(long, conflicts_with_all = ["kernel", "initramfs", "cmdline", "memory", "vcpus", "disks", "pmem", "restore", "incoming_local", "incoming"])]
     pub ft_standby: Option<String>,
     /// Fault-tolerance fence: what only the running copy of the VM holds. A
     /// primary takes it at start; a standby takes it before it runs the VM
@@ -350,6 +357,8 @@ struct FileConfig {
     disks: Vec<DiskConfig>,
     #[serde(default)]
     nets: Vec<NetConfig>,
+    #[serde(default)]
+    pmem: Vec<PmemConfig>,
     api_socket: Option<PathBuf>,
     api_socket_mode: Option<String>,
     api_socket_group: Option<String>,
@@ -435,6 +444,12 @@ impl Args {
         for n in &self.nets {
             nets.push(parse_net(n)?);
         }
+        let mut pmem = file.pmem;
+        pmem.extend(
+            self.pmem
+                .iter()
+                .map(|path| PmemConfig { path: path.clone() }),
+        );
         let config = MachineConfig {
             vcpus,
             memory_bytes,
@@ -445,6 +460,7 @@ impl Args {
             serial,
             disks,
             nets,
+            pmem,
             // First boot: the VM's id from now on.
             id: Some(id.unwrap_or_else(crate::identity::random_id)),
             name,
@@ -791,6 +807,7 @@ mod tests {
                 tap: "src-tap".into(),
                 mac: mac.map(str::to_owned),
             }],
+            pmem: Vec::new(),
             id: None,
             name: None,
         };

@@ -54,6 +54,7 @@ fn boot(name: &str, cmdline: &str, dirty: DirtyTrackerConfig) -> Run {
         serial: SerialConfig::File(serial.clone()),
         disks: Vec::new(),
         nets: Vec::new(),
+        pmem: Vec::new(),
         id: None,
         name: None,
     };

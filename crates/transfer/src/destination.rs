@@ -737,8 +737,11 @@ pub fn mismatch(prepared: &MachineConfig, offered: &MachineConfig) -> Option<Str
     if prepared.vcpus != offered.vcpus {
         differs.push(format!("vcpus {} vs {}", prepared.vcpus, offered.vcpus));
     }
-    if prepared.disks != offered.disks || prepared.nets != offered.nets {
-        differs.push("disks or network devices".into());
+    if prepared.disks != offered.disks
+        || prepared.nets != offered.nets
+        || prepared.pmem != offered.pmem
+    {
+        differs.push("disks, network or pmem devices".into());
     }
     (!differs.is_empty()).then(|| {
         format!(
@@ -761,6 +764,7 @@ pub(crate) fn test_config(path: &str) -> MachineConfig {
         serial: Default::default(),
         disks: Vec::new(),
         nets: Vec::new(),
+        pmem: Vec::new(),
         id: None,
         name: None,
     }

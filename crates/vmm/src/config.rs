@@ -30,7 +30,7 @@ pub enum ConfigError {
         reason: SizeError,
     },
     /// Too many virtio devices.
-    #[error("at most {max} disks and network devices in all, got {got}")]
+    #[error("at most {max} disks, network and pmem devices in all, got {got}")]
     TooManyDevices {
         /// Requested.
         got: usize,
@@ -145,6 +145,16 @@ pub struct DiskConfig {
 /// Smallest warm disk cache (`cache=`): one 2 MiB run of blocks.
 pub const MIN_DISK_CACHE: u64 = 2 << 20;
 
+/// A virtio-pmem device (docs/warm-cache.md, "virtio-pmem"): a file or
+/// block device mapped into guest-physical memory, which a Linux guest
+/// sees as /dev/pmemN and can mount with `-o dax`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PmemConfig {
+    /// The file or block device (its size a non-zero multiple of 2 MiB).
+    pub path: PathBuf,
+}
+
 /// A virtio-net device on a TAP interface.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NetConfig {
@@ -195,6 +205,9 @@ pub struct MachineConfig {
     /// Network devices, in order.
     #[serde(default)]
     pub nets: Vec<NetConfig>,
+    /// virtio-pmem devices, in order (after the disks and network devices).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pmem: Vec<PmemConfig>,
     /// The VM's id (kemari gives one at first boot), kept wherever the VM
     /// is restored, migrated or failed over; absent in older states.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -221,7 +234,7 @@ impl MachineConfig {
             value: format_size(self.memory_bytes),
             reason,
         })?;
-        let devices = self.disks.len() + self.nets.len();
+        let devices = self.disks.len() + self.nets.len() + self.pmem.len();
         if devices > layout::VIRTIO_MAX_DEVICES {
             return Err(ConfigError::TooManyDevices {
                 got: devices,
@@ -338,6 +351,7 @@ mod tests {
             serial: SerialConfig::Stdout,
             disks: vec![],
             nets: vec![],
+            pmem: Vec::new(),
             id: None,
             name: None,
         }

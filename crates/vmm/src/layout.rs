@@ -5,6 +5,8 @@
 //!              │
 //! 0xC000_0000  ┼ MMIO gap: virtio-mmio devices, IOAPIC, LAPIC
 //! 0x1_0000_0000┼ high RAM (whatever did not fit below the gap)
+//!              ┼ virtio-pmem windows, each 1 GiB aligned, from 4 GiB or the
+//!              │ first GiB boundary after high RAM
 //! ```
 
 /// PVH `hvm_start_info` structure.
@@ -41,6 +43,12 @@ pub const IOAPIC_START: u64 = 0xfec0_0000;
 /// Local APIC MMIO base.
 pub const APIC_START: u64 = 0xfee0_0000;
 
+/// Alignment of a virtio-pmem window's guest address (Linux maps device
+/// memory in 2 MiB subsections at least; 1 GiB keeps a guest's huge pages).
+pub const PMEM_ALIGN: u64 = 1 << 30;
+/// A virtio-pmem backing's size must be a multiple of this.
+pub const PMEM_SIZE_ALIGN: u64 = 2 << 20;
+
 /// Smallest guest memory we accept.
 pub const MIN_MEMORY: u64 = 16 << 20;
 /// Largest guest memory we accept.
@@ -64,9 +72,39 @@ pub fn ram_ranges(size: u64) -> Vec<(u64, u64, u64)> {
     }
 }
 
+/// Guest addresses of virtio-pmem windows of `sizes` bytes, in order, for
+/// a VM of `memory` bytes: after RAM and above 4 GiB, each on a
+/// [`PMEM_ALIGN`] boundary.
+pub fn pmem_windows(memory: u64, sizes: &[u64]) -> Vec<u64> {
+    let ram_end = ram_ranges(memory)
+        .last()
+        .map_or(0, |&(start, len, _)| start + len);
+    let mut next = ram_end.max(MMIO_GAP_END).next_multiple_of(PMEM_ALIGN);
+    sizes
+        .iter()
+        .map(|&size| {
+            let base = next;
+            next = base + size.next_multiple_of(PMEM_ALIGN);
+            base
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pmem_windows_follow_ram_above_4g_on_gib_boundaries() {
+        assert_eq!(pmem_windows(256 << 20, &[]), Vec::<u64>::new());
+        assert_eq!(
+            pmem_windows(256 << 20, &[2 << 20, 1 << 30, 4 << 20]),
+            vec![4 << 30, 5 << 30, 6 << 30]
+        );
+        // 4 GiB of RAM ends at 5 GiB; 4.5 GiB at 5.5, rounded up to 6.
+        assert_eq!(pmem_windows(4 << 30, &[2 << 20]), vec![5 << 30]);
+        assert_eq!(pmem_windows((9 << 30) / 2, &[2 << 20]), vec![6 << 30]);
+    }
 
     #[test]
     fn ranges_split_around_the_gap() {

@@ -324,6 +324,8 @@ const PROCESS: &[libc::c_long] = &[
     libc::SYS_memfd_create,
     libc::SYS_msync,
     libc::SYS_mincore,
+    // A pmem backing's stale cached pages dropped when it is opened.
+    libc::SYS_fadvise64,
     // Descriptors.
     libc::SYS_dup,
     libc::SYS_dup2,

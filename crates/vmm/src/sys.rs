@@ -219,6 +219,11 @@ impl SharedMapping {
     }
 }
 
+// SAFETY: the mapping belongs to the process, not to a thread: it may be
+// used and unmapped from any thread. `SharedMapping` gives out only its
+// address; whoever dereferences it synchronizes access.
+unsafe impl Send for SharedMapping {}
+
 impl Drop for SharedMapping {
     fn drop(&mut self) {
         // SAFETY: `ptr`/`len` are exactly the mapping made in `new`, unmapped

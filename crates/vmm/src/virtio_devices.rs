@@ -15,6 +15,7 @@ use crate::devices::event_loop::{EventLoopError, LoopDevice};
 use crate::devices::virtio::block::Block;
 use crate::devices::virtio::mmio::{MmioTransport, MmioTransportState};
 use crate::devices::virtio::net::Net;
+use crate::devices::virtio::pmem::{Pmem, PmemError, PmemWindow};
 use crate::devices::virtio::tap::{Tap, TapError};
 use crate::devices::virtio::VirtioDevice;
 use crate::devices::DeviceInfo;
@@ -47,6 +48,15 @@ pub enum AttachError {
         /// The cause.
         #[source]
         source: TapError,
+    },
+    /// A virtio-pmem backing cannot be used.
+    #[error("pmem device {index}")]
+    Pmem {
+        /// Position among the pmem devices.
+        index: usize,
+        /// The cause.
+        #[source]
+        source: PmemError,
     },
     /// KVM refused an irqfd or ioeventfd.
     #[error("wiring {device}")]
@@ -107,6 +117,15 @@ impl AttachedDevice {
                 .unwrap_or_else(|p| p.into_inner())
                 .state(),
         }
+    }
+
+    /// Makes what the guest wrote to the device's backend without requests
+    /// durable ([`VirtioDevice::sync_backend`]).
+    pub fn sync_backend(&self) -> std::io::Result<()> {
+        self.device
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .sync_backend()
     }
 
     /// `info` with current counters.
@@ -211,8 +230,9 @@ impl BusDevice for MmioTransport {
     }
 }
 
-/// Creates every disk and network device of `config`, disks first, each in its
-/// own virtio-mmio window with its own GSI.
+/// Creates every disk, network and pmem device of `config`, in that order,
+/// each in its own virtio-mmio window with its own GSI (a pmem device's
+/// memory window, too: [`layout::pmem_windows`]).
 pub fn attach_all(
     config: &MachineConfig,
     vm: &Vm,
@@ -303,6 +323,38 @@ pub fn attach_all(
             index,
             name,
             "virtio-net",
+            backend,
+            device,
+            state,
+        )?);
+    }
+    let pmem_err = |index| move |source| AttachError::Pmem { index, source };
+    let sizes = config
+        .pmem
+        .iter()
+        .enumerate()
+        .map(|(i, p)| PmemWindow::probe(&p.path).map_err(pmem_err(i)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let windows = layout::pmem_windows(config.memory_bytes, &sizes);
+    for (i, (p, guest)) in config.pmem.iter().zip(windows).enumerate() {
+        let window = PmemWindow::open(vm, &p.path, guest).map_err(pmem_err(i))?;
+        let name = format!("pmem{i}");
+        let backend = format!(
+            "{} ({} at {guest:#x})",
+            p.path.display(),
+            crate::config::format_size(window.size())
+        );
+        let device: Arc<Mutex<dyn VirtioDevice>> =
+            Arc::new(Mutex::new(Pmem::new(name.clone(), window)));
+        let index = attached.len();
+        let state = saved_for(&name)?;
+        attached.push(wire(
+            vm,
+            mem,
+            mmio_bus,
+            index,
+            name,
+            "virtio-pmem",
             backend,
             device,
             state,

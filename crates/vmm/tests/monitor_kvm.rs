@@ -24,6 +24,7 @@ fn config(kernel: PathBuf) -> MachineConfig {
         serial: SerialConfig::Null,
         disks: Vec::new(),
         nets: Vec::new(),
+        pmem: Vec::new(),
         id: None,
         name: None,
     }

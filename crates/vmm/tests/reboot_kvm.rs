@@ -30,6 +30,7 @@ fn config(kernel: PathBuf, disk: PathBuf) -> MachineConfig {
             cache_bytes: None,
         }],
         nets: Vec::new(),
+        pmem: Vec::new(),
         id: None,
         name: None,
     }

@@ -5,6 +5,7 @@
 pub mod blk;
 pub mod mmio;
 pub mod net;
+pub mod pmem;
 pub mod queue;
 
 /// Device status bits (virtio 1.2, 2.1).
@@ -31,6 +32,9 @@ pub enum VirtioError {
     BadQueue(u32),
     /// RAM ran out while allocating rings or buffers.
     OutOfMemory,
+    /// The device's configuration space holds a value the driver cannot
+    /// use: what is wrong, and the value.
+    BadConfig(&'static str, u64),
 }
 
 impl core::fmt::Display for VirtioError {
@@ -40,6 +44,9 @@ impl core::fmt::Display for VirtioError {
             VirtioError::MissingFeature(name) => write!(f, "device lacks feature {name}"),
             VirtioError::BadQueue(q) => write!(f, "queue {q} missing or too small"),
             VirtioError::OutOfMemory => write!(f, "out of memory for rings and buffers"),
+            VirtioError::BadConfig(what, value) => {
+                write!(f, "bad configuration: {what} {value:#x}")
+            }
         }
     }
 }

@@ -4,3 +4,4 @@
 pub mod counter;
 pub mod dirty;
 pub mod disk;
+pub mod pmem;

@@ -16,7 +16,15 @@ use clap::{ArgMatches, ValueEnum};
 use super::{read_config_file, Args, CliError, FileConfig, Given};
 
 /// The machine keys a role's file must not hold.
-const MACHINE_KEYS: [&str; 6] = ["kernel", "initramfs", "cmdline", "memory", "vcpus", "disks"];
+const MACHINE_KEYS: [&str; 7] = [
+    "kernel",
+    "initramfs",
+    "cmdline",
+    "memory",
+    "vcpus",
+    "disks",
+    "pmem",
+];
 
 impl Args {
     /// Fills what the flags left unset from `--config`'s role and process
@@ -193,6 +201,7 @@ impl Args {
             file.memory.is_some(),
             file.vcpus.is_some(),
             !file.disks.is_empty(),
+            !file.pmem.is_empty(),
         ];
         let keys: Vec<&str> = MACHINE_KEYS
             .iter()

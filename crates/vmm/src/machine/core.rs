@@ -167,6 +167,13 @@ impl MachineCore {
             serial.state().into()
         };
         let virtio = self.virtio.iter().map(|d| d.save()).collect();
+        // What the guest wrote into device memory outside guest RAM (a
+        // virtio-pmem window) is in its backing before the state exists:
+        // whoever opens the state maps the backing anew.
+        for d in &self.virtio {
+            d.sync_backend()
+                .map_err(|e| MachineError::DeviceSync(d.info.name.clone(), e))?;
+        }
         Ok(VmState {
             kemari_version: env!("CARGO_PKG_VERSION").to_owned(),
             saved_at_ms: persist::now_ms(),

@@ -82,4 +82,8 @@ pub enum MachineError {
         #[source]
         source: std::io::Error,
     },
+    /// What the guest wrote to a device's backend could not be made durable
+    /// for a saved state (virtio-pmem: the backing's fsync failed).
+    #[error("cannot sync the backend of {0}")]
+    DeviceSync(String, #[source] std::io::Error),
 }

@@ -310,6 +310,7 @@ fn placeholder() -> VmState {
             serial: SerialConfig::Null,
             disks: vec![],
             nets: vec![],
+            pmem: Vec::new(),
             id: None,
             name: None,
         },

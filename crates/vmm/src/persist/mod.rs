@@ -221,7 +221,7 @@ impl VmState {
         if self.kvm.irqchips.len() != CHIPS.len() {
             return Err("irqchip state incomplete".into());
         }
-        let devices = self.config.disks.len() + self.config.nets.len();
+        let devices = self.config.disks.len() + self.config.nets.len() + self.config.pmem.len();
         if self.virtio.len() != devices {
             return Err(format!(
                 "{} virtio device states for {devices} configured devices",

@@ -177,6 +177,48 @@ impl Vm {
         Ok(())
     }
 
+    /// Maps `len` bytes at host address `host` into the guest at `guest`, as a
+    /// memory slot that dirty logging leaves alone (device memory such as a
+    /// virtio-pmem window, which lives in its own file, not in guest RAM).
+    /// Returns the slot, for [`unmap_device_memory`](Self::unmap_device_memory).
+    ///
+    /// # Safety
+    ///
+    /// `host..host + len` must stay mapped until the slot is unmapped or the
+    /// VM closed (the guest reads and writes it through KVM).
+    pub unsafe fn map_device_memory(
+        &self,
+        guest: u64,
+        len: u64,
+        host: u64,
+    ) -> Result<u32, VmError> {
+        let slot = kvm_userspace_memory_region {
+            slot: self.slots.fetch_add(1, std::sync::atomic::Ordering::SeqCst),
+            flags: 0,
+            guest_phys_addr: guest,
+            memory_size: len,
+            userspace_addr: host,
+        };
+        // SAFETY: the caller keeps the range mapped for the slot's lifetime.
+        unsafe { self.fd.set_user_memory_region(slot) }
+            .map_err(kvm_err("KVM_SET_USER_MEMORY_REGION (device memory)"))?;
+        Ok(slot.slot)
+    }
+
+    /// Removes a slot made by [`map_device_memory`](Self::map_device_memory).
+    pub fn unmap_device_memory(&self, slot: u32, guest: u64) -> Result<(), VmError> {
+        let region = kvm_userspace_memory_region {
+            slot,
+            flags: 0,
+            guest_phys_addr: guest,
+            memory_size: 0,
+            userspace_addr: 0,
+        };
+        // SAFETY: a zero-sized region deletes the slot; KVM keeps no mapping.
+        unsafe { self.fd.set_user_memory_region(region) }
+            .map_err(kvm_err("KVM_SET_USER_MEMORY_REGION (delete)"))
+    }
+
     /// Number of memory slots registered.
     pub fn memory_slots(&self) -> u32 {
         self.slots.load(std::sync::atomic::Ordering::SeqCst)

@@ -9,6 +9,7 @@
 pub mod block;
 pub mod mmio;
 pub mod net;
+pub mod pmem;
 pub mod tap;
 
 use std::os::fd::RawFd;
@@ -22,6 +23,8 @@ use crate::memory::GuestMemoryMmap;
 pub const TYPE_NET: u32 = 1;
 /// virtio device ID of a block device.
 pub const TYPE_BLOCK: u32 = 2;
+/// virtio device ID of a persistent memory device.
+pub const TYPE_PMEM: u32 = 27;
 
 /// VIRTIO_F_VERSION_1: every device we offer is a modern (v1+) device.
 pub const FEATURE_VERSION_1: u64 = 1 << 32;
@@ -210,6 +213,12 @@ pub trait VirtioDevice: Send {
     /// afterwards.
     fn release_backend(&mut self) -> std::io::Result<Option<std::fs::File>> {
         Ok(None)
+    }
+    /// Makes what the guest wrote durable in the backend, for a saved state
+    /// that another VMM will open the backend from (only devices whose data
+    /// the guest writes without requests, virtio-pmem, have anything to do).
+    fn sync_backend(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
     /// The driver reset the device: drop the queues, go back to the initial state.
     fn reset(&mut self);
