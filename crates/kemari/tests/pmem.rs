@@ -7,7 +7,8 @@
 //! - a generation the host writes into the file is what the guest reads,
 //!   every word of it; the generation the guest writes and flushes is what
 //!   the host then reads from the file, while kemari still runs; the device
-//!   is listed (`pmem0`, `virtio-pmem`) and counts the flush;
+//!   is listed (`pmem0`, `virtio-pmem`) and counts the flush; fault
+//!   tolerance is refused, saying why;
 //! - one byte the host damages, deep in the window, is what the guest's
 //!   check reports (the check is not blind);
 //! - across in-place reboots (same process), each boot reads the generation
@@ -199,6 +200,20 @@ fn the_guest_reads_the_hosts_generation_and_the_host_reads_the_guests() {
     assert_eq!(device["kind"], "virtio-pmem", "{device}");
     assert_eq!(device["counters"]["requests"], 1, "one flush: {device}");
     assert_eq!(device["counters"]["errors"], 0, "{device}");
+    // Fault tolerance would not replicate the window: refused, saying why,
+    // before any link is tried, and the VM runs on.
+    let key = kemari_testkit::test_key(&dir);
+    let out = run_with_timeout(
+        kemarictl(&vmm.api)
+            .args(["ft", "start", "--peer", "127.0.0.1:9", "--key-file"])
+            .arg(&key),
+        PATIENCE,
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "ft start accepted: {err}");
+    assert!(err.contains("pmem device") && err.contains("not replicated"), "{err}");
+    let info = request_with_timeout(&vmm.api, "GET", "/vm", None, PATIENCE).expect("GET /vm");
+    assert_eq!(info["state"], "running", "{info}");
     shut_down(vmm);
     assert_eq!(file_state(&file), PmemState::Valid { generation: next });
 }
