@@ -211,7 +211,10 @@ fn the_guest_reads_the_hosts_generation_and_the_host_reads_the_guests() {
     );
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "ft start accepted: {err}");
-    assert!(err.contains("pmem device") && err.contains("not replicated"), "{err}");
+    assert!(
+        err.contains("pmem device") && err.contains("not replicated"),
+        "{err}"
+    );
     let info = request_with_timeout(&vmm.api, "GET", "/vm", None, PATIENCE).expect("GET /vm");
     assert_eq!(info["state"], "running", "{info}");
     shut_down(vmm);

@@ -11,11 +11,9 @@
 
 pub mod request;
 
-use std::sync::Arc;
-
 use nbd_client::page_buf::PageBuf;
 use tracing::{debug, info, warn};
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::QueueT;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 
 use self::request::{
@@ -23,8 +21,8 @@ use self::request::{
     MAX_RANGES, MAX_RANGE_SECTORS, RANGE_FLAG_UNMAP,
 };
 use super::{
-    Activation, DeviceCounters, PendingOutputs, QueueProgress, QueueView, VirtioDevice,
-    VirtioError, VirtioInterrupt, FEATURE_VERSION_1, TYPE_BLOCK,
+    read_config_space, Activation, ActiveQueue, DeviceCounters, PendingOutputs, QueueProgress,
+    QueueView, VirtioDevice, VirtioError, FEATURE_VERSION_1, TYPE_BLOCK,
 };
 use crate::devices::block_backend::{BlockBackend, ReleasedBackend, SECTOR_SIZE};
 use crate::memory::GuestMemoryMmap;
@@ -67,12 +65,6 @@ pub mod status {
 
 /// Length of the configuration space we expose (through write_zeroes_may_unmap).
 const CONFIG_LEN: usize = 60;
-
-struct ActiveQueue {
-    mem: GuestMemoryMmap,
-    queue: Queue,
-    interrupt: Arc<dyn VirtioInterrupt>,
-}
 
 /// A virtio-blk device.
 pub struct Block {
@@ -425,36 +417,17 @@ impl VirtioDevice for Block {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = usize::try_from(offset)
-                .ok()
-                .and_then(|o| o.checked_add(i))
-                .and_then(|o| self.config.get(o))
-                .copied()
-                .unwrap_or(0);
-        }
+        read_config_space(&self.config, offset, data);
     }
 
-    fn activate(&mut self, activation: Activation) -> Result<(), VirtioError> {
+    fn activate(&mut self, mut activation: Activation) -> Result<(), VirtioError> {
+        let [queue] = activation.take_queues()?;
         let Activation {
             mem,
-            mut queues,
             interrupt,
             acked_features,
+            ..
         } = activation;
-        if queues.len() != 1 {
-            return Err(VirtioError::QueueCount {
-                expected: 1,
-                actual: queues.len(),
-            });
-        }
-        let queue = queues.remove(0);
-        if !queue.is_valid(&mem) {
-            return Err(VirtioError::InvalidQueue {
-                index: 0,
-                size: queue.size(),
-            });
-        }
         info!(device = %self.name, backend = %self.backend.id(), features = acked_features, "virtio-blk activated");
         self.active = Some(ActiveQueue {
             mem,
@@ -507,19 +480,14 @@ impl VirtioDevice for Block {
     fn queue_views(&self) -> Vec<QueueView> {
         self.active
             .as_ref()
-            .map(|a| vec![QueueView::of(&a.queue, &a.mem)])
+            .map(ActiveQueue::views)
             .unwrap_or_default()
     }
 
     fn queue_progress(&self) -> Vec<QueueProgress> {
         self.active
             .as_ref()
-            .map(|a| {
-                vec![QueueProgress {
-                    next_avail: a.queue.next_avail(),
-                    next_used: a.queue.next_used(),
-                }]
-            })
+            .map(ActiveQueue::progress)
             .unwrap_or_default()
     }
 }

@@ -96,6 +96,29 @@ pub struct QueueProgress {
     pub next_used: u16,
 }
 
+impl QueueProgress {
+    /// Where the device is in `queue`.
+    pub fn of(queue: &Queue) -> Self {
+        QueueProgress {
+            next_avail: queue.next_avail(),
+            next_used: queue.next_used(),
+        }
+    }
+}
+
+/// Reads a device's configuration space `config` at `offset` into `data`;
+/// bytes beyond it read as 0.
+pub fn read_config_space(config: &[u8], offset: u64, data: &mut [u8]) {
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = usize::try_from(offset)
+            .ok()
+            .and_then(|o| o.checked_add(i))
+            .and_then(|o| config.get(o))
+            .copied()
+            .unwrap_or(0);
+    }
+}
+
 /// What a device gets when the driver sets DRIVER_OK.
 pub struct Activation {
     /// Guest memory.
@@ -106,6 +129,51 @@ pub struct Activation {
     pub interrupt: Arc<dyn VirtioInterrupt>,
     /// Features the driver acknowledged.
     pub acked_features: u64,
+}
+
+/// A one-queue device's queue while it is activated.
+pub struct ActiveQueue {
+    /// Guest memory.
+    pub mem: GuestMemoryMmap,
+    /// The queue.
+    pub queue: Queue,
+    /// Raises the device's interrupt.
+    pub interrupt: Arc<dyn VirtioInterrupt>,
+}
+
+impl ActiveQueue {
+    /// The queue as the API shows it ([`VirtioDevice::queue_views`]).
+    pub fn views(&self) -> Vec<QueueView> {
+        vec![QueueView::of(&self.queue, &self.mem)]
+    }
+
+    /// Where the device is in it ([`VirtioDevice::queue_progress`]).
+    pub fn progress(&self) -> Vec<QueueProgress> {
+        vec![QueueProgress::of(&self.queue)]
+    }
+}
+
+impl Activation {
+    /// Takes the activation's queues, checked: exactly `N`, each valid in
+    /// guest memory.
+    pub fn take_queues<const N: usize>(&mut self) -> Result<[Queue; N], VirtioError> {
+        let queues: [Queue; N] =
+            std::mem::take(&mut self.queues)
+                .try_into()
+                .map_err(|q: Vec<Queue>| VirtioError::QueueCount {
+                    expected: N,
+                    actual: q.len(),
+                })?;
+        for (index, q) in queues.iter().enumerate() {
+            if !q.is_valid(&self.mem) {
+                return Err(VirtioError::InvalidQueue {
+                    index,
+                    size: q.size(),
+                });
+            }
+        }
+        Ok(queues)
+    }
 }
 
 /// One queue as the API shows it (`kemarictl devices`): where the device is

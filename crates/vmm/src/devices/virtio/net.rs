@@ -25,8 +25,8 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend};
 use super::block::request::{RawDesc, MAX_DESCRIPTORS};
 use super::tap::{Tap, VNET_HDR_LEN};
 use super::{
-    Activation, DeviceCounters, PendingOutputs, QueueProgress, QueueView, VirtioDevice,
-    VirtioError, VirtioInterrupt, FEATURE_VERSION_1, TYPE_NET,
+    read_config_space, Activation, DeviceCounters, PendingOutputs, QueueProgress, QueueView,
+    VirtioDevice, VirtioError, VirtioInterrupt, FEATURE_VERSION_1, TYPE_NET,
 };
 use crate::memory::GuestMemoryMmap;
 
@@ -397,38 +397,17 @@ impl VirtioDevice for Net {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = usize::try_from(offset)
-                .ok()
-                .and_then(|o| o.checked_add(i))
-                .and_then(|o| self.config.get(o))
-                .copied()
-                .unwrap_or(0);
-        }
+        read_config_space(&self.config, offset, data);
     }
 
-    fn activate(&mut self, activation: Activation) -> Result<(), VirtioError> {
+    fn activate(&mut self, mut activation: Activation) -> Result<(), VirtioError> {
+        let [rx, tx] = activation.take_queues()?;
         let Activation {
             mem,
-            queues,
             interrupt,
             acked_features,
+            ..
         } = activation;
-        let [rx, tx]: [Queue; 2] =
-            queues
-                .try_into()
-                .map_err(|q: Vec<Queue>| VirtioError::QueueCount {
-                    expected: 2,
-                    actual: q.len(),
-                })?;
-        for (index, q) in [&rx, &tx].into_iter().enumerate() {
-            if !q.is_valid(&mem) {
-                return Err(VirtioError::InvalidQueue {
-                    index,
-                    size: q.size(),
-                });
-            }
-        }
         info!(device = %self.name, tap = %self.tap.name(), features = acked_features, "virtio-net activated");
         self.active = Some(ActiveQueues {
             mem,
@@ -500,10 +479,7 @@ impl VirtioDevice for Net {
             .map(|a| {
                 [&a.rx, &a.tx]
                     .iter()
-                    .map(|q| QueueProgress {
-                        next_avail: q.next_avail(),
-                        next_used: q.next_used(),
-                    })
+                    .map(|q| QueueProgress::of(q))
                     .collect()
             })
             .unwrap_or_default()

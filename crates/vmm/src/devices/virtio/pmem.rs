@@ -19,16 +19,15 @@
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use tracing::{debug, info, warn};
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::QueueT;
 use vm_memory::{Bytes, GuestAddress};
 
 use super::block::request::RawDesc;
 use super::{
-    Activation, DeviceCounters, QueueProgress, QueueView, VirtioDevice, VirtioError,
-    VirtioInterrupt, FEATURE_VERSION_1, TYPE_PMEM,
+    read_config_space, Activation, ActiveQueue, DeviceCounters, QueueProgress, QueueView,
+    VirtioDevice, VirtioError, FEATURE_VERSION_1, TYPE_PMEM,
 };
 use crate::layout;
 use crate::memory::GuestMemoryMmap;
@@ -297,12 +296,6 @@ pub fn parse_request(
     })
 }
 
-struct ActiveQueue {
-    mem: GuestMemoryMmap,
-    queue: Queue,
-    interrupt: Arc<dyn VirtioInterrupt>,
-}
-
 /// A virtio-pmem device in front of a [`PmemWindow`].
 pub struct Pmem {
     name: String,
@@ -399,36 +392,17 @@ impl VirtioDevice for Pmem {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = usize::try_from(offset)
-                .ok()
-                .and_then(|o| o.checked_add(i))
-                .and_then(|o| self.config.get(o))
-                .copied()
-                .unwrap_or(0);
-        }
+        read_config_space(&self.config, offset, data);
     }
 
-    fn activate(&mut self, activation: Activation) -> Result<(), VirtioError> {
+    fn activate(&mut self, mut activation: Activation) -> Result<(), VirtioError> {
+        let [queue] = activation.take_queues()?;
         let Activation {
             mem,
-            mut queues,
             interrupt,
             acked_features,
+            ..
         } = activation;
-        if queues.len() != 1 {
-            return Err(VirtioError::QueueCount {
-                expected: 1,
-                actual: queues.len(),
-            });
-        }
-        let queue = queues.remove(0);
-        if !queue.is_valid(&mem) {
-            return Err(VirtioError::InvalidQueue {
-                index: 0,
-                size: queue.size(),
-            });
-        }
         info!(device = %self.name, features = acked_features, "virtio-pmem activated");
         self.active = Some(ActiveQueue {
             mem,
@@ -463,19 +437,14 @@ impl VirtioDevice for Pmem {
     fn queue_views(&self) -> Vec<QueueView> {
         self.active
             .as_ref()
-            .map(|a| vec![QueueView::of(&a.queue, &a.mem)])
+            .map(ActiveQueue::views)
             .unwrap_or_default()
     }
 
     fn queue_progress(&self) -> Vec<QueueProgress> {
         self.active
             .as_ref()
-            .map(|a| {
-                vec![QueueProgress {
-                    next_avail: a.queue.next_avail(),
-                    next_used: a.queue.next_used(),
-                }]
-            })
+            .map(ActiveQueue::progress)
             .unwrap_or_default()
     }
 }

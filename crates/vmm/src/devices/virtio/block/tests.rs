@@ -1,5 +1,6 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
@@ -7,6 +8,7 @@ use vm_memory::{Bytes, GuestAddress};
 use super::request::types;
 use super::*;
 use crate::devices::block_backend::{MemoryBackend, RawFileBackend};
+use crate::devices::virtio::VirtioInterrupt;
 use crate::memory::{GuestMemoryFile, MemoryBacking};
 
 pub(crate) const F_NEXT: u16 = 1;
