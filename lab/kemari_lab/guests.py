@@ -54,6 +54,10 @@ class GuestSpec:
     disk: bool = True
     # An NBD URL (nbd://HOST:PORT/EXPORT) instead of a private copy of the disk.
     disk_url: str | None = None
+    # kemari only: a file or block device in the virtual host given as
+    # `--pmem PATH` (virtio-pmem); the guest mounts its /dev/pmem0 at /mnt
+    # with -o dax (klab.disk=pmem0) as its data disk. Usually with disk=False.
+    pmem: str | None = None
     net: bool = True
     # kemari's --log-level; with it, --log-json (log lines in the console file, see vmm_log).
     log_level: str | None = None
@@ -75,6 +79,8 @@ class GuestSpec:
     def __post_init__(self) -> None:
         if self.vmm not in VMMS:
             raise LabError(f"unknown VMM {self.vmm!r} (one of {', '.join(VMMS)})")
+        if self.pmem and self.vmm != "kemari":
+            raise LabError(f"guest {self.name}: a pmem data disk is for kemari guests, not {self.vmm}")
         self.ip = guest_ip(self.host_index, self.index)
         self.mac = f"52:54:00:77:{1 + self.host_index:02x}:{self.index:02x}"
         self.tap = f"g{self.index}"
@@ -82,6 +88,8 @@ class GuestSpec:
     @property
     def cmdline(self) -> str:
         kernel = "loglevel=7 oops=panic panic=-1 klab.verbose=1" if self.verbose else "quiet panic=-1"
+        if self.pmem:
+            kernel += " klab.disk=pmem0"
         return f"console=ttyS0 {kernel} klab.ip={self.ip}/{PREFIX_LEN} {self.extra_cmdline}".strip()
 
     @property
@@ -131,6 +139,8 @@ class GuestSpec:
         )
         if self.disk:
             cmd += f" --disk {self.disk_arg}"
+        if self.pmem:
+            cmd += f" --pmem {self.pmem}"
         if self.net:
             cmd += f" --net tap={self.tap},mac={self.mac}"
         if self.vmm_args:
@@ -318,7 +328,7 @@ class Guest:
         if booted is None or int(booted.group(1)) != self.spec.vcpus:
             raise LabError(f"{name}: guest did not report {self.spec.vcpus} CPUs:\n{console[-2000:]}")
         check_memory(name, self.spec.memory_mb, int(booted.group(2)))
-        checks = [(NET_RE, "network")] + ([(DISK_RE, "disk")] if self.spec.disk else [])
+        checks = [(NET_RE, "network")] + ([(DISK_RE, "disk")] if self.spec.disk or self.spec.pmem else [])
         for regex, what in checks:
             m = regex.search(console)
             if m is None or m.group(1) != "OK":

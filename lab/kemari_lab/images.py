@@ -9,8 +9,9 @@ Images (under lab/build/images/):
 - ``host-base.cpio``: the virtual host's initramfs (busybox, kvm-amd, virtio,
   tun, bridge, netem, nbd, legacy pmem modules, QEMU, iproute2's ip and nbd-client with
   their libraries, QEMU's firmware);
-- ``guest-initrd.cpio``: the guest's initramfs (busybox, virtio modules, an
-  init that mounts the disk, starts services and reports on the console);
+- ``guest-initrd.cpio``: the guest's initramfs (busybox, virtio modules, the
+  virtio-pmem ones loaded on request, an init that mounts the disk, starts
+  services and reports on the console);
 - ``guest-disk.ext4``: the guest's ext4 disk;
 - ``host-initrd.cpio``: host-base plus a payload archive (the guest images and
   the kemari binaries), composed by :func:`host_initrd` before each run.
@@ -25,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +56,11 @@ GUEST_MODULES = [
     "virtio_blk",
     "virtio_net",
 ]
+# Loaded only by a guest whose data disk is a virtio-pmem device
+# (klab.disk=pmem0: /dev/pmem0 mounted with -o dax, the warm-cache bench's
+# dax guest, docs/warm-cache.md): listed apart in /etc/klab-modules-pmem,
+# without what GUEST_MODULES already loads.
+GUEST_PMEM_MODULES = ["virtio_pmem", "nd_pmem"]
 
 # QEMU firmware files the nested QEMU needs for `-M pc -kernel` boots.
 QEMU_FIRMWARE = [
@@ -230,12 +237,19 @@ def _add_busybox(w: CpioWriter, skip: tuple[str, ...] = ()) -> None:
         w.add_symlink(applet, "../" * (depth - 1) + "bin/busybox" if depth > 1 else "busybox")
 
 
-def _add_modules(w: CpioWriter, tree: KernelTree, wanted: list[str]) -> None:
+def _add_modules(
+    w: CpioWriter, tree: KernelTree, wanted: list[str], listing: str = "etc/klab-modules", skip: Sequence[str] = ()
+) -> None:
+    """The modules `wanted` and their dependencies (but those of `skip` and
+    theirs, already added), with `listing` naming them in load order."""
+    have = {ko.name for ko in tree.resolve(list(skip))}
     names = []
     for ko in tree.resolve(wanted):
+        if ko.name in have:
+            continue
         w.add_file(f"lib/modules/{ko.name}", ko, 0o644)
         names.append(ko.name)
-    w.add_bytes("etc/klab-modules", ("\n".join(names) + "\n").encode())
+    w.add_bytes(listing, ("\n".join(names) + "\n").encode())
 
 
 def shared_libraries(binary: Path) -> list[Path]:
@@ -361,7 +375,7 @@ def build_guest_initrd(tree: KernelTree) -> Path:
     """The guest's initramfs."""
     out = paths.IMAGES_DIR / "guest-initrd.cpio"
     init = _INIT_DIR / "guest-init.sh"
-    digest = _inputs_digest(tree.version, GUEST_MODULES, init, init.read_bytes())
+    digest = _inputs_digest(tree.version, GUEST_MODULES, GUEST_PMEM_MODULES, init, init.read_bytes())
     if _fresh(out, digest):
         return out
     log("building the guest initramfs")
@@ -372,6 +386,7 @@ def build_guest_initrd(tree: KernelTree) -> Path:
             w.add_dir(d)
         _add_busybox(w)
         _add_modules(w, tree, GUEST_MODULES)
+        _add_modules(w, tree, GUEST_PMEM_MODULES, "etc/klab-modules-pmem", skip=GUEST_MODULES)
         w.add_file("init", init, 0o755)
         w.close()
     tmp.rename(out)

@@ -32,6 +32,20 @@ a loaded machine one HTTP pass of 64 MiB took 5 minutes).
 round: ``dropped`` (before the reboot, the guest's page cache dropped: the
 disk path alone) and ``after_again`` (right after *after*: what the reboot
 leaves behind once the files are cached again).
+
+``KEMARI_WARM_CACHE_PMEM=1`` replaces the cached guest with a ``dax`` guest:
+the virtual host's kernel NBD client connects its export to /dev/nbd1
+(4 KiB blocks) and kemari gets ``--pmem /dev/nbd1`` instead of a disk — a
+virtio-pmem window that is a MAP_SHARED mapping of that device, so the
+virtual host's page cache of the export. The guest (``klab.disk=pmem0``)
+mounts /dev/pmem0 at /mnt with ``-o dax``: big.bin is read, and www/
+served, by plain copies out of the window, which the in-place reboot keeps
+mapped. Every boot and every read must show the mount with ``dax`` in its
+options (:func:`dax_problem`), or the run fails: a silent fallback to the
+guest's page cache would make the figures meaningless. Its ratios are
+``read_dax_after_over_cold_after`` (goal ≥ 10), ``read_dax_after_over_before``
+(≥ 0.9) and ``http_dax_after_over_before``; ``…_after_reboot_nbd_read_mb``
+is what the virtual host read over NBD for it after the reboot.
 """
 
 from __future__ import annotations
@@ -65,6 +79,9 @@ CACHE = "512M"
 GUEST_MB = 1024
 READ_RE = re.compile(r"KLAB-READ bytes=(\d+) start=([\d.]+) end=([\d.]+)")
 READ_DISK_RE = re.compile(r"KLAB-READ-DISK ios=(\d+) sectors=(\d+)")
+READ_NS_RE = re.compile(r"KLAB-READ-NS start=(\d+) end=(\d+)")
+# The dax guest's window: the kernel NBD client's device in the virtual host.
+PMEM_DEVICE = "/dev/nbd1"
 _HTTP_BENCH = Path(__file__).resolve().parent / "http_bench.py"
 
 
@@ -89,6 +106,10 @@ def build_disk(directory: Path) -> Path:
                 "mkfs.ext4",
                 "-q",
                 "-F",
+                # The default for this size, said outright: DAX needs
+                # blocks of the page size (4 KiB).
+                "-b",
+                "4096",
                 "-L",
                 "klabdisk",
                 "-d",
@@ -100,21 +121,56 @@ def build_disk(directory: Path) -> Path:
     return out
 
 
-def read_big_file(lab: Lab, ip: str, out: dict[str, float], key: str) -> None:
+def dax_problem(text: str) -> str | None:
+    """None when the last mount report in `text` (the console's ``KLAB-MOUNT
+    dev=DEV opts=OPTS`` at boot, or a read's ``KLAB-READ-MOUNT DEV OPTS``)
+    shows /mnt mounted from a pmem device with DAX (``dax`` or
+    ``dax=always``); otherwise what is wrong."""
+    reports = [line for line in text.splitlines() if "KLAB-MOUNT " in line or "KLAB-READ-MOUNT" in line]
+    if not reports:
+        return "no mount report (KLAB-MOUNT) from the guest"
+    fields = reports[-1].split("MOUNT", 1)[1].split()
+    dev = fields[0].removeprefix("dev=") if fields else ""
+    opts = fields[1].removeprefix("opts=") if len(fields) > 1 else ""
+    if not dev.startswith("/dev/pmem") or not opts:
+        return f"/mnt is not mounted from a pmem device: {reports[-1].strip()!r}"
+    if not {"dax", "dax=always"} & set(opts.split(",")):
+        return f"/mnt is mounted without DAX ({dev} {opts})"
+    return None
+
+
+def read_seconds(body: str) -> float | None:
+    """How long the guest's read of big.bin took by its own clock: the
+    nanosecond stamps (KLAB-READ-NS) where the guest had them, else its
+    /proc/uptime (10 ms steps, at least 10 ms). None unless the answer
+    reports the whole file read."""
+    m = READ_RE.search(body)
+    if m is None or int(m.group(1)) != BIG_MB << 20:
+        return None
+    ns = READ_NS_RE.search(body)
+    if ns is not None and int(ns.group(2)) > int(ns.group(1)) > 0:
+        return (int(ns.group(2)) - int(ns.group(1))) / 1e9
+    return max(float(m.group(3)) - float(m.group(2)), 0.01)
+
+
+def read_big_file(lab: Lab, ip: str, out: dict[str, float], key: str, dax: bool = False) -> None:
     """The guest reads big.bin once: out[key + "_mb_s"], MB/s as its clock
     measured it, and out[key + "_disk_requests"], the read requests its disk
-    saw meanwhile (none when the page cache had it all)."""
+    saw meanwhile (none when the page cache had it all, nor through DAX but
+    for metadata). With `dax`, the mount must be DAX (:func:`dax_problem`)."""
     # 256 MiB at 0.9 MB/s, under the slowest read seen (2 MB/s, a loaded
     # machine): a guest that crashed mid-read (docs/lab.md, issue 24) is
     # reported, with its diagnostics, within minutes.
     body = lab.client_http_get(ip, "/cgi-bin/read?big.bin", timeout=300)
-    m = READ_RE.search(body)
-    if m is None or int(m.group(1)) != BIG_MB << 20:
+    seconds = read_seconds(body)
+    if seconds is None:
         raise LabError(f"guest {ip}: reading big.bin answered {body.strip()!r}")
-    out[f"{key}_mb_s"] = int(m.group(1)) / max(float(m.group(3)) - float(m.group(2)), 0.01) / 1e6
+    out[f"{key}_mb_s"] = (BIG_MB << 20) / seconds / 1e6
     d = READ_DISK_RE.search(body)
     if d is not None:
         out[f"{key}_disk_requests"] = float(d.group(1))
+    if dax and (problem := dax_problem(body)) is not None:
+        raise LabError(f"guest {ip}, {key}: {problem}; the read is not a DAX read:\n{body.strip()}")
 
 
 def http_mb_s(lab: Lab, ip: str) -> float:
@@ -152,6 +208,50 @@ def copy_to_ram(host: VirtualHost, port: int, export: str) -> str:
         finally:
             host.run("/sbin/nbd-client -d /dev/nbd0", check=False)
     return path
+
+
+def connect_pmem(host: VirtualHost, port: int, export: str) -> None:
+    """Connects the virtual host's kernel NBD client to `export` as
+    PMEM_DEVICE (4 KiB blocks), the dax guest's --pmem; checks its size."""
+    with step(f"{host.name}: connecting export {export!r} to {PMEM_DEVICE}"):
+        host.run(f"/sbin/nbd-client {BRIDGE_IP} {port} {PMEM_DEVICE} -N {export} -b 4096")
+        size = host.run(f"blockdev --getsize64 {PMEM_DEVICE}").output.strip()
+        if size != str(DISK_MB << 20):
+            raise LabError(f"{host.name}: {PMEM_DEVICE} has {size} bytes, not {DISK_MB} MiB")
+
+
+def disconnect_pmem(host: VirtualHost) -> None:
+    """Best effort: the virtual host may be gone already."""
+    try:
+        host.run(f"/sbin/nbd-client -d {PMEM_DEVICE}", check=False, timeout=60)
+    except LabError:
+        pass
+
+
+def nbd_read_mb(host: VirtualHost) -> float:
+    """MiB the virtual host has read from PMEM_DEVICE so far (block/stat.rst)."""
+    fields = host.run(f"cat /sys/block/{PMEM_DEVICE.rsplit('/', 1)[1]}/stat").output.split()
+    return int(fields[2]) * 512 / (1 << 20)
+
+
+def check_dax_mount(guest: Guest) -> None:
+    """The guest's last boot mounted /dev/pmem0 with DAX, or the run fails
+    with what the guest and kemari said."""
+    console = guest.console_text()
+    problem = dax_problem(console)
+    if problem is None:
+        return
+    said = "\n".join(
+        line for line in console.splitlines() if re.search(r"KLAB-(MOUNT|DMESG|DISK|FS|WARN)", line)
+    )
+    try:
+        # A JSON list (Guest.ctl takes objects): the pmem0 device, its window.
+        devices = guest.host.run(f"kemarictl -s {guest.spec.api_socket} devices", check=False).output
+    except LabError as e:
+        devices = str(e)
+    raise LabError(
+        f"guest {guest.spec.name}: {problem}\n{said[-3000:]}\nkemarictl devices: {devices[:2000]}"
+    )
 
 
 def cache_counters(guest: Guest) -> dict[str, float]:
@@ -203,15 +303,36 @@ def reboot(lab: Lab, guest: Guest, boots: int, pid: int) -> float:
     return took
 
 
+def pmem_host_state(host: VirtualHost) -> str:
+    """The virtual host's side of the dax guest's window, best effort: load,
+    NBD requests in flight on PMEM_DEVICE, dirty and writeback memory, and
+    every task in uninterruptible sleep with where it waits (a window whose
+    NBD connection stopped shows here as kemari's threads waiting on it)."""
+    dev = PMEM_DEVICE.rsplit("/", 1)[1]
+    cmd = (
+        f"echo \"load $(cut -d' ' -f1-3 /proc/loadavg) {dev} in flight (reads, writes)"
+        f" $(cat /sys/block/{dev}/inflight | tr -s ' ')"
+        f" $(grep -E '^(MemFree|Dirty|Writeback):' /proc/meminfo | tr -s ' ' | tr '\\n' ' ')\"; "
+        "for t in /proc/[0-9]*/task/[0-9]*; do read -r st < $t/stat 2>/dev/null || continue; "
+        "case \"$st\" in *') D '*) echo \"D $(cat $t/comm) $(cat $t/wchan)\";; esac; done"
+    )
+    try:
+        return f"{host.name}: " + host.run(cmd, timeout=30, check=False).output.strip()
+    except LabError as e:
+        return f"{host.name}: no answer ({str(e).splitlines()[0]})"
+
+
 @contextlib.contextmanager
-def _diagnosed(guests: Iterable[Guest]) -> Iterator[None]:
+def _diagnosed(guests: Iterable[Guest], pmem_host: VirtualHost | None = None) -> Iterator[None]:
     """Adds every guest's diagnostics (devices, TAP, console with kemari's
     log) to a LabError raised inside: a read that never answers says why
-    (a guest that crashed, a device that stopped)."""
+    (a guest that crashed, a device that stopped). With `pmem_host`, that
+    host's side of the dax guest's window first (:func:`pmem_host_state`)."""
     try:
         yield
     except LabError as e:
-        notes = [g.diagnostics(console_chars=3000) for g in guests]
+        notes = [pmem_host_state(pmem_host)] if pmem_host is not None else []
+        notes += [g.diagnostics(console_chars=3000) for g in guests]
         raise LabError(f"{e}\n" + "\n".join(notes)) from None
 
 
@@ -225,8 +346,12 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
     host = lab.hosts[0]
     out: dict[str, float] = {}
     servers: list[SharedDisk] = []
+    pmem = os.environ.get("KEMARI_WARM_CACHE_PMEM") == "1"
     try:
-        names = ("warm", "ram") if os.environ.get("KEMARI_WARM_CACHE_FLOOR") == "1" else ("warm", "cold")
+        names = (
+            "dax" if pmem else "warm",
+            "ram" if os.environ.get("KEMARI_WARM_CACHE_FLOOR") == "1" else "cold",
+        )
         with step("building and serving the disks"):
             image = build_disk(lab.run_dir)
             for i, name in enumerate(names):
@@ -241,18 +366,24 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
             url = server.url + (f",cache={CACHE}" if name == "warm" else "")
             if name == "ram":
                 url = copy_to_ram(host, NBD_PORT + 2 * i, name)
+            if name == "dax":
+                connect_pmem(host, NBD_PORT + 2 * i, name)
             spec = GuestSpec(
                 name=name,
                 vmm="kemari",
                 index=i,
                 vcpus=1,
                 memory_mb=GUEST_MB,
+                disk=name != "dax",
                 disk_url=url,
+                pmem=PMEM_DEVICE if name == "dax" else None,
             )
             guests[name] = Guest(host, spec)
             guests[name].start()
         for g in guests.values():
             g.check_boot(g.wait_ready(timeout=600))
+            if g.spec.pmem:
+                check_dax_mount(g)
             lab.wait_client_reach(g.spec.ip, timeout=120)
         pids = {n: int(g.info()["pid"]) for n, g in guests.items()}
         boots = {n: 0 for n in guests}
@@ -261,9 +392,10 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
             order = names if r % 2 else names[::-1]
             for name in order:
                 g, ip, p = guests[name], guests[name].spec.ip, f"{name}_r{r}"
-                with step(f"round {r}, {name}"), _diagnosed(guests.values()):
-                    read_big_file(lab, ip, out, f"{p}_read_first")
-                    read_big_file(lab, ip, out, f"{p}_read_before")
+                dax = name == "dax"
+                with step(f"round {r}, {name}"), _diagnosed(guests.values(), host if pmem else None):
+                    read_big_file(lab, ip, out, f"{p}_read_first", dax)
+                    read_big_file(lab, ip, out, f"{p}_read_before", dax)
                     out[f"{p}_http_first_mb_s"] = http_mb_s(lab, ip)
                     out[f"{p}_http_before_mb_s"] = http_mb_s(lab, ip)
                     if extra:
@@ -273,16 +405,23 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
                         lab.client_http_get(ip, "/cgi-bin/disk?warm-cache-bench")
                         out[f"{p}_http_dropped_mb_s"] = http_mb_s(lab, ip)
                     c0 = cache_counters(g)
+                    n0 = nbd_read_mb(host) if dax else 0.0
                     boots[name] += 1
                     out[f"{p}_reboot_to_ready_s"] = reboot(
                         lab, g, boots[name], pids[name]
                     )
-                    read_big_file(lab, ip, out, f"{p}_read_after")
+                    if dax:
+                        check_dax_mount(g)
+                    read_big_file(lab, ip, out, f"{p}_read_after", dax)
                     out[f"{p}_http_after_mb_s"] = http_mb_s(lab, ip)
                     if extra:
                         # Once more, every file in the page cache again: what
                         # the reboot left behind beyond the first pass.
                         out[f"{p}_http_after_again_mb_s"] = http_mb_s(lab, ip)
+                    if dax:
+                        # What the window's reads after the reboot cost the
+                        # virtual host over NBD (0: all still mapped).
+                        out[f"{p}_after_reboot_nbd_read_mb"] = nbd_read_mb(host) - n0
                     c1 = cache_counters(g)
                     for k in ("hit_bytes", "miss_bytes"):
                         if k in c1:
@@ -294,7 +433,14 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
                     )
         for g in guests.values():
             lab.client_http_get(g.spec.ip, "/cgi-bin/poweroff")
+        if pmem:
+            # kemari unmaps the window before the device is disconnected.
+            status = guests["dax"].wait_exit(timeout=120)
+            if status != 0:
+                raise LabError(f"kemari of the dax guest exited {status} after the guest's poweroff")
     finally:
+        if pmem:
+            disconnect_pmem(host)
         for s in servers:
             s.stop()
             s.image.unlink(missing_ok=True)  # 512 MiB each, not kept with the run
@@ -309,10 +455,13 @@ def summary(times: dict[str, float]) -> dict[str, float]:
         vals = [v for k, v in times.items() if re.fullmatch(key, k)]
         return statistics.median(vals) if vals else float("nan")
 
+    # The guest kept warm: kemari's disk cache, or (KEMARI_WARM_CACHE_PMEM=1)
+    # a DAX mount of a virtio-pmem window.
+    warm = "dax" if any(k.startswith("dax_") for k in times) else "warm"
     # The other guest: without a cache, or (the floor run) with its disk in RAM.
     other = "ram" if any(k.startswith("ram_") for k in times) else "cold"
     s: dict[str, float] = {}
-    for name in ("warm", other):
+    for name in (warm, other):
         for what in ("read_before", "read_after", "http_before", "http_after"):
             s[f"{name}_{what}_median_mb_s"] = med(rf"{name}_r\d+_{what}_mb_s")
         for what in ("http_dropped", "http_after_again"):
@@ -322,19 +471,19 @@ def summary(times: dict[str, float]) -> dict[str, float]:
                     s[f"{name}_{what}_median_mb_s"] / s[f"{name}_http_before_median_mb_s"]
                 )
     # Against the RAM disk, 1.0 means the cache is at the lab's floor.
-    s[f"read_warm_after_over_{other}_after"] = (
-        s["warm_read_after_median_mb_s"] / s[f"{other}_read_after_median_mb_s"]
+    s[f"read_{warm}_after_over_{other}_after"] = (
+        s[f"{warm}_read_after_median_mb_s"] / s[f"{other}_read_after_median_mb_s"]
     )
     s[f"read_{other}_after_over_before"] = (
         s[f"{other}_read_after_median_mb_s"] / s[f"{other}_read_before_median_mb_s"]
     )
     if other == "ram":
         return s
-    s["read_warm_after_over_before"] = (
-        s["warm_read_after_median_mb_s"] / s["warm_read_before_median_mb_s"]
+    s[f"read_{warm}_after_over_before"] = (
+        s[f"{warm}_read_after_median_mb_s"] / s[f"{warm}_read_before_median_mb_s"]
     )
-    s["http_warm_after_over_before"] = (
-        s["warm_http_after_median_mb_s"] / s["warm_http_before_median_mb_s"]
+    s[f"http_{warm}_after_over_before"] = (
+        s[f"{warm}_http_after_median_mb_s"] / s[f"{warm}_http_before_median_mb_s"]
     )
     s["http_cold_after_over_before"] = (
         s["cold_http_after_median_mb_s"] / s["cold_http_before_median_mb_s"]

@@ -831,6 +831,90 @@ def test_warm_cache_summary_and_http_bench(tmp_path: Path) -> None:
         srv.shutdown()
 
 
+def test_warm_cache_pmem_variant_summary_and_dax_check() -> None:
+    from kemari_lab.warm_cache import dax_problem, summary
+
+    s = summary(
+        {
+            "dax_r1_read_before_mb_s": 900.0, "dax_r1_read_after_mb_s": 850.0,
+            "cold_r1_read_before_mb_s": 800.0, "cold_r1_read_after_mb_s": 50.0,
+            "dax_r1_http_before_mb_s": 2.0, "dax_r1_http_after_mb_s": 1.9,
+            "cold_r1_http_before_mb_s": 2.0, "cold_r1_http_after_mb_s": 1.0,
+        }
+    )  # fmt: skip
+    assert s["read_dax_after_over_cold_after"] == pytest.approx(17.0)
+    assert s["read_dax_after_over_before"] == pytest.approx(850 / 900)
+    assert s["http_dax_after_over_before"] == pytest.approx(0.95)
+    assert s["http_cold_after_over_before"] == pytest.approx(0.5)
+    assert not any("warm" in k for k in s)
+    # The mount reports: the boot's (console) and a read's (CGI answer).
+    boot = "KLAB-DISK-OK x\nKLAB-MOUNT dev=/dev/pmem0 opts=rw,relatime,dax=always\nKLAB-NET-OK"
+    assert dax_problem(boot) is None
+    assert dax_problem("KLAB-READ bytes=1 start=1 end=2\nKLAB-READ-MOUNT /dev/pmem0 rw,dax\n") is None
+    # The last report counts: a later boot without DAX is caught.
+    assert "without DAX" in (dax_problem(boot + "\nKLAB-MOUNT dev=/dev/pmem0 opts=rw,relatime\n") or "")
+    assert "without DAX" in (dax_problem("KLAB-READ-MOUNT /dev/pmem0 rw,dax=never") or "")
+    assert "not mounted from a pmem" in (dax_problem("KLAB-MOUNT dev=/dev/pmem0 opts=") or "")
+    assert "not mounted from a pmem" in (dax_problem("KLAB-READ-MOUNT /dev/vda rw,dax") or "")
+    assert "not mounted from a pmem" in (dax_problem("KLAB-READ-MOUNT \n") or "")
+    assert "no mount report" in (dax_problem("KLAB-UMOUNT-FAIL\nKLAB-DISK-OK") or "")
+    # The read's time: nanoseconds where the guest had them, else its 10 ms uptime.
+    from kemari_lab.warm_cache import read_seconds
+
+    whole = f"KLAB-READ bytes={256 << 20} start=10.00 end=10.21\n"
+    assert read_seconds(whole) == pytest.approx(0.21)
+    assert read_seconds(whole + "KLAB-READ-NS start=1000000000 end=1214000000\n") == pytest.approx(0.214)
+    assert read_seconds(whole + "KLAB-READ-NS start= end=\n") == pytest.approx(0.21)
+    assert read_seconds(f"KLAB-READ bytes={256 << 20} start=3.00 end=3.00") == pytest.approx(0.01)
+    assert read_seconds("KLAB-READ bytes=4096 start=1 end=2") is None
+    assert read_seconds("KLAB-READ-FAIL /mnt/big.bin") is None
+
+
+def test_guest_spec_pmem_data_disk() -> None:
+    spec = GuestSpec(name="dax", vmm="kemari", disk=False, pmem="/dev/nbd1")
+    cmd = spec.vmm_command()
+    assert "--pmem /dev/nbd1" in cmd and "--disk" not in cmd
+    assert "klab.disk=pmem0" in spec.cmdline
+    plain = GuestSpec(name="g", vmm="kemari")
+    assert "--pmem" not in plain.vmm_command() and "klab.disk" not in plain.cmdline
+    with pytest.raises(LabError, match="for kemari guests"):
+        GuestSpec(name="q", vmm="qemu", pmem="/dev/nbd1")
+
+
+def test_guest_pmem_modules_are_listed_apart_without_the_others(tmp_path: Path) -> None:
+    from kemari_lab.images import KernelTree, _add_modules
+
+    mods = tmp_path / "lib" / "modules" / "v" / "kernel"
+    mods.mkdir(parents=True)
+    for name, deps in {
+        "virtio": "", "virtio_mmio": "virtio", "virtio_blk": "virtio",
+        "libnvdimm": "", "nd_virtio": "virtio,libnvdimm", "virtio_pmem": "nd_virtio,libnvdimm,virtio",
+        "nd_btt": "libnvdimm", "nd_pmem": "libnvdimm,nd_btt",
+    }.items():  # fmt: skip
+        (mods / f"{name}.ko").write_bytes(b"\x7fELF\x00depends=" + deps.encode() + b"\x00name=x\x00")
+
+    class Writer:
+        def __init__(self) -> None:
+            self.files: list[str] = []
+            self.lists: dict[str, list[str]] = {}
+
+        def add_file(self, path: str, src: Path, mode: int) -> None:
+            self.files.append(path)
+
+        def add_bytes(self, path: str, data: bytes, mode: int = 0o644) -> None:
+            self.lists[path] = data.decode().split()
+
+    w = Writer()
+    tree = KernelTree(tmp_path, "v")
+    _add_modules(w, tree, ["virtio_mmio", "virtio_blk"])  # type: ignore[arg-type]
+    _add_modules(w, tree, ["virtio_pmem", "nd_pmem"], "etc/klab-modules-pmem", skip=["virtio_mmio", "virtio_blk"])  # type: ignore[arg-type]
+    assert w.lists["etc/klab-modules"] == ["virtio.ko", "virtio_mmio.ko", "virtio_blk.ko"]
+    assert w.lists["etc/klab-modules-pmem"] == [
+        "libnvdimm.ko", "nd_virtio.ko", "virtio_pmem.ko", "nd_btt.ko", "nd_pmem.ko",
+    ]  # fmt: skip
+    assert len(w.files) == len(set(w.files)) == 8
+
+
 def test_the_etcd_leader_is_found_by_its_member_id() -> None:
     from kemari_lab.etcd import leader_index
 
