@@ -133,8 +133,13 @@ fn ft_sync_shows_the_pattern(plaintext: bool) -> bool {
         args.push("--plaintext-link");
     }
     succeeded(&ctl(&src.api, &args));
-    // A few syncs after the initial one (the guest prints: outputs).
-    std::thread::sleep(Duration::from_millis(500));
+    // Protected: the initial sync has sent every page the guest has.
+    let protected = || {
+        let out = ctl(&src.api, &["ft", "status"]);
+        serde_json::from_slice::<serde_json::Value>(&out.stdout)
+            .is_ok_and(|v| v["state"] == "protected" && v["syncs"].as_u64() >= Some(1))
+    };
+    wait_for("the initial sync", Duration::from_secs(60), protected);
     succeeded(&ctl(&src.api, &["ft", "stop"]));
     let _ = sb.child.0.wait();
     assert!(ctl(&src.api, &["shutdown"]).status.success());

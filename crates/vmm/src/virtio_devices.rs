@@ -13,7 +13,7 @@ use crate::devices::bus::{Bus, BusDevice, BusError};
 use crate::devices::cached_backend::CachedBackend;
 use crate::devices::event_loop::{EventLoopError, LoopDevice};
 use crate::devices::virtio::block::Block;
-use crate::devices::virtio::mmio::{MmioTransport, MmioTransportState};
+use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::virtio::net::Net;
 use crate::devices::virtio::pmem::{Pmem, PmemError, PmemWindow};
 use crate::devices::virtio::tap::{Tap, TapError};
@@ -201,23 +201,17 @@ pub fn reattach_all(
     mmio_bus: &mut Bus,
     kept: Vec<KeptDevice>,
 ) -> Result<Vec<AttachedDevice>, AttachError> {
-    kept.into_iter()
-        .enumerate()
-        .map(|(index, k)| {
-            let KeptDevice { info, device } = k;
-            wire(
-                vm,
-                mem,
-                mmio_bus,
-                index,
-                info.name,
-                &info.kind,
-                info.backend,
-                device,
-                None,
-            )
-        })
-        .collect()
+    let mut wiring = Wiring {
+        vm,
+        mem,
+        mmio_bus,
+        saved: None,
+        attached: Vec::new(),
+    };
+    for KeptDevice { info, device } in kept {
+        wiring.add(info.name, &info.kind, info.backend, device)?;
+    }
+    Ok(wiring.attached)
 }
 
 impl BusDevice for MmioTransport {
@@ -242,16 +236,12 @@ pub fn attach_all(
     handover_taps: Vec<std::fs::File>,
 ) -> Result<Vec<AttachedDevice>, AttachError> {
     let mut handover_taps = handover_taps.into_iter();
-    let mut attached = Vec::new();
-    let saved_for = |name: &str| -> Result<Option<&MmioTransportState>, AttachError> {
-        match saved {
-            None => Ok(None),
-            Some(states) => states
-                .iter()
-                .find(|s| s.name == name)
-                .map(|s| Some(&s.transport))
-                .ok_or_else(|| AttachError::Restore(name.to_owned(), "no saved state".into())),
-        }
+    let mut wiring = Wiring {
+        vm,
+        mem,
+        mmio_bus,
+        saved,
+        attached: Vec::new(),
     };
     for (i, disk) in config.disks.iter().enumerate() {
         let path = disk.path.to_string_lossy();
@@ -285,19 +275,7 @@ pub fn attach_all(
                 None => String::new(),
             }
         );
-        let index = attached.len();
-        let state = saved_for(&name)?;
-        attached.push(wire(
-            vm,
-            mem,
-            mmio_bus,
-            index,
-            name,
-            "virtio-blk",
-            backend,
-            device,
-            state,
-        )?);
+        wiring.add(name, "virtio-blk", backend, device)?;
     }
     for (i, net) in config.nets.iter().enumerate() {
         let tap = match handover_taps.next() {
@@ -314,19 +292,7 @@ pub fn attach_all(
         let device: Arc<Mutex<dyn VirtioDevice>> =
             Arc::new(Mutex::new(Net::new(name.clone(), tap, mac)));
         let backend = format!("tap:{} mac:{}", net.tap, format_mac(mac));
-        let index = attached.len();
-        let state = saved_for(&name)?;
-        attached.push(wire(
-            vm,
-            mem,
-            mmio_bus,
-            index,
-            name,
-            "virtio-net",
-            backend,
-            device,
-            state,
-        )?);
+        wiring.add(name, "virtio-net", backend, device)?;
     }
     let pmem_err = |index| move |source| AttachError::Pmem { index, source };
     let sizes = config
@@ -346,82 +312,94 @@ pub fn attach_all(
         );
         let device: Arc<Mutex<dyn VirtioDevice>> =
             Arc::new(Mutex::new(Pmem::new(name.clone(), window)));
-        let index = attached.len();
-        let state = saved_for(&name)?;
-        attached.push(wire(
-            vm,
-            mem,
-            mmio_bus,
-            index,
-            name,
-            "virtio-pmem",
-            backend,
-            device,
-            state,
-        )?);
+        wiring.add(name, "virtio-pmem", backend, device)?;
     }
-    Ok(attached)
+    Ok(wiring.attached)
 }
 
-/// Gives `device` its MMIO window, interrupt line and notification eventfds.
-#[allow(clippy::too_many_arguments)]
-fn wire(
-    vm: &Vm,
-    mem: &GuestMemoryMmap,
-    mmio_bus: &mut Bus,
-    index: usize,
-    name: String,
-    kind: &str,
-    backend: String,
-    device: Arc<Mutex<dyn VirtioDevice>>,
-    saved: Option<&MmioTransportState>,
-) -> Result<AttachedDevice, AttachError> {
-    let base = layout::virtio_mmio_base(index);
-    let gsi = layout::VIRTIO_IRQ_BASE + index as u32;
-    let evt_err = |e| AttachError::EventFd(name.clone(), e);
-    let kvm_err = |source| AttachError::Kvm {
-        device: name.clone(),
-        source,
-    };
-    let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(evt_err)?;
-    vm.register_irqfd(&irq, gsi).map_err(kvm_err)?;
-    let irq_copy = irq.try_clone().map_err(evt_err)?;
-    let transport = match saved {
-        None => MmioTransport::new(device.clone(), mem.clone(), irq_copy),
-        Some(state) => MmioTransport::restore(device.clone(), mem.clone(), irq_copy, state)
-            .map_err(|e| AttachError::Restore(name.clone(), e.to_string()))?,
-    };
-    let queues = transport.num_queues();
-    let mut queue_events = Vec::with_capacity(queues);
-    for q in 0..queues {
-        let evt = EventFd::new(libc::EFD_NONBLOCK).map_err(evt_err)?;
-        vm.register_mmio_ioevent(
-            &evt,
-            base + MmioTransport::queue_notify_address_offset(),
-            q as u32,
-        )
-        .map_err(kvm_err)?;
-        queue_events.push(evt);
+/// What [`attach_all`] wires each device into, and the devices so far:
+/// the next one gets the next MMIO window and interrupt line.
+struct Wiring<'a> {
+    vm: &'a Vm,
+    mem: &'a GuestMemoryMmap,
+    mmio_bus: &'a mut Bus,
+    /// The transports' saved states, when the devices are restored.
+    saved: Option<&'a [VirtioState]>,
+    attached: Vec<AttachedDevice>,
+}
+
+impl Wiring<'_> {
+    /// Gives `device` the next MMIO window and interrupt line, its
+    /// notification eventfds and, when restoring, its transport's state.
+    fn add(
+        &mut self,
+        name: String,
+        kind: &str,
+        backend: String,
+        device: Arc<Mutex<dyn VirtioDevice>>,
+    ) -> Result<(), AttachError> {
+        let saved = match self.saved {
+            None => None,
+            Some(states) => Some(
+                states
+                    .iter()
+                    .find(|s| s.name == name)
+                    .map(|s| &s.transport)
+                    .ok_or_else(|| AttachError::Restore(name.clone(), "no saved state".into()))?,
+            ),
+        };
+        let index = self.attached.len();
+        let base = layout::virtio_mmio_base(index);
+        let gsi = layout::VIRTIO_IRQ_BASE + index as u32;
+        let evt_err = |e| AttachError::EventFd(name.clone(), e);
+        let kvm_err = |source| AttachError::Kvm {
+            device: name.clone(),
+            source,
+        };
+        let irq = EventFd::new(libc::EFD_NONBLOCK).map_err(evt_err)?;
+        self.vm.register_irqfd(&irq, gsi).map_err(kvm_err)?;
+        let irq_copy = irq.try_clone().map_err(evt_err)?;
+        let transport = match saved {
+            None => MmioTransport::new(device.clone(), self.mem.clone(), irq_copy),
+            Some(state) => {
+                MmioTransport::restore(device.clone(), self.mem.clone(), irq_copy, state)
+                    .map_err(|e| AttachError::Restore(name.clone(), e.to_string()))?
+            }
+        };
+        let queues = transport.num_queues();
+        let mut queue_events = Vec::with_capacity(queues);
+        for q in 0..queues {
+            let evt = EventFd::new(libc::EFD_NONBLOCK).map_err(evt_err)?;
+            self.vm
+                .register_mmio_ioevent(
+                    &evt,
+                    base + MmioTransport::queue_notify_address_offset(),
+                    q as u32,
+                )
+                .map_err(kvm_err)?;
+            queue_events.push(evt);
+        }
+        let transport = Arc::new(Mutex::new(transport));
+        self.mmio_bus
+            .insert(transport.clone(), base, layout::VIRTIO_MMIO_SIZE)
+            .map_err(|e| AttachError::Bus(name.clone(), e))?;
+        tracing::debug!(device = %name, base = format_args!("{base:#x}"), gsi, "virtio device attached");
+        self.attached.push(AttachedDevice {
+            info: DeviceInfo {
+                name,
+                kind: kind.into(),
+                address: base,
+                gsi,
+                backend,
+                counters: Default::default(),
+                queues: Vec::new(),
+                interrupt_status: None,
+            },
+            device,
+            queue_events,
+            transport,
+            _irq: irq,
+        });
+        Ok(())
     }
-    let transport = Arc::new(Mutex::new(transport));
-    mmio_bus
-        .insert(transport.clone(), base, layout::VIRTIO_MMIO_SIZE)
-        .map_err(|e| AttachError::Bus(name.clone(), e))?;
-    tracing::debug!(device = %name, base = format_args!("{base:#x}"), gsi, "virtio device attached");
-    Ok(AttachedDevice {
-        info: DeviceInfo {
-            name,
-            kind: kind.into(),
-            address: base,
-            gsi,
-            backend,
-            counters: Default::default(),
-            queues: Vec::new(),
-            interrupt_status: None,
-        },
-        device,
-        queue_events,
-        transport,
-        _irq: irq,
-    })
 }

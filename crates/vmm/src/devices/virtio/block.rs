@@ -478,17 +478,11 @@ impl VirtioDevice for Block {
     }
 
     fn queue_views(&self) -> Vec<QueueView> {
-        self.active
-            .as_ref()
-            .map(ActiveQueue::views)
-            .unwrap_or_default()
+        ActiveQueue::views(self.active.as_ref())
     }
 
     fn queue_progress(&self) -> Vec<QueueProgress> {
-        self.active
-            .as_ref()
-            .map(ActiveQueue::progress)
-            .unwrap_or_default()
+        ActiveQueue::progress(self.active.as_ref())
     }
 }
 

@@ -142,14 +142,19 @@ pub struct ActiveQueue {
 }
 
 impl ActiveQueue {
-    /// The queue as the API shows it ([`VirtioDevice::queue_views`]).
-    pub fn views(&self) -> Vec<QueueView> {
-        vec![QueueView::of(&self.queue, &self.mem)]
+    /// The queue of a device activated with `active` as the API shows it
+    /// ([`VirtioDevice::queue_views`]): none while not activated.
+    pub fn views(active: Option<&Self>) -> Vec<QueueView> {
+        active
+            .map(|a| vec![QueueView::of(&a.queue, &a.mem)])
+            .unwrap_or_default()
     }
 
-    /// Where the device is in it ([`VirtioDevice::queue_progress`]).
-    pub fn progress(&self) -> Vec<QueueProgress> {
-        vec![QueueProgress::of(&self.queue)]
+    /// Where such a device is in its queue ([`VirtioDevice::queue_progress`]).
+    pub fn progress(active: Option<&Self>) -> Vec<QueueProgress> {
+        active
+            .map(|a| vec![QueueProgress::of(&a.queue)])
+            .unwrap_or_default()
     }
 }
 
