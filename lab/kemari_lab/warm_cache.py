@@ -8,16 +8,26 @@ holds ``big.bin`` (256 MiB of random data) and ``www/f000``…``f063`` (1 MiB
 each, served by the guest's httpd as ``/data/…``). Alternated, ROUNDS times,
 each guest in turn:
 
-1. reads big.bin twice (``/cgi-bin/read``, dd in the guest, timed with its
-   /proc/uptime): the second read is *before* — the guest's page cache warm;
+1. reads big.bin once (``/cgi-bin/read``, dd in the guest, timed with its
+   clock), so that the guest's page cache holds it;
 2. the client GETs the 64 files twice (``http_bench.py``, 4 at a time): the
    second pass is *before*;
-3. ``reboot`` in the guest (in place: same kemari, checked by pid and
-   ``reboots``), then at once the same read (*after*) and the same HTTP
-   pass (*after*).
+3. reads big.bin again: *before*, the guest's page cache warm, right before
+   the reboot (the pair then sees the same load on the machine);
+4. ``reboot`` in the guest (in place: same kemari, checked by pid and
+   ``reboots``), then at once the same read (*after*), once more
+   (*after_again*: what a read gets once the reboot is behind it) and the
+   same HTTP pass (*after*).
 
 Goals (issue 26): warm after ≥ 10x cold after and ≥ 90% of before for the
-read; HTTP after ≥ 90% of before.
+read; HTTP after ≥ 90% of before. Besides the ratios of the medians, the
+summary gives the median of each round's own after ÷ before
+(``…_paired_median``): the machine's load drifts between rounds, much less
+within one pair.
+
+``KEMARI_WARM_CACHE_ALONE=1`` runs the warm (or dax) guest without the
+other one: twice the rounds in the same time for its after ÷ before, no
+ratio against the cold guest.
 
 ``KEMARI_WARM_CACHE_FLOOR=1`` measures the lab's floor instead of the cold
 guest: a ``ram`` guest whose disk is a file in the virtual host's RAM
@@ -29,7 +39,7 @@ what the nested guest's request path allows here. Run by hand (not in CI):
 (KEMARI_WARM_CACHE_ROUNDS and KEMARI_WARM_CACHE_HTTP_FILES shorten it: on
 a loaded machine one HTTP pass of 64 MiB took 5 minutes).
 ``KEMARI_WARM_CACHE_HTTP_EXTRA=1`` adds two HTTP passes to each guest's
-round: ``dropped`` (before the reboot, the guest's page cache dropped: the
+round: ``dropped`` (at the round's start, the guest's page cache dropped: the
 disk path alone) and ``after_again`` (right after *after*: what the reboot
 leaves behind once the files are cached again).
 
@@ -348,10 +358,12 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
     servers: list[SharedDisk] = []
     pmem = os.environ.get("KEMARI_WARM_CACHE_PMEM") == "1"
     try:
-        names = (
+        names: tuple[str, ...] = (
             "dax" if pmem else "warm",
             "ram" if os.environ.get("KEMARI_WARM_CACHE_FLOOR") == "1" else "cold",
         )
+        if os.environ.get("KEMARI_WARM_CACHE_ALONE") == "1":
+            names = names[:1]
         with step("building and serving the disks"):
             image = build_disk(lab.run_dir)
             for i, name in enumerate(names):
@@ -394,16 +406,17 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
                 g, ip, p = guests[name], guests[name].spec.ip, f"{name}_r{r}"
                 dax = name == "dax"
                 with step(f"round {r}, {name}"), _diagnosed(guests.values(), host if pmem else None):
-                    read_big_file(lab, ip, out, f"{p}_read_first", dax)
-                    read_big_file(lab, ip, out, f"{p}_read_before", dax)
-                    out[f"{p}_http_first_mb_s"] = http_mb_s(lab, ip)
-                    out[f"{p}_http_before_mb_s"] = http_mb_s(lab, ip)
                     if extra:
                         # The disk path alone, no reboot: the guest's page
                         # cache dropped (/cgi-bin/disk syncs a token, then
-                        # drops it), the same pass again.
+                        # drops it), the pass of the round before again
+                        # (first, so that the reads below find big.bin cached).
                         lab.client_http_get(ip, "/cgi-bin/disk?warm-cache-bench")
                         out[f"{p}_http_dropped_mb_s"] = http_mb_s(lab, ip)
+                    read_big_file(lab, ip, out, f"{p}_read_first", dax)
+                    out[f"{p}_http_first_mb_s"] = http_mb_s(lab, ip)
+                    out[f"{p}_http_before_mb_s"] = http_mb_s(lab, ip)
+                    read_big_file(lab, ip, out, f"{p}_read_before", dax)
                     c0 = cache_counters(g)
                     n0 = nbd_read_mb(host) if dax else 0.0
                     boots[name] += 1
@@ -413,6 +426,7 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
                     if dax:
                         check_dax_mount(g)
                     read_big_file(lab, ip, out, f"{p}_read_after", dax)
+                    read_big_file(lab, ip, out, f"{p}_read_after_again", dax)
                     out[f"{p}_http_after_mb_s"] = http_mb_s(lab, ip)
                     if extra:
                         # Once more, every file in the page cache again: what
@@ -455,21 +469,43 @@ def summary(times: dict[str, float]) -> dict[str, float]:
         vals = [v for k, v in times.items() if re.fullmatch(key, k)]
         return statistics.median(vals) if vals else float("nan")
 
+    def paired(name: str, what: str) -> float:
+        """The median of each round's own after ÷ before."""
+        ratios = [
+            times[k.replace("_before_", "_after_")] / v
+            for k, v in times.items()
+            if re.fullmatch(rf"{name}_r\d+_{what}_before_mb_s", k)
+            and k.replace("_before_", "_after_") in times
+            and v > 0
+        ]
+        return statistics.median(ratios) if ratios else float("nan")
+
     # The guest kept warm: kemari's disk cache, or (KEMARI_WARM_CACHE_PMEM=1)
     # a DAX mount of a virtio-pmem window.
     warm = "dax" if any(k.startswith("dax_") for k in times) else "warm"
     # The other guest: without a cache, or (the floor run) with its disk in RAM.
     other = "ram" if any(k.startswith("ram_") for k in times) else "cold"
     s: dict[str, float] = {}
-    for name in (warm, other):
-        for what in ("read_before", "read_after", "http_before", "http_after"):
+    alone = not any(k.startswith(f"{other}_") for k in times)
+    for name in (warm,) if alone else (warm, other):
+        for what in ("read_before", "read_after", "read_after_again", "http_before", "http_after"):
             s[f"{name}_{what}_median_mb_s"] = med(rf"{name}_r\d+_{what}_mb_s")
+        for what in ("read", "http"):
+            s[f"{what}_{name}_after_over_before_paired_median"] = paired(name, what)
         for what in ("http_dropped", "http_after_again"):
             if any(re.fullmatch(rf"{name}_r\d+_{what}_mb_s", k) for k in times):
                 s[f"{name}_{what}_median_mb_s"] = med(rf"{name}_r\d+_{what}_mb_s")
                 s[f"{name}_{what}_over_before"] = (
                     s[f"{name}_{what}_median_mb_s"] / s[f"{name}_http_before_median_mb_s"]
                 )
+    if alone:
+        s[f"read_{warm}_after_over_before"] = (
+            s[f"{warm}_read_after_median_mb_s"] / s[f"{warm}_read_before_median_mb_s"]
+        )
+        s[f"http_{warm}_after_over_before"] = (
+            s[f"{warm}_http_after_median_mb_s"] / s[f"{warm}_http_before_median_mb_s"]
+        )
+        return s
     # Against the RAM disk, 1.0 means the cache is at the lab's floor.
     s[f"read_{warm}_after_over_{other}_after"] = (
         s[f"{warm}_read_after_median_mb_s"] / s[f"{other}_read_after_median_mb_s"]
