@@ -163,15 +163,36 @@ def read_seconds(body: str) -> float | None:
     return max(float(m.group(3)) - float(m.group(2)), 0.01)
 
 
-def read_big_file(lab: Lab, ip: str, out: dict[str, float], key: str, dax: bool = False) -> None:
+def read_big_file(
+    lab: Lab,
+    ip: str,
+    out: dict[str, float],
+    key: str,
+    dax: bool = False,
+    cpu: tuple[VirtualHost, dict[str, int]] | None = None,
+) -> None:
     """The guest reads big.bin once: out[key + "_mb_s"], MB/s as its clock
     measured it, and out[key + "_disk_requests"], the read requests its disk
     saw meanwhile (none when the page cache had it all, nor through DAX but
-    for metadata). With `dax`, the mount must be DAX (:func:`dax_problem`)."""
+    for metadata). With `dax`, the mount must be DAX (:func:`dax_problem`).
+    With `cpu` (the virtual host, each guest's kemari pid), also
+    out[key + "_cpu_s_" + name]: the CPU seconds each kemari and the
+    virtual host (``vh``) used meanwhile, and out[key + "_" + name +
+    "_vcpu0_on"]: the virtual host's CPU its vCPU 0 thread ran on last
+    (:func:`cpu_seconds`)."""
     # 256 MiB at 0.9 MB/s, under the slowest read seen (2 MB/s, a loaded
     # machine): a guest that crashed mid-read (docs/lab.md, issue 24) is
     # reported, with its diagnostics, within minutes.
+    c0 = cpu_seconds(*cpu) if cpu else {}
     body = lab.client_http_get(ip, "/cgi-bin/read?big.bin", timeout=300)
+    if cpu:
+        # What each kemari and the virtual host used while it read (and the
+        # two round trips around the request: the same for every read).
+        for k, v in cpu_seconds(*cpu).items():
+            if k.endswith("_vcpu0_on"):
+                out[f"{key}_{k}"] = v
+            else:
+                out[f"{key}_cpu_s_{k}"] = v - c0[k]
     seconds = read_seconds(body)
     if seconds is None:
         raise LabError(f"guest {ip}: reading big.bin answered {body.strip()!r}")
@@ -242,6 +263,30 @@ def nbd_read_mb(host: VirtualHost) -> float:
     """MiB the virtual host has read from PMEM_DEVICE so far (block/stat.rst)."""
     fields = host.run(f"cat /sys/block/{PMEM_DEVICE.rsplit('/', 1)[1]}/stat").output.split()
     return int(fields[2]) * 512 / (1 << 20)
+
+
+def cpu_seconds(host: VirtualHost, pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds used so far by each guest's kemari (its threads' user and
+    system time) and by the virtual host as a whole (``vh``: every CPU's
+    busy time, /proc/stat), for what ran beside a read."""
+    lines = host.run(
+        "head -1 /proc/stat; " + "; ".join(f"cat /proc/{pid}/stat" for pid in pids.values())
+        # Which of the virtual host's CPUs each vCPU 0 thread last ran on.
+        + "; " + "; ".join(f"grep -h '(vcpu0)' /proc/{pid}/task/*/stat || echo -" for pid in pids.values())
+    ).output.splitlines()
+    hz = 100  # USER_HZ
+    # user nice system idle iowait irq softirq steal …: all but idle and iowait.
+    ticks = [int(x) for x in lines[0].split()[1:9]]
+    out = {"vh": (sum(ticks) - ticks[3] - ticks[4]) / hz}
+    for name, line in zip(pids, lines[1:]):
+        # After "(comm)": field 3 (state) first; utime is field 14, stime 15.
+        f = line.rsplit(")", 1)[1].split()
+        out[name] = (int(f[11]) + int(f[12])) / hz
+    for name, line in zip(pids, lines[1 + len(pids) :]):
+        f = line.rsplit(")", 1)[1].split() if ")" in line else []
+        # Field 39: the CPU it last ran on.
+        out[f"{name}_vcpu0_on"] = float(f[36]) if len(f) > 36 else -1.0
+    return out
 
 
 def check_dax_mount(guest: Guest) -> None:
@@ -416,7 +461,7 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
                     read_big_file(lab, ip, out, f"{p}_read_first", dax)
                     out[f"{p}_http_first_mb_s"] = http_mb_s(lab, ip)
                     out[f"{p}_http_before_mb_s"] = http_mb_s(lab, ip)
-                    read_big_file(lab, ip, out, f"{p}_read_before", dax)
+                    read_big_file(lab, ip, out, f"{p}_read_before", dax, (host, pids))
                     c0 = cache_counters(g)
                     n0 = nbd_read_mb(host) if dax else 0.0
                     boots[name] += 1
@@ -425,8 +470,8 @@ def bench(lab: Lab, vmm: str) -> dict[str, float]:
                     )
                     if dax:
                         check_dax_mount(g)
-                    read_big_file(lab, ip, out, f"{p}_read_after", dax)
-                    read_big_file(lab, ip, out, f"{p}_read_after_again", dax)
+                    read_big_file(lab, ip, out, f"{p}_read_after", dax, (host, pids))
+                    read_big_file(lab, ip, out, f"{p}_read_after_again", dax, (host, pids))
                     out[f"{p}_http_after_mb_s"] = http_mb_s(lab, ip)
                     if extra:
                         # Once more, every file in the page cache again: what

@@ -831,6 +831,28 @@ def test_warm_cache_summary_and_http_bench(tmp_path: Path) -> None:
         srv.shutdown()
 
 
+def test_warm_cache_paired_medians_and_the_guest_alone() -> None:
+    from kemari_lab.warm_cache import summary
+
+    # Two rounds of the dax guest alone: the rounds' own ratios are 0.5 and
+    # 1.0 (median 0.75), the ratio of the medians (1050/1250) differs.
+    times = {
+        "dax_r1_read_before_mb_s": 2000.0, "dax_r1_read_after_mb_s": 1000.0,
+        "dax_r2_read_before_mb_s": 500.0, "dax_r2_read_after_mb_s": 500.0,
+        "dax_r1_read_after_again_mb_s": 1100.0, "dax_r2_read_after_again_mb_s": 600.0,
+        "dax_r1_http_before_mb_s": 2.0, "dax_r1_http_after_mb_s": 2.0,
+        "dax_r2_http_before_mb_s": 4.0, "dax_r2_http_after_mb_s": 2.0,
+        # What ran beside a read is not a rate: it must not count as one.
+        "dax_r1_read_before_cpu_s_vh": 0.5, "dax_r1_read_before_dax_vcpu0_on": 1.0,
+    }  # fmt: skip
+    s = summary(times)
+    assert s["read_dax_after_over_before_paired_median"] == pytest.approx(0.75)
+    assert s["read_dax_after_over_before"] == pytest.approx(750 / 1250)
+    assert s["dax_read_after_again_median_mb_s"] == pytest.approx(850)
+    assert s["http_dax_after_over_before_paired_median"] == pytest.approx(0.75)
+    assert not any("cold" in k for k in s)
+
+
 def test_warm_cache_pmem_variant_summary_and_dax_check() -> None:
     from kemari_lab.warm_cache import dax_problem, summary
 
