@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from kemari_lab import images, netns, soak_rounds
+from kemari_lab import images, netns, qemu_backport, soak_rounds
 from kemari_lab.errors import LabError
 from kemari_lab.guests import VMMS
 from kemari_lab.lab import Lab
@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     sh = sub.add_parser("shell", help="boot N virtual hosts and type commands to vh0 (or 'vhN: cmd')")
     sh.add_argument("--hosts", type=int, default=1)
     sub.add_parser("clean", help="delete namespaces left by dead lab runs")
+    sub.add_parser(
+        "fetch-qemu", help="unpack bookworm-backports' QEMU under lab/build/cache; prints the KEMARI_LAB_QEMU to give"
+    )
     sub.add_parser("list", help="list scenarios")
     st = sub.add_parser("soak-totals", help="the soak-moves rounds recorded so far, added up")
     st.add_argument("--file", help="results file (default: KEMARI_SOAK_RESULTS or lab/build/soak-rounds.json)")
@@ -41,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "soak-totals":
             path = Path(args.file) if args.file else soak_rounds.results_path()
             print(soak_rounds.totals_text(soak_rounds.totals(soak_rounds.load_rounds(path))), end="")
+        elif args.cmd == "fetch-qemu":
+            print(qemu_backport.fetch())
         elif args.cmd == "clean":
             print("\n".join(netns.remove_stale()) or "nothing to clean")
         elif args.cmd == "run":

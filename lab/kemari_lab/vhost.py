@@ -53,6 +53,22 @@ def tcg_accel() -> str:
     return f"tcg,thread={thread}" if thread else "tcg"
 
 
+def qemu_binary() -> list[str]:
+    """The virtual hosts' QEMU: the system's, or KEMARI_LAB_QEMU=DIR — a
+    QEMU unpacked into DIR (``dpkg -x`` of qemu-system-x86, -common and
+    -data: DIR/usr/bin/qemu-system-x86_64, its firmware in DIR/usr/share/qemu,
+    the system's seabios after it) to try another QEMU's TCG (docs/lab.md,
+    "Platform faults")."""
+    root = os.environ.get("KEMARI_LAB_QEMU", "")
+    if not root:
+        return ["qemu-system-x86_64"]
+    binary = Path(root) / "usr/bin/qemu-system-x86_64"
+    data = Path(root) / "usr/share/qemu"
+    if not binary.is_file() or not data.is_dir():
+        raise LabError(f"KEMARI_LAB_QEMU={root}: no {binary} or no {data} (unpack the QEMU packages there)")
+    return [str(binary), "-L", str(data), "-L", "/usr/share/qemu"]
+
+
 class VirtualHost:
     """One QEMU/TCG virtual host on the lab bridge."""
 
@@ -114,7 +130,7 @@ class VirtualHost:
                 "-device", f"virtio-blk-pci,drive=x{i},serial={serial}",
             ]  # fmt: skip
         return [
-            "qemu-system-x86_64",
+            *qemu_binary(),
             "-accel", tcg_accel(),
             "-cpu", "EPYC,+svm",
             "-smp", str(self.cpus),

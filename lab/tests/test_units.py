@@ -105,6 +105,54 @@ def test_virtual_hosts_tcg_thread_mode_is_chosen_or_refused(monkeypatch: pytest.
         tcg_accel()
 
 
+def test_virtual_hosts_qemu_is_the_systems_or_an_unpacked_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from kemari_lab.vhost import qemu_binary
+
+    monkeypatch.delenv("KEMARI_LAB_QEMU", raising=False)
+    assert qemu_binary() == ["qemu-system-x86_64"]
+    monkeypatch.setenv("KEMARI_LAB_QEMU", str(tmp_path))
+    with pytest.raises(LabError, match="unpack the QEMU packages"):
+        qemu_binary()
+    (tmp_path / "usr/bin").mkdir(parents=True)
+    (tmp_path / "usr/bin/qemu-system-x86_64").write_text("")
+    (tmp_path / "usr/share/qemu").mkdir(parents=True)
+    assert qemu_binary() == [
+        str(tmp_path / "usr/bin/qemu-system-x86_64"),
+        "-L", str(tmp_path / "usr/share/qemu"),
+        "-L", "/usr/share/qemu",
+    ]  # fmt: skip
+
+
+def test_backported_qemu_packages_are_found_newest_first_or_refused() -> None:
+    from kemari_lab.qemu_backport import parse_packages
+
+    def stanza(name: str, version: str) -> str:
+        return (
+            f"Package: {name}\nSource: qemu\nVersion: {version}\n"
+            f"Depends: libc6 (>= 2.34),\n libfdt1\nFilename: pool/{name}_{version}.deb\nSHA256: {name[:4]}{version}\n"
+        )
+
+    index = "\n".join(
+        [
+            stanza("qemu-system-x86", "1:9.2.0~bpo12+1"),
+            stanza("qemu-system-x86", "1:10.0.2+ds-2~bpo12+1"),
+            stanza("qemu-system-common", "1:10.0.2+ds-2~bpo12+1"),
+            stanza("qemu-utils", "1:10.0.2+ds-2~bpo12+1"),
+        ]
+    )
+    found = parse_packages(index, ("qemu-system-x86", "qemu-system-common"))
+    assert found["qemu-system-x86"] == {
+        "Version": "1:10.0.2+ds-2~bpo12+1",
+        "Filename": "pool/qemu-system-x86_1:10.0.2+ds-2~bpo12+1.deb",
+        "SHA256": "qemu1:10.0.2+ds-2~bpo12+1",
+    }
+    assert set(found) == {"qemu-system-x86", "qemu-system-common"}
+    with pytest.raises(LabError, match="lists no qemu-system-data"):
+        parse_packages(index, ("qemu-system-x86", "qemu-system-data"))
+
+
 def test_guest_spec_shared_disk_and_api_socket() -> None:
     spec = GuestSpec(name="roam", vmm="kemari", disk_url="nbd://10.77.0.1:10809/disk")
     cmd = spec.vmm_command()

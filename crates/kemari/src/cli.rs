@@ -22,7 +22,7 @@ pub struct Args {
     /// Configuration file (TOML or JSON): the machine (MachineConfig's
     /// fields) or a role (restore, incoming, incoming_local, ft_standby with
     /// its keys), and the process's settings, under the flags' names with
-    /// `_` for `-` (README, docs/operations.md). Flags given as well
+    /// `_` for `-` (docs/cli.md, docs/operations.md). Flags given as well
     /// override its values.
     #[arg(long)]
     pub config: Option<PathBuf>,
