@@ -153,6 +153,23 @@ def test_backported_qemu_packages_are_found_newest_first_or_refused() -> None:
         parse_packages(index, ("qemu-system-x86", "qemu-system-data"))
 
 
+def test_backported_qemu_index_is_taken_from_a_signed_release_only() -> None:
+    from kemari_lab.qemu_backport import index_digest, verified_release
+
+    release = (
+        "Origin: Debian Backports\nMD5Sum:\n 0123 300424 main/binary-amd64/Packages.xz\n"
+        "SHA256:\n " + "a" * 64 + " 12 main/binary-all/Packages.xz\n "
+        + "b" * 64 + " 300424 main/binary-amd64/Packages.xz\n"
+    )
+    assert index_digest(release) == "b" * 64
+    with pytest.raises(LabError, match="no SHA-256 for main/binary-i386"):
+        index_digest(release, "main/binary-i386/Packages.xz")
+    if shutil.which("gpgv") is None:
+        pytest.skip("no gpgv here: the signature check is not exercised")
+    with pytest.raises(LabError, match="bad or unknown signature"):
+        verified_release(b"-----BEGIN PGP SIGNED MESSAGE-----\nHash: SHA256\n\n" + release.encode())
+
+
 def test_guest_spec_shared_disk_and_api_socket() -> None:
     spec = GuestSpec(name="roam", vmm="kemari", disk_url="nbd://10.77.0.1:10809/disk")
     cmd = spec.vmm_command()
