@@ -32,6 +32,7 @@ use serde_json::{json, Value};
 
 use super::report::{Report, Table};
 
+use super::cpu::{CpuMark, CpuUse};
 use super::procs::{wait_path, Scratch, Vmm};
 use kemari::api::client::request_to_end as request;
 
@@ -118,6 +119,8 @@ struct Row {
     rr_per_s: BTreeMap<usize, f64>,
     /// Stream throughput, MB/s, by concurrent connections.
     stream_mb_s: BTreeMap<usize, f64>,
+    /// Where the host's CPUs went during the stream.
+    stream_cpu: BTreeMap<usize, StreamCpu>,
     osync_per_s: Option<f64>,
     buffered_per_s: Option<f64>,
     pause_p50: u64,
@@ -521,10 +524,29 @@ fn network(
             row.sync_p99 = st["sync_us_p99"].as_u64().unwrap_or(0);
         }
     }
+    // The CPU each stream took, whose: this process is the client.
+    let mut pids = vec![s.primary.pid(), std::process::id()];
+    pids.extend(s._standby.as_ref().map(Vmm::pid));
     for &conns in &args.connections {
+        let mark = CpuMark::take(&pids);
         let mb = stream(&ip, args.seconds, conns)? / 1e6;
+        let cpu = mark.since();
         raw["stream_mb_s"][conns.to_string()] = mb.into();
         row.stream_mb_s.insert(conns, mb);
+        let moved = mb * cpu.wall_s;
+        raw["stream_cpu"][conns.to_string()] = json!({
+            "wall_s": cpu.wall_s,
+            "mb": moved,
+            "host_busy_s": cpu.host_busy_s,
+            "idle_share": cpu.idle_share,
+            "steal_share": cpu.steal_share,
+            "primary_s": cpu.procs_s[0],
+            "client_s": cpu.procs_s[1],
+            "standby_s": cpu.procs_s.get(2).copied().flatten(),
+        });
+        if let Some(c) = StreamCpu::of(&cpu) {
+            row.stream_cpu.insert(conns, c);
+        }
     }
     raw["pause_us_p50"] = row.pause_p50.into();
     raw["pause_us_p99"] = row.pause_p99.into();
@@ -636,6 +658,23 @@ fn summarize(rounds: &[&Row], connections: &[usize]) -> Row {
         if let Some(v) = f(&|r| r.stream_mb_s.get(&c).copied()) {
             row.stream_mb_s.insert(c, v);
         }
+        let cpu = |get: fn(&StreamCpu) -> f64| f(&|r| r.stream_cpu.get(&c).map(get));
+        if let (Some(busy), Some(idle), Some(standby), Some(client)) = (
+            cpu(|s| s.busy),
+            cpu(|s| s.idle),
+            cpu(|s| s.standby),
+            cpu(|s| s.client),
+        ) {
+            row.stream_cpu.insert(
+                c,
+                StreamCpu {
+                    busy,
+                    idle,
+                    standby,
+                    client,
+                },
+            );
+        }
     }
     row.osync_per_s = f(&|r| r.osync_per_s);
     row.buffered_per_s = f(&|r| r.buffered_per_s);
@@ -677,6 +716,58 @@ fn metrics(connections: &[usize]) -> Vec<Metric> {
     m.push(("osync".into(), Box::new(|r: &Row| r.osync_per_s)));
     m.push(("buffered".into(), Box::new(|r: &Row| r.buffered_per_s)));
     m
+}
+
+/// Where the host's CPUs went during a stream (CPUs busy on average).
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+struct StreamCpu {
+    /// The whole host's busy CPUs.
+    busy: f64,
+    /// Share of the host's CPU time idle, 0–1.
+    idle: f64,
+    /// The standby's (0 unprotected).
+    standby: f64,
+    /// The client's (this process: the stream's threads).
+    client: f64,
+}
+
+impl StreamCpu {
+    fn of(cpu: &CpuUse) -> Option<StreamCpu> {
+        let per = |s: Option<f64>| s.map(|s| s / cpu.wall_s);
+        (cpu.wall_s > 0.0 && cpu.host_busy_s > 0.0).then(|| StreamCpu {
+            busy: cpu.busy_cpus(),
+            idle: cpu.idle_share,
+            standby: per(cpu.procs_s.get(2).copied().flatten()).unwrap_or(0.0),
+            client: per(cpu.procs_s.get(1).copied().flatten()).unwrap_or(0.0),
+        })
+    }
+}
+
+/// Host idle below this share of its CPU time: the host's CPUs are the limit.
+const SATURATED_IDLE: f64 = 0.1;
+
+/// Whether the host's CPUs limited a stream of `c` connections both
+/// unprotected and under protection (`event`), and what the standby and the
+/// client took: with every CPU busy either way, what protection adds per
+/// byte (the standby, the syncs) is taken from the guest's and the client's
+/// share of the same CPUs.
+fn stream_cpu_bound(unprotected: &Row, event: &Row, c: usize) -> Option<String> {
+    let (u, e) = (unprotected.stream_cpu.get(&c)?, event.stream_cpu.get(&c)?);
+    let bound = if u.idle < SATURATED_IDLE && e.idle < SATURATED_IDLE {
+        "CPU-bound both ways"
+    } else {
+        "not CPU-bound"
+    };
+    Some(format!(
+        "; host CPUs busy {:.2} / {:.2} (idle {:.0}% / {:.0}%): {bound}; the standby took {:.2} CPU, the client {:.2} / {:.2}",
+        u.busy,
+        e.busy,
+        u.idle * 100.0,
+        e.idle * 100.0,
+        e.standby,
+        u.client,
+        e.client
+    ))
 }
 
 /// A mode's figure ÷ the unprotected one of the same round, per round.
@@ -938,8 +1029,9 @@ pub fn run(args: &FtBenchArgs, kemari: PathBuf, report: &mut Report) -> Result<(
                     note(
                         report,
                         format!(
-                            "  {size}: event-driven stream x{c} = {r:.2} of unprotected (goal >= 0.9): {}",
-                            verdict(r >= 0.9)
+                            "  {size}: event-driven stream x{c} = {r:.2} of unprotected (goal >= 0.9): {}{}",
+                            verdict(r >= 0.9),
+                            stream_cpu_bound(a, b, c).unwrap_or_default()
                         ),
                     );
                 }
@@ -1100,6 +1192,43 @@ mod tests {
         assert_eq!(s.stream_mb_s[&1], 3.0);
         assert_eq!(s.osync_per_s, Some(20.0));
         assert_eq!(s.writeback_link_bytes, None);
+    }
+
+    fn cpu(mut r: Row, busy: f64, idle: f64, standby: f64) -> Row {
+        let client = 0.5 - standby;
+        r.stream_cpu.insert(
+            1,
+            StreamCpu {
+                busy,
+                idle,
+                standby,
+                client,
+            },
+        );
+        r
+    }
+
+    #[test]
+    fn a_stream_is_cpu_bound_only_when_both_modes_leave_no_cpu_idle() {
+        let u = cpu(row(100.0, 130.0), 1.98, 0.01, 0.0);
+        let e = cpu(row(20.0, 60.0), 1.96, 0.02, 0.3);
+        let line = stream_cpu_bound(&u, &e, 1).unwrap();
+        assert!(
+            line.contains("busy 1.98 / 1.96 (idle 1% / 2%): CPU-bound both ways"),
+            "{line}"
+        );
+        assert!(
+            line.contains("standby took 0.30 CPU, the client 0.50 / 0.20"),
+            "{line}"
+        );
+        let idle = cpu(row(20.0, 60.0), 1.2, 0.4, 0.3);
+        let line = stream_cpu_bound(&u, &idle, 1).unwrap();
+        assert!(line.contains(": not CPU-bound;"), "{line}");
+        assert_eq!(stream_cpu_bound(&u, &row(20.0, 60.0), 1), None);
+        let s = summarize(&[&u, &e, &cpu(row(1.0, 1.0), 1.97, 0.05, 0.1)], &[1]);
+        assert_eq!(s.stream_cpu[&1].busy, 1.97);
+        assert_eq!(s.stream_cpu[&1].idle, 0.02);
+        assert_eq!(s.stream_cpu[&1].standby, 0.1);
     }
 
     #[test]

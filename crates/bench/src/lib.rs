@@ -21,6 +21,7 @@ pub const QEMU_CPU: &str = "host,-arch-capabilities";
 pub mod api;
 pub mod availability;
 pub mod console;
+pub mod cpu;
 pub mod floor;
 pub mod ft;
 pub mod memory_image;

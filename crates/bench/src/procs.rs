@@ -44,6 +44,11 @@ impl Vmm {
         }
     }
 
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Waits up to `timeout` for the process to exit; its exit status (as
     /// text) if it did.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<String> {

@@ -23,7 +23,6 @@ pub const HTTP_PORT: u16 = 80;
 /// Concurrent connections per TCP service.
 const TCP_ECHO_SOCKETS: usize = 8;
 const HTTP_SOCKETS: usize = 8;
-const TCP_BUFFER: usize = 128 * 1024;
 
 pub struct NetStack {
     dev: VirtioNet,
@@ -59,8 +58,9 @@ impl NetStack {
                 .add_default_ipv4_route(Ipv4Address::new(a, b, c, d));
         }
         let mut sockets = SocketSet::new(Vec::new());
+        let buffer = guest::tcpbuf::echo_buffer_bytes(crate::mem::free_bytes(), TCP_ECHO_SOCKETS);
         let tcp_echo = (0..TCP_ECHO_SOCKETS)
-            .map(|_| sockets.add(tcp_socket(TCP_BUFFER)))
+            .map(|_| sockets.add(tcp_socket(buffer)))
             .collect();
         let udp_echo = sockets.add(udp::Socket::new(
             udp::PacketBuffer::new(vec![udp::PacketMetadata::EMPTY; 64], vec![0u8; 65536]),
