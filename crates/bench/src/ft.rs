@@ -19,7 +19,8 @@
 //!
 //! Then this host's floor per sync ([`super::floor`]) and the goals of
 //! issues 7 and 28 as ratios, each request/response ratio next to the most
-//! the floor allows.
+//! the floor allows, each stream ratio next to where the host's CPUs went
+//! during it ([`super::cpu`]: busy and idle, the standby's, the client's).
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -193,7 +194,7 @@ fn api(socket: &Path, method: &str, path: &str, body: Option<Value>) -> Result<V
 /// A primary (and its standby, when protected) for one measurement.
 struct Setup {
     primary: Vmm,
-    _standby: Option<Vmm>,
+    standby: Option<Vmm>,
     _relay: Option<kemari_testkit::relay::Relay>,
     api: PathBuf,
     _scratch: Scratch,
@@ -296,7 +297,7 @@ fn start(
     api(&api_sock, "PUT", "/vm/resume", None).map_err(|e| format!("{e}: {}", primary.tail()))?;
     Ok(Setup {
         primary,
-        _standby: standby,
+        standby,
         _relay: relay,
         api: api_sock,
         _scratch: scratch,
@@ -526,7 +527,7 @@ fn network(
     }
     // The CPU each stream took, whose: this process is the client.
     let mut pids = vec![s.primary.pid(), std::process::id()];
-    pids.extend(s._standby.as_ref().map(Vmm::pid));
+    pids.extend(s.standby.as_ref().map(Vmm::pid));
     for &conns in &args.connections {
         let mark = CpuMark::take(&pids);
         let mb = stream(&ip, args.seconds, conns)? / 1e6;
@@ -756,7 +757,7 @@ fn stream_cpu_bound(unprotected: &Row, event: &Row, c: usize) -> Option<String> 
     let bound = if u.idle < SATURATED_IDLE && e.idle < SATURATED_IDLE {
         "CPU-bound both ways"
     } else {
-        "not CPU-bound"
+        "not CPU-bound both ways"
     };
     Some(format!(
         "; host CPUs busy {:.2} / {:.2} (idle {:.0}% / {:.0}%): {bound}; the standby took {:.2} CPU, the client {:.2} / {:.2}",
@@ -1223,7 +1224,7 @@ mod tests {
         );
         let idle = cpu(row(20.0, 60.0), 1.2, 0.4, 0.3);
         let line = stream_cpu_bound(&u, &idle, 1).unwrap();
-        assert!(line.contains(": not CPU-bound;"), "{line}");
+        assert!(line.contains(": not CPU-bound both ways;"), "{line}");
         assert_eq!(stream_cpu_bound(&u, &row(20.0, 60.0), 1), None);
         let s = summarize(&[&u, &e, &cpu(row(1.0, 1.0), 1.97, 0.05, 0.1)], &[1]);
         assert_eq!(s.stream_cpu[&1].busy, 1.97);
