@@ -279,6 +279,10 @@ def cpu_seconds(host: VirtualHost, pids: dict[str, int]) -> dict[str, float]:
     ticks = [int(x) for x in lines[0].split()[1:9]]
     out = {"vh": (sum(ticks) - ticks[3] - ticks[4]) / hz}
     for name, line in zip(pids, lines[1:]):
+        if ")" not in line:
+            # `cat` said why instead: that kemari has exited (a guest's
+            # platform triple fault, say); the caller's diagnostics tell.
+            raise LabError(f"{host.name}: {name}'s kemari (pid {pids[name]}) is gone: {line.strip()}")
         # After "(comm)": field 3 (state) first; utime is field 14, stime 15.
         f = line.rsplit(")", 1)[1].split()
         out[name] = (int(f[11]) + int(f[12])) / hz

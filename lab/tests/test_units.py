@@ -1054,3 +1054,32 @@ def test_exit_rates_reads_each_vm_s_debugfs_directory_and_counters() -> None:
     h = FakeHost("exits 1500\nmmio_exits 240\npf_fixed -1\nnoise 7\n")
     assert _read_counters(h, "/sys/kernel/debug/kvm/412-11") == {"exits": 1500, "mmio_exits": 240, "pf_fixed": -1}
     assert "cat /sys/kernel/debug/kvm/412-11/$f" in h.commands[0]
+
+
+def test_warm_cache_cpu_seconds_reads_proc_and_names_a_kemari_that_is_gone() -> None:
+    from types import SimpleNamespace
+
+    from kemari_lab.errors import LabError
+    from kemari_lab.warm_cache import cpu_seconds
+
+    class FakeHost:
+        name = "vh0"
+
+        def __init__(self, output: str) -> None:
+            self.output = output
+
+        def run(self, cmd: str, timeout: float = 0) -> SimpleNamespace:
+            return SimpleNamespace(output=self.output)
+
+    stat = "cpu  8141 0 8646 8271 49 0 1154 0 7208 0\n"
+    dax = "154 (kemari) S 153 0 0 0 -1 4194560 43842 0 2 0 7695 7891 0 0 20 0 7 0\n"
+    cold = "160 (kemari) S 153 0 0 0 -1 4194560 43842 0 2 0 100 50 0 0 20 0 7 0\n"
+    vcpu = "180 (vcpu0) S " + " ".join(["0"] * 35) + " 1 0\n"
+    out = cpu_seconds(FakeHost(stat + dax + cold + vcpu + "-\n"), {"dax": 154, "cold": 160})
+    assert out["vh"] == (8141 + 8646 + 1154) / 100
+    assert out["dax"] == (7695 + 7891) / 100 and out["cold"] == 1.5
+    assert out["dax_vcpu0_on"] == 1.0 and out["cold_vcpu0_on"] == -1.0
+    # What the 2026-11-30 01:08 run got when the cold guest's kemari had exited.
+    gone = "cat: can't open '/proc/160/stat': No such file or directory\n"
+    with pytest.raises(LabError, match=r"vh0: cold's kemari \(pid 160\) is gone: cat: can't open"):
+        cpu_seconds(FakeHost(stat + dax + gone + vcpu + "-\n"), {"dax": 154, "cold": 160})
