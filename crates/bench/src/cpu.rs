@@ -1,8 +1,8 @@
 //! Where a measurement's CPU went: the host's busy, idle and stolen time
 //! (`/proc/stat`) and chosen processes' own (`/proc/<pid>/stat`), between
 //! two samples. `kemari-bench ft` uses it to tell a stream limited by the
-//! host's CPUs (every CPU busy in both modes, so the ratio is the ratio of
-//! CPU per byte) from one limited by something else.
+//! host's CPUs (no CPU idle, unprotected or protected) from one limited by
+//! something else, and to say whose the CPU time was.
 
 use std::time::Instant;
 

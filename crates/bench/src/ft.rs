@@ -525,7 +525,8 @@ fn network(
             row.sync_p99 = st["sync_us_p99"].as_u64().unwrap_or(0);
         }
     }
-    // The CPU each stream took, whose: this process is the client.
+    // The CPU each stream took, whose: this process is the client. In the
+    // order of PRIMARY, CLIENT, STANDBY.
     let mut pids = vec![s.primary.pid(), std::process::id()];
     pids.extend(s.standby.as_ref().map(Vmm::pid));
     for &conns in &args.connections {
@@ -541,9 +542,9 @@ fn network(
             "host_busy_s": cpu.host_busy_s,
             "idle_share": cpu.idle_share,
             "steal_share": cpu.steal_share,
-            "primary_s": cpu.procs_s[0],
-            "client_s": cpu.procs_s[1],
-            "standby_s": cpu.procs_s.get(2).copied().flatten(),
+            "primary_s": cpu.procs_s[PRIMARY],
+            "client_s": cpu.procs_s[CLIENT],
+            "standby_s": cpu.procs_s.get(STANDBY).copied().flatten(),
         });
         if let Some(c) = StreamCpu::of(&cpu) {
             row.stream_cpu.insert(conns, c);
@@ -719,6 +720,11 @@ fn metrics(connections: &[usize]) -> Vec<Metric> {
     m
 }
 
+/// The processes a stream's [`CpuMark`] samples, by index.
+const PRIMARY: usize = 0;
+const CLIENT: usize = 1;
+const STANDBY: usize = 2;
+
 /// Where the host's CPUs went during a stream (CPUs busy on average).
 #[derive(Debug, Default, Clone, Copy, PartialEq)]
 struct StreamCpu {
@@ -738,8 +744,8 @@ impl StreamCpu {
         (cpu.wall_s > 0.0 && cpu.host_busy_s > 0.0).then(|| StreamCpu {
             busy: cpu.busy_cpus(),
             idle: cpu.idle_share,
-            standby: per(cpu.procs_s.get(2).copied().flatten()).unwrap_or(0.0),
-            client: per(cpu.procs_s.get(1).copied().flatten()).unwrap_or(0.0),
+            standby: per(cpu.procs_s.get(STANDBY).copied().flatten()).unwrap_or(0.0),
+            client: per(cpu.procs_s.get(CLIENT).copied().flatten()).unwrap_or(0.0),
         })
     }
 }
