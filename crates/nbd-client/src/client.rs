@@ -9,15 +9,17 @@
 
 use std::collections::HashMap;
 use std::io::{self, BufReader, BufWriter, Read, Write};
-use std::net::TcpStream;
+use std::net::{TcpStream, ToSocketAddrs};
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use thiserror::Error;
 
 use crate::protocol::*;
+use crate::read_reply::ReplyAssembly;
 
 pub const DEFAULT_PORT: u16 = 10809;
 
@@ -49,6 +51,8 @@ pub enum ClientError {
     Unexpected(&'static str),
     #[error("the connection to the server is closed")]
     Closed,
+    #[error("the server did not finish the NBD handshake within {secs} s")]
+    HandshakeTimeout { secs: u64 },
     #[error("offset {offset} + length {len} is beyond the export size {size}")]
     OutOfRange { offset: u64, len: u64, size: u64 },
 }
@@ -145,15 +149,27 @@ enum Stream {
 }
 
 impl Stream {
-    fn connect(addr: &NbdAddr) -> Result<Stream> {
+    /// Connects to `addr`, giving up on each of its addresses after `timeout`.
+    fn connect(addr: &NbdAddr, timeout: Duration) -> Result<Stream> {
         match addr {
             NbdAddr::Tcp(a) => {
-                let s = TcpStream::connect(a).map_err(|source| ClientError::Connect {
+                let err = |source| ClientError::Connect {
                     addr: a.clone(),
                     source,
-                })?;
-                s.set_nodelay(true)?;
-                Ok(Stream::Tcp(s))
+                };
+                let mut last = None;
+                for sa in a.to_socket_addrs().map_err(err)? {
+                    match TcpStream::connect_timeout(&sa, timeout) {
+                        Ok(s) => {
+                            s.set_nodelay(true)?;
+                            return Ok(Stream::Tcp(s));
+                        }
+                        Err(e) => last = Some(e),
+                    }
+                }
+                Err(err(last.unwrap_or_else(|| {
+                    io::Error::new(io::ErrorKind::NotFound, "the name has no address")
+                })))
             }
             NbdAddr::Unix(p) => Ok(Stream::Unix(UnixStream::connect(p).map_err(|source| {
                 ClientError::Connect {
@@ -161,6 +177,13 @@ impl Stream {
                     source,
                 }
             })?)),
+        }
+    }
+    /// Read and write time-outs (`None`: block for as long as it takes).
+    fn set_timeouts(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_read_timeout(t).and_then(|()| s.set_write_timeout(t)),
+            Stream::Unix(s) => s.set_read_timeout(t).and_then(|()| s.set_write_timeout(t)),
         }
     }
     fn try_clone(&self) -> io::Result<Stream> {
@@ -211,10 +234,21 @@ fn send_option(w: &mut impl Write, option: u32, data: &[u8]) -> io::Result<()> {
     w.flush()
 }
 
-fn read_option_reply(r: &mut impl Read) -> Result<(OptionReplyHeader, Vec<u8>)> {
+/// Largest option reply the handshake reads: export information, error
+/// messages and context names are short (the spec caps strings at 4096
+/// bytes), so a server cannot make us allocate more than this.
+const MAX_HANDSHAKE_REPLY: u32 = 64 * 1024;
+/// Largest access-counter reply ([`query_access_counts`]).
+const MAX_ACCESS_COUNTS_REPLY: u32 = 16 * MAX_ACCESS_GROUPS + 16;
+/// How long connecting and the handshake may take before
+/// [`Client::connect`] gives up (the transmission phase has no limit: an
+/// idle disk is no fault).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+fn read_option_reply(r: &mut impl Read, limit: u32) -> Result<(OptionReplyHeader, Vec<u8>)> {
     let mut h = [0u8; OPTION_REPLY_HEADER_LEN];
     r.read_exact(&mut h)?;
-    let h = decode_option_reply_header(&h, 1 << 30)?;
+    let h = decode_option_reply_header(&h, limit)?;
     let mut d = vec![0u8; h.len as usize];
     r.read_exact(&mut d)?;
     Ok((h, d))
@@ -230,7 +264,7 @@ fn refused(h: &OptionReplyHeader, d: &[u8]) -> ClientError {
 
 /// Reads the server greeting and sends our flags; returns whether the server
 /// omits the 124 zero bytes after NBD_OPT_EXPORT_NAME.
-fn greet(s: &mut Stream) -> Result<bool> {
+fn greet<S: Read + Write>(s: &mut S) -> Result<bool> {
     let mut hs = [0u8; HANDSHAKE_LEN];
     s.read_exact(&mut hs)?;
     let flags = decode_handshake(&hs)?;
@@ -246,10 +280,15 @@ fn greet(s: &mut Stream) -> Result<bool> {
     Ok(no_zeroes)
 }
 
-fn handshake(s: &mut Stream, export: &str) -> Result<ExportInfo> {
+/// The client's side of the fixed-newstyle handshake over `s` for
+/// `export`: structured replies if the server has them, then NBD_OPT_GO
+/// (NBD_OPT_EXPORT_NAME with an old server). What the server said about the
+/// export, or why it cannot be used; `s` is in the transmission phase after
+/// `Ok`.
+pub fn negotiate<S: Read + Write>(s: &mut S, export: &str) -> Result<ExportInfo> {
     let no_zeroes = greet(s)?;
     send_option(s, OPT_STRUCTURED_REPLY, &[])?;
-    let (h, d) = read_option_reply(s)?;
+    let (h, d) = read_option_reply(s, MAX_HANDSHAKE_REPLY)?;
     let structured = h.reply_type == REP_ACK;
     if !structured && h.reply_type & REP_FLAG_ERROR == 0 {
         return Err(refused(&h, &d));
@@ -263,7 +302,7 @@ fn handshake(s: &mut Stream, export: &str) -> Result<ExportInfo> {
     };
     let mut got_export = false;
     loop {
-        let (h, d) = read_option_reply(s)?;
+        let (h, d) = read_option_reply(s, MAX_HANDSHAKE_REPLY)?;
         match h.reply_type {
             REP_INFO => match decode_info(&d)? {
                 Info::Export { size, flags } => {
@@ -301,29 +340,56 @@ fn handshake(s: &mut Stream, export: &str) -> Result<ExportInfo> {
 /// Asks a kemari target for an export's per-group access counters
 /// (the `NBD_OPT_KEMARI_ACCESS_COUNTS` extension) without entering transmission.
 pub fn query_access_counts(url: &NbdUrl) -> Result<AccessCounts> {
-    let mut s = Stream::connect(&url.addr)?;
-    greet(&mut s)?;
+    let mut s = Stream::connect(&url.addr, HANDSHAKE_TIMEOUT)?;
+    within(&s, HANDSHAKE_TIMEOUT, greet)?;
+    s.set_timeouts(Some(HANDSHAKE_TIMEOUT))?;
     let mut d = (url.export.len() as u32).to_be_bytes().to_vec();
     d.extend_from_slice(url.export.as_bytes());
     send_option(&mut s, OPT_KEMARI_ACCESS_COUNTS, &d)?;
-    let (h, d) = read_option_reply(&mut s)?;
+    let (h, d) = read_option_reply(&mut s, MAX_ACCESS_COUNTS_REPLY)?;
     if h.reply_type != REP_KEMARI_ACCESS_COUNTS {
         return Err(refused(&h, &d));
     }
     let counts = AccessCounts::decode(&d)?;
-    let _ = read_option_reply(&mut s);
+    let _ = read_option_reply(&mut s, MAX_HANDSHAKE_REPLY);
     let _ = send_option(&mut s, OPT_ABORT, &[]);
     s.shutdown();
     Ok(counts)
 }
 
+/// Runs `step` on `s` with `timeout` on each read and write, then clears
+/// it; a step that timed out is said as such.
+fn within<T>(
+    s: &Stream,
+    timeout: Duration,
+    step: impl FnOnce(&mut Stream) -> Result<T>,
+) -> Result<T> {
+    s.set_timeouts(Some(timeout))?;
+    let mut own = s.try_clone()?;
+    match step(&mut own) {
+        Err(ClientError::Io(e))
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
+            Err(ClientError::HandshakeTimeout {
+                secs: timeout.as_secs().max(1),
+            })
+        }
+        r => {
+            s.set_timeouts(None)?;
+            r
+        }
+    }
+}
+
 struct Pending {
     /// Expected data length for reads (0 for other commands).
     len: usize,
-    offset: u64,
     tx: SyncSender<Result<Vec<u8>>>,
-    /// Read data assembled from structured chunks.
-    buf: Option<Vec<u8>>,
+    /// The structured reply so far.
+    reply: ReplyAssembly,
 }
 
 struct Shared {
@@ -363,9 +429,16 @@ impl Client {
         Self::connect_url(&parse_url(url)?)
     }
 
+    /// Connects to `url`; connecting and the handshake may take
+    /// [`HANDSHAKE_TIMEOUT`].
     pub fn connect_url(url: &NbdUrl) -> Result<Client> {
-        let mut s = Stream::connect(&url.addr)?;
-        let info = handshake(&mut s, &url.export)?;
+        Self::connect_within(url, HANDSHAKE_TIMEOUT)
+    }
+
+    /// [`connect_url`](Self::connect_url) with its own time-out.
+    pub fn connect_within(url: &NbdUrl, timeout: Duration) -> Result<Client> {
+        let s = Stream::connect(&url.addr, timeout)?;
+        let info = within(&s, timeout, |s| negotiate(s, &url.export))?;
         let r = s.try_clone()?;
         let shutdown_handle = s.try_clone()?;
         let shared = Arc::new(Shared {
@@ -442,9 +515,8 @@ impl Client {
                     cookie,
                     Pending {
                         len: rlen,
-                        offset,
                         tx,
-                        buf: None,
+                        reply: ReplyAssembly::new(offset, rlen),
                     },
                 );
             }
@@ -618,55 +690,15 @@ fn receive_one<R: Read>(r: &mut R, sh: &Shared) -> Result<()> {
             let p = pend.get_mut(&cookie).ok_or(ClientError::Unexpected(
                 "structured reply to an unknown cookie",
             ))?;
-            let mut failed = None;
-            match reply_type {
-                REPLY_TYPE_OFFSET_DATA | REPLY_TYPE_OFFSET_HOLE => {
-                    if payload.len() < 8 {
-                        return Err(ClientError::Unexpected("short data chunk"));
-                    }
-                    let off = be64(&payload, 0);
-                    let rel = off.wrapping_sub(p.offset);
-                    let n = if reply_type == REPLY_TYPE_OFFSET_DATA {
-                        payload.len() - 8
-                    } else if payload.len() >= 12 {
-                        u32::from_be_bytes([payload[8], payload[9], payload[10], payload[11]])
-                            as usize
-                    } else {
-                        return Err(ClientError::Unexpected("short hole chunk"));
-                    };
-                    if rel.checked_add(n as u64).is_none_or(|e| e > p.len as u64) {
-                        return Err(ClientError::Unexpected("chunk outside the request"));
-                    }
-                    let len = p.len;
-                    let buf = p.buf.get_or_insert_with(|| vec![0u8; len]);
-                    let rel = rel as usize;
-                    if reply_type == REPLY_TYPE_OFFSET_DATA {
-                        buf[rel..rel + n].copy_from_slice(&payload[8..]);
-                    } else {
-                        buf[rel..rel + n].fill(0);
-                    }
-                }
-                t if t & (1 << 15) != 0 => {
-                    let errno = if payload.len() >= 4 {
-                        u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]])
-                    } else {
-                        EIO
-                    };
-                    let message = if payload.len() >= 6 {
-                        String::from_utf8_lossy(&payload[6..]).into_owned()
-                    } else {
-                        String::new()
-                    };
-                    failed = Some(ClientError::Request { errno, message });
-                }
-                _ => {}
-            }
-            if failed.is_some() || flags & REPLY_FLAG_DONE != 0 {
-                if let Some(mut p) = pend.remove(&cookie) {
-                    let res = match failed {
-                        Some(e) => Err(e),
-                        None => Ok(p.buf.take().unwrap_or_else(|| vec![0u8; p.len])),
-                    };
+            p.reply
+                .chunk(reply_type, &payload)
+                .map_err(|e| ClientError::Unexpected(e.0))?;
+            if flags & REPLY_FLAG_DONE != 0 {
+                if let Some(p) = pend.remove(&cookie) {
+                    let res = p.reply.finish().map_err(|f| ClientError::Request {
+                        errno: f.errno,
+                        message: f.message,
+                    });
                     let _ = p.tx.send(res);
                 }
             }
@@ -702,5 +734,148 @@ mod tests {
         assert!(parse_url("nbd://h:port/x").is_err());
         assert!(parse_url("nbd+unix:///e").is_err());
         assert_eq!(parse_url("nbd://h:1/e").unwrap().to_string(), "nbd://h:1/e");
+    }
+
+    /// A server that accepts and says nothing: the connect gives up, in
+    /// the user's terms.
+    #[test]
+    fn a_silent_server_ends_the_handshake_with_a_timeout() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = parse_url(&format!("nbd://{}/x", l.local_addr().unwrap())).unwrap();
+        let held = std::thread::spawn(move || l.accept().map(|(s, _)| s));
+        let t = std::time::Instant::now();
+        let e = Client::connect_within(&url, Duration::from_millis(300))
+            .err()
+            .unwrap();
+        assert!(t.elapsed() < Duration::from_secs(10));
+        assert!(matches!(e, ClientError::HandshakeTimeout { .. }), "{e:?}");
+        assert!(
+            e.to_string().contains("did not finish the NBD handshake"),
+            "{e}"
+        );
+        drop(held.join());
+    }
+
+    /// A scripted server: the handshake (structured replies, one export of
+    /// 1 MiB), then for each request the chunks `answer` gives it.
+    fn scripted_server(
+        answer: impl Fn(&Request) -> Vec<(u16, u16, Vec<u8>)> + Send + 'static,
+    ) -> NbdUrl {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = parse_url(&format!("nbd://{}/x", l.local_addr().unwrap())).unwrap();
+        std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            s.write_all(&encode_handshake(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES))
+                .unwrap();
+            let mut b = [0u8; 4];
+            s.read_exact(&mut b).unwrap();
+            for _ in 0..2 {
+                let mut h = [0u8; 16];
+                s.read_exact(&mut h).unwrap();
+                let h = decode_option_header(&h).unwrap();
+                let mut d = vec![0u8; h.len as usize];
+                s.read_exact(&mut d).unwrap();
+                if h.option == OPT_GO {
+                    let info = encode_info_export(1 << 20, 0);
+                    s.write_all(&encode_option_reply(OPT_GO, REP_INFO, &info))
+                        .unwrap();
+                }
+                s.write_all(&encode_option_reply(h.option, REP_ACK, &[]))
+                    .unwrap();
+            }
+            let mut r = [0u8; REQUEST_LEN];
+            while s.read_exact(&mut r).is_ok() {
+                let req = Request::decode(&r).unwrap();
+                if req.command == CMD_DISC {
+                    return;
+                }
+                for (flags, ty, payload) in answer(&req) {
+                    let h = encode_structured_header(flags, ty, req.cookie, payload.len() as u32);
+                    s.write_all(&h).unwrap();
+                    s.write_all(&payload).unwrap();
+                }
+            }
+        });
+        url
+    }
+
+    fn data_at(offset: u64, bytes: &[u8]) -> Vec<u8> {
+        [&offset.to_be_bytes()[..], bytes].concat()
+    }
+
+    #[test]
+    fn a_read_the_server_answers_short_fails_and_the_connection_goes_on() {
+        let url = scripted_server(|req| {
+            let mut data = vec![7u8; req.len as usize];
+            if req.offset == 0 {
+                // Half the read, then DONE: the rest was never sent.
+                data.truncate(data.len() / 2);
+            }
+            vec![(
+                REPLY_FLAG_DONE,
+                REPLY_TYPE_OFFSET_DATA,
+                data_at(req.offset, &data),
+            )]
+        });
+        let c = Client::connect_url(&url).unwrap();
+        let mut b = [1u8; 4096];
+        let e = c.read_at(0, &mut b).unwrap_err();
+        assert!(
+            matches!(&e, ClientError::Request { errno: EIO, message } if message.contains("covered 2048 of the 4096")),
+            "{e:?}"
+        );
+        assert!(!c.is_closed());
+        c.read_at(8192, &mut b).unwrap();
+        assert!(b.iter().all(|&x| x == 7));
+    }
+
+    #[test]
+    fn an_error_chunk_before_done_fails_only_its_request() {
+        let url = scripted_server(|req| {
+            if req.offset == 0 {
+                let err = encode_error_chunk(ENOSPC, "full");
+                vec![
+                    (0, REPLY_TYPE_ERROR, err),
+                    (REPLY_FLAG_DONE, REPLY_TYPE_NONE, Vec::new()),
+                ]
+            } else {
+                let data = vec![3u8; req.len as usize];
+                vec![(
+                    REPLY_FLAG_DONE,
+                    REPLY_TYPE_OFFSET_DATA,
+                    data_at(req.offset, &data),
+                )]
+            }
+        });
+        let c = Client::connect_url(&url).unwrap();
+        let mut b = [0u8; 512];
+        let e = c.read_at(0, &mut b).unwrap_err();
+        assert!(
+            matches!(&e, ClientError::Request { errno: ENOSPC, message } if message == "full"),
+            "{e:?}"
+        );
+        c.read_at(512, &mut b).unwrap();
+        assert!(b.iter().all(|&x| x == 3));
+    }
+
+    #[test]
+    fn overlapping_chunks_end_the_connection() {
+        let url = scripted_server(|req| {
+            vec![
+                (0, REPLY_TYPE_OFFSET_DATA, data_at(req.offset, &[1; 300])),
+                (
+                    REPLY_FLAG_DONE,
+                    REPLY_TYPE_OFFSET_DATA,
+                    data_at(req.offset + 200, &[2; 312]),
+                ),
+            ]
+        });
+        let c = Client::connect_url(&url).unwrap();
+        let e = c.read_at(0, &mut [0u8; 512]).unwrap_err();
+        assert!(
+            e.to_string().contains("overlap") || format!("{e:?}").contains("overlap"),
+            "{e:?}"
+        );
+        assert!(c.is_closed());
     }
 }

@@ -6,3 +6,4 @@
 pub mod client;
 pub mod page_buf;
 pub mod protocol;
+pub mod read_reply;
