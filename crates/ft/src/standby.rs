@@ -127,15 +127,22 @@ pub fn run(
     shared: &Arc<FtShared>,
 ) -> Result<StandbyOutcome, FtError> {
     shared.begin("standby", FtState::Standby, &opts.listen, "", None);
-    let (stream, peer) = net::accept_one(
+    let listener = net::listen(&opts.listen)?;
+    let tuning = net::Tuning {
+        receive_buffer: None,
+        read_timeout: Some(Duration::from_secs(30)),
+    };
+    let (channel, peer) = net::accept_authenticated(
+        &listener,
         &opts.listen,
         Peer::Primary,
-        None,
-        Some(Duration::from_secs(30)),
+        Auth::psk(&opts.key, opts.plaintext),
+        tuning,
+        net::HANDSHAKE_TIMEOUT,
     )?;
+    drop(listener);
     let io = |e| TransferError::io(Peer::Primary, "setting up the sync link", None, e);
-    let socket = stream.try_clone().map_err(io)?;
-    let channel = Channel::accept(stream, Auth::psk(&opts.key, opts.plaintext), Peer::Primary)?;
+    let socket = channel.stream().try_clone().map_err(io)?;
     let (reader, writer) = channel.split(|s| {
         Ok((
             BufReader::with_capacity(1 << 20, s.try_clone()?),

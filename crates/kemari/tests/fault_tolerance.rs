@@ -589,6 +589,32 @@ fn unreachable_or_unauthenticated_standby_is_refused_and_the_vm_runs_on() {
     wait_for("the guest to go on", Duration::from_secs(10), || {
         counters(&primary.console).len() > n + 2
     });
-    let _ = standby.child.0.kill();
+    // The refused primary did not end the waiting standby: with the
+    // standby's key, the same primary gets in.
+    assert!(
+        standby.child.0.try_wait().unwrap().is_none(),
+        "a wrong key ended the standby"
+    );
+    assert_eq!(ft_state(&mut standby).unwrap(), "standby");
+    let out = ctl(
+        &primary.api,
+        &[
+            "ft",
+            "start",
+            "--peer",
+            &format!("127.0.0.1:{port}"),
+            "--key-file",
+            other.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(ft_status(&primary)["state"], "protected");
     assert!(ctl(&primary.api, &["shutdown"]).status.success());
+    // Told to stop, the standby ends without running the VM.
+    let st = standby.child.0.wait().unwrap();
+    assert!(st.success(), "{st:?}");
 }

@@ -30,15 +30,16 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::*;
-    use crate::Peer;
 
     #[test]
     fn a_destination_says_where_it_listens_before_it_accepts() {
         static SEEN: Mutex<Vec<String>> = Mutex::new(Vec::new());
         on_listening(|addr| SEEN.lock().unwrap().push(addr.to_owned()));
         // Port 0: the hook gets the port the kernel chose, not the one asked.
-        let waiting =
-            std::thread::spawn(|| crate::net::accept_one("127.0.0.1:0", Peer::Source, None, None));
+        let waiting = std::thread::spawn(|| {
+            let listener = crate::net::listen("127.0.0.1:0").unwrap();
+            listener.accept().map(|_| ())
+        });
         let started = Instant::now();
         let addr = loop {
             if let Some(a) = SEEN.lock().unwrap().last().cloned() {

@@ -190,20 +190,19 @@ pub fn migrate_in(
     events: VmEventSink,
     adjust: &mut dyn FnMut(&mut MachineConfig),
 ) -> Result<Machine, TransferError> {
-    let listener = net::bind(listen)?;
-    if let Ok(bound) = listener.local_addr() {
-        crate::listening::listening(&bound.to_string());
-    } else {
-        crate::listening::listening(listen);
-    }
-    let (stream, _) = net::accept_on(
+    let listener = net::listen(listen)?;
+    let tuning = net::Tuning {
+        receive_buffer: Some(MIGRATION_SOCKET_BUFFER),
+        read_timeout: Some(STEP_TIMEOUT),
+    };
+    let (mut ch, _) = net::accept_authenticated(
         &listener,
         listen,
         Peer::Source,
-        Some(MIGRATION_SOCKET_BUFFER),
-        Some(STEP_TIMEOUT),
+        key,
+        tuning,
+        net::HANDSHAKE_TIMEOUT,
     )?;
-    let mut ch = Channel::accept(stream, key, Peer::Source)?;
     ch.note_timeout(Some(STEP_TIMEOUT));
     // Open for the page streams of an offer of several connections only.
     let joiner = Joiner::new(listener, key, STEP_TIMEOUT);
