@@ -54,6 +54,14 @@ pub struct Access {
     /// serves it.
     #[arg(long, value_name = "ADDR")]
     pub metrics_listen: Option<String>,
+    /// Close a connection whose client has not finished the NBD handshake
+    /// within SECS seconds (0: no limit).
+    #[arg(long, default_value_t = 10, value_name = "SECS")]
+    pub handshake_limit: u64,
+    /// Serve at most N connections at once; more are closed at once (0: no
+    /// limit).
+    #[arg(long, default_value_t = 100, value_name = "N")]
+    pub max_connections: usize,
 }
 
 impl Access {
@@ -88,6 +96,9 @@ impl Access {
             exports,
             tls,
             allow,
+            handshake_limit: (self.handshake_limit > 0)
+                .then(|| std::time::Duration::from_secs(self.handshake_limit)),
+            max_connections: self.max_connections,
         })
     }
 }

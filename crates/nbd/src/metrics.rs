@@ -56,6 +56,48 @@ fn requests() -> &'static Requests {
     })
 }
 
+/// Why a connection was closed by the server before it was served.
+#[derive(Debug, Clone, Copy)]
+pub enum Refusal {
+    /// Its address is not in `--allow`.
+    NotAllowed,
+    /// `--max-connections` were open.
+    Limit,
+    /// No handshake within `--handshake-limit`.
+    HandshakeLimit,
+}
+
+const REFUSALS: [&str; 3] = ["not_allowed", "connection_limit", "handshake_limit"];
+
+/// Connections open now, and those refused by reason.
+struct Connections {
+    open: AtomicU64,
+    refused: [AtomicU64; REFUSALS.len()],
+}
+
+fn connections() -> &'static Connections {
+    static CONNECTIONS: Connections = Connections {
+        open: AtomicU64::new(0),
+        refused: [AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)],
+    };
+    &CONNECTIONS
+}
+
+/// A connection is being served.
+pub fn connection_opened() {
+    connections().open.fetch_add(1, Ordering::Relaxed);
+}
+
+/// A served connection ended.
+pub fn connection_closed() {
+    connections().open.fetch_sub(1, Ordering::Relaxed);
+}
+
+/// The server closed a connection before serving it.
+pub fn connection_refused(why: Refusal) {
+    connections().refused[why as usize].fetch_add(1, Ordering::Relaxed);
+}
+
 /// Starts the process's clock (`kemari_nbd_process_uptime_seconds`).
 pub fn init() {
     requests();
@@ -170,6 +212,22 @@ pub fn exposition(role: &'static str, proxy: Option<&ProxyView>) -> String {
                 ("written", q.bytes_written.load(Ordering::Relaxed)),
             ],
         ),
+    );
+    let c = connections();
+    r.register(
+        "connections",
+        "NBD connections being served",
+        ConstGauge::new(c.open.load(Ordering::Relaxed) as i64),
+    );
+    let refused: Vec<(&'static str, u64)> = REFUSALS
+        .iter()
+        .zip(&c.refused)
+        .map(|(why, n)| (*why, n.load(Ordering::Relaxed)))
+        .collect();
+    r.register(
+        "connections_refused",
+        "Connections the server closed unserved: not allowed (--allow), over --max-connections, no handshake within --handshake-limit",
+        counter_family("reason", &refused),
     );
     if let Some(p) = proxy {
         register_proxy(&mut r, p);

@@ -252,3 +252,83 @@ fn the_allow_list_closes_other_clients_before_any_byte() {
     let (_b, port) = serve_args(&args(&["--export", &ex, "--allow", "127.0.0.1"]));
     assert!(nbd_client::client::Client::connect(&format!("nbd://127.0.0.1:{port}/a")).is_ok());
 }
+
+/// CVE-2024-7409's two holes, closed: a client that connects and never
+/// negotiates is closed after --handshake-limit, and past
+/// --max-connections a connection is closed at once; once places are
+/// free a real client gets in. Both refusals show in /metrics.
+#[test]
+#[cfg_attr(no_nbdinfo, ignore = "needs nbdinfo (libnbd-bin)")]
+fn silent_clients_are_closed_and_connections_are_capped() {
+    use kemari_testkit::http::{get, over_tcp, scrape};
+    use std::time::Instant;
+
+    let d = TempDir::new("limits");
+    let ex = image(&d);
+    let metrics = free_port();
+    let (_t, port) = serve_args(&args(&[
+        "--export",
+        &ex,
+        "--handshake-limit",
+        "1",
+        "--max-connections",
+        "2",
+        "--metrics-listen",
+        &format!("127.0.0.1:{metrics}"),
+    ]));
+    let addr = format!("127.0.0.1:{port}");
+    let greeted = |s: &mut TcpStream| {
+        let mut hello = [0u8; 18];
+        s.read_exact(&mut hello).is_ok() && &hello[..8] == b"NBDMAGIC"
+    };
+    // The readiness probe's connection has gone.
+    let scraped = || scrape(over_tcp(metrics, &get("/metrics")));
+    wait_for("no connection open", Duration::from_secs(10), || {
+        scraped().contains("\nkemari_nbd_connections 0\n")
+    });
+    // Two clients that say nothing take both places.
+    let mut silent: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(&addr).unwrap()).collect();
+    let opened = Instant::now();
+    for s in &mut silent {
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        assert!(greeted(s), "an admitted client was not greeted");
+    }
+    // A third is closed at once, without a greeting.
+    let mut third = TcpStream::connect(&addr).unwrap();
+    third
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let mut rest = Vec::new();
+    assert_eq!(
+        third.read_to_end(&mut rest).unwrap(),
+        0,
+        "past the limit, yet served"
+    );
+    // The silent two are closed once their second is up.
+    for s in &mut silent {
+        let _ = s.read_to_end(&mut rest);
+    }
+    let waited = opened.elapsed();
+    assert!(
+        waited >= Duration::from_millis(800),
+        "closed after {waited:?}"
+    );
+    assert!(waited < Duration::from_secs(15), "closed after {waited:?}");
+    // Their places are free again (their threads gone): a client that
+    // negotiates gets in.
+    wait_for(
+        "the closed connections' places",
+        Duration::from_secs(10),
+        || scraped().contains("\nkemari_nbd_connections 0\n"),
+    );
+    let info = output(Command::new("nbdinfo").arg(format!("nbd://127.0.0.1:{port}/a")));
+    assert!(info.status.success(), "{}", text(&info));
+    let m = scraped();
+    for line in [
+        "kemari_nbd_connections_refused_total{reason=\"connection_limit\"} 1\n",
+        "kemari_nbd_connections_refused_total{reason=\"handshake_limit\"} 2\n",
+        "kemari_nbd_connections_refused_total{reason=\"not_allowed\"} 0\n",
+    ] {
+        assert!(m.contains(line), "no {line:?} in\n{m}");
+    }
+}

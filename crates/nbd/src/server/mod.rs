@@ -16,6 +16,7 @@
 //! socket pair, so that negotiation, transmission and the splice path are the
 //! same code with or without TLS.
 
+mod admission;
 pub mod negotiate;
 mod read_buf;
 mod request_poll;
@@ -35,8 +36,10 @@ use tracing::{debug, info, warn};
 
 use crate::allow::AllowList;
 use crate::backend::Backend;
+use crate::metrics::{self, Refusal};
 use crate::shutdown::OwnedSocket;
 use crate::tls::{TlsError, TlsServer};
+use admission::{Admission, HandshakeDeadline};
 use nbd_client::protocol::ProtocolError;
 use negotiate::{Haggled, Negotiation};
 use transmission::{transmission, Negotiated};
@@ -163,6 +166,12 @@ pub struct ServerConfig {
     pub tls: Tls,
     /// Client addresses served on TCP listeners (empty: everyone).
     pub allow: AllowList,
+    /// A client must enter transmission within this; `None`: no limit
+    /// (the command line's default is 10 s).
+    pub handshake_limit: Option<Duration>,
+    /// Most connections served at once, more are closed at once; 0: no
+    /// limit (the command line's default is 100).
+    pub max_connections: usize,
 }
 
 impl ServerConfig {
@@ -234,9 +243,13 @@ impl Socket for UnixStream {
 }
 
 /// Serves `config`'s exports on `listener` forever, one thread per
-/// connection. A failed accept (a client that reset before it was accepted,
-/// or no file descriptors left for a moment) is logged, never fatal.
+/// connection, at most `config.max_connections` at once, each closed if its
+/// client has not entered transmission within `config.handshake_limit`
+/// (admission.rs). A failed accept (a client that reset before it was
+/// accepted, or no file descriptors left for a moment) is logged, never
+/// fatal.
 pub fn serve(listener: Listener, config: Arc<ServerConfig>) -> io::Result<()> {
+    let admission = Admission::new(config.max_connections);
     loop {
         match &listener {
             Listener::Tcp(l) => {
@@ -249,12 +262,22 @@ pub fn serve(listener: Listener, config: Arc<ServerConfig>) -> io::Result<()> {
                 };
                 if !config.allow.allows(peer.ip()) {
                     warn!(%peer, "connection refused: address not allowed (--allow)");
+                    metrics::connection_refused(Refusal::NotAllowed);
                     drop(s);
                     continue;
                 }
+                let Some(slot) = admitted(&admission, &peer.to_string()) else {
+                    continue;
+                };
                 let _ = s.set_nodelay(true);
+                let deadline = deadline(&config, peer.to_string(), s.try_clone(), |s| {
+                    let _ = s.shutdown(std::net::Shutdown::Both);
+                });
                 let cfg = config.clone();
-                spawn_conn(format!("{peer}"), move || serve_stream(s, &cfg, None));
+                spawn_conn(format!("{peer}"), move || {
+                    let _slot = slot;
+                    serve_stream(s, &cfg, None, &deadline)
+                });
             }
             Listener::Unix(l, _) => {
                 let s = match l.accept() {
@@ -264,10 +287,52 @@ pub fn serve(listener: Listener, config: Arc<ServerConfig>) -> io::Result<()> {
                         continue;
                     }
                 };
+                let Some(slot) = admitted(&admission, "unix") else {
+                    continue;
+                };
+                let deadline = deadline(&config, "unix".into(), s.try_clone(), |s| {
+                    let _ = s.shutdown(std::net::Shutdown::Both);
+                });
                 let cfg = config.clone();
-                spawn_conn("unix".to_string(), move || serve_stream(s, &cfg, None));
+                spawn_conn("unix".to_string(), move || {
+                    let _slot = slot;
+                    serve_stream(s, &cfg, None, &deadline)
+                });
             }
         }
+    }
+}
+
+/// A slot for `peer`'s connection, or `None` (logged, counted) when
+/// `--max-connections` are open.
+fn admitted(admission: &Admission, peer: &str) -> Option<admission::Slot> {
+    let slot = admission.admit();
+    if slot.is_none() {
+        warn!(
+            %peer,
+            open = admission.open(),
+            "connection refused: too many connections (--max-connections)"
+        );
+        metrics::connection_refused(Refusal::Limit);
+    }
+    slot
+}
+
+/// The handshake's deadline for a connection whose socket's `copy` lets
+/// `shut` end it; none without a limit (or without a copy).
+fn deadline<S: Send + 'static>(
+    config: &ServerConfig,
+    peer: String,
+    copy: io::Result<S>,
+    shut: fn(&S),
+) -> HandshakeDeadline {
+    match (config.handshake_limit, copy) {
+        (Some(limit), Ok(s)) => HandshakeDeadline::start(limit, peer, move || shut(&s)),
+        (Some(_), Err(e)) => {
+            warn!(error = %e, %peer, "cannot watch the handshake's time limit");
+            HandshakeDeadline::none()
+        }
+        (None, _) => HandshakeDeadline::none(),
     }
 }
 
@@ -319,6 +384,7 @@ fn session<'a, R, W>(
     config: &'a ServerConfig,
     resumed: Option<Negotiation<'a>>,
     sock: Option<RawFd>,
+    deadline: &HandshakeDeadline,
 ) -> Result<Ended<'a>, ServerError>
 where
     R: Read,
@@ -334,6 +400,7 @@ where
     match neg.haggle(&mut r, &mut w)? {
         Haggled::Done => Ok(Ended::Closed),
         Haggled::Transmit(s) => {
+            deadline.met();
             info!(export = %s.export.name, structured = s.structured, base_allocation = s.base_allocation.is_some(), "client entered transmission");
             let neg = Negotiated {
                 structured: s.structured,
@@ -357,11 +424,12 @@ fn serve_stream<S: Socket>(
     s: S,
     config: &ServerConfig,
     resumed: Option<Negotiation<'_>>,
+    deadline: &HandshakeDeadline,
 ) -> Result<(), ServerError> {
     let fd = s.as_raw_fd();
     let r = BufReader::with_capacity(256 * 1024, s.duplicate()?);
     let w = BufWriter::with_capacity(256 * 1024, s.duplicate()?);
-    match session(r, w, config, resumed, Some(fd))? {
+    match session(r, w, config, resumed, Some(fd), deadline)? {
         Ended::Closed => Ok(()),
         Ended::StartTls(mut neg) => {
             let Some(tls) = config.tls.server() else {
@@ -370,7 +438,7 @@ fn serve_stream<S: Socket>(
             };
             let plain = tls.accept(s)?;
             neg.secured();
-            serve_stream(plain, config, Some(neg))
+            serve_stream(plain, config, Some(neg), deadline)
         }
     }
 }
@@ -389,7 +457,7 @@ where
 {
     let r = BufReader::with_capacity(256 * 1024, reader);
     let w = BufWriter::with_capacity(256 * 1024, writer);
-    match session(r, w, config, None, None)? {
+    match session(r, w, config, None, None, &HandshakeDeadline::none())? {
         Ended::Closed => Ok(()),
         Ended::StartTls(_) => {
             debug!("STARTTLS on a stream that cannot carry TLS: session ends");
@@ -442,7 +510,7 @@ pub fn run_session_on_bytes(
 pub fn spawn_unix_session(config: Arc<ServerConfig>) -> io::Result<UnixStream> {
     let (a, b) = UnixStream::pair()?;
     std::thread::spawn(move || {
-        let _ = serve_stream(b, &config, None);
+        let _ = serve_stream(b, &config, None, &HandshakeDeadline::none());
     });
     Ok(a)
 }
