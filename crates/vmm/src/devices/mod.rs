@@ -8,6 +8,7 @@ pub mod console_buffer;
 pub mod disk_cache;
 pub mod event_loop;
 pub mod legacy;
+pub mod nbd_backend;
 pub mod serial_output;
 pub mod virtio;
 
