@@ -565,17 +565,20 @@ fn unreachable_or_unauthenticated_standby_is_refused_and_the_vm_runs_on() {
         &[],
     );
     wait_listening(&mut standby);
-    let out = ctl(
-        &primary.api,
-        &[
-            "ft",
-            "start",
-            "--peer",
-            &format!("127.0.0.1:{port}"),
-            "--key-file",
-            key.to_str().unwrap(),
-        ],
-    );
+    let start_with = |key: &Path| {
+        ctl(
+            &primary.api,
+            &[
+                "ft",
+                "start",
+                "--peer",
+                &format!("127.0.0.1:{port}"),
+                "--key-file",
+                key.to_str().unwrap(),
+            ],
+        )
+    };
+    let out = start_with(&key);
     assert!(!out.status.success());
     // Issue 24: named in the operator's terms, not as the I/O error the
     // standby's hang-up caused.
@@ -596,17 +599,7 @@ fn unreachable_or_unauthenticated_standby_is_refused_and_the_vm_runs_on() {
         "a wrong key ended the standby"
     );
     assert_eq!(ft_state(&mut standby).unwrap(), "standby");
-    let out = ctl(
-        &primary.api,
-        &[
-            "ft",
-            "start",
-            "--peer",
-            &format!("127.0.0.1:{port}"),
-            "--key-file",
-            other.to_str().unwrap(),
-        ],
-    );
+    let out = start_with(&other);
     assert!(
         out.status.success(),
         "{}",
