@@ -160,8 +160,9 @@ fn disk_over_nbd_round_trips() {
 }
 
 /// kemari-nbd killed (SIGKILL) while the guest writes and flushes, and
-/// started again on the same socket 300 ms later: the disk reconnects, the
-/// guest's writes go on without an I/O error, and every block verifies.
+/// started again on the same socket 300 ms later: the disk reconnects (and
+/// counts it), the guest's writes go on without an I/O error, and every
+/// block verifies.
 #[test]
 #[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn disk_over_nbd_rides_through_a_server_restart() {
@@ -197,7 +198,7 @@ fn disk_over_nbd_rides_through_a_server_restart() {
             "--memory".into(),
             "128M".into(),
             "--cmdline".into(),
-            "disk=write,3000,seq,flush,burst=20/20 poweroff=done".into(),
+            "disk=write,3000,seq,flush,burst=20/20 counter=200".into(),
             "--disk".into(),
             url.clone(),
         ],
@@ -216,12 +217,36 @@ fn disk_over_nbd_rides_through_a_server_restart() {
         read_text(&vmm.console).contains("disk: write done")
             || vmm.child.0.try_wait().unwrap().is_some()
     });
-    let status = wait_exit(&mut vmm.child.0, "the VMM after its guest's poweroff");
     let out = read_text(&vmm.console);
+    assert!(out.contains("disk: write done blocks=3000"), "{out}");
+    let devices = run_with_timeout(kemarictl(&vmm.api).arg("devices"), Duration::from_secs(10));
+    let d: serde_json::Value = serde_json::from_slice(&devices.stdout).unwrap();
+    let blk = d
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["kind"] == "virtio-blk")
+        .unwrap();
+    assert_eq!(blk["counters"]["reconnects"], 1, "{blk}");
+    let metrics = kemari_testkit::http::scrape(kemari_testkit::http::over_unix(
+        &vmm.api,
+        &kemari_testkit::http::get("/metrics"),
+    ));
     assert!(
-        status.success() && out.contains("disk: write done blocks=3000"),
-        "{status:?}\n{out}"
+        metrics
+            .lines()
+            .any(|l| l.starts_with("kemari_device_reconnects_total{")
+                && l.contains("device=\"block0\"")
+                && l.ends_with(" 1")),
+        "{metrics}"
     );
+    assert!(
+        run_with_timeout(kemarictl(&vmm.api).arg("shutdown"), Duration::from_secs(10))
+            .status
+            .success()
+    );
+    let status = wait_exit(&mut vmm.child.0, "the VMM after shutdown");
+    assert!(status.success(), "{status:?}");
     assert!(!out.contains("disk: error"), "{out}");
     assert!(
         read_text(&vmm.console).contains("disk: acked=2000"),

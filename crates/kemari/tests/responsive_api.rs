@@ -388,8 +388,18 @@ fn ft_start_answers_and_cancels_during_its_initial_synchronization() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cancelled"));
     let f = timed_get(&src.api, "/vm/ft").unwrap();
     assert_eq!(f["state"], "unprotected", "{f}");
-    // The standby had no complete image: it does not run the VM.
-    let _ = sb.child.0.wait_timeout_secs(30);
+    // The standby had no complete image: it does not run the VM. It ends —
+    // or, when the cancel came before the handshake was through the slow
+    // link, it refused that connection and still waits for a primary.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sb.child.0.try_wait().unwrap().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    if sb.child.0.try_wait().unwrap().is_none() {
+        assert_eq!(timed_get(&sb.api, "/vm").unwrap()["role"], "standby");
+        let _ = sb.child.0.kill();
+        let _ = sb.child.0.wait();
+    }
     assert!(!read_text(&dir.join("console-2.log")).contains("counter"));
     drop(relay);
     assert_runs_without_lost_writes(&src);

@@ -239,6 +239,7 @@ fn machine(r: &mut Registry, m: &vmm::machine::MachineMonitor) {
     let bytes = Family::<Labels, Counter>::default();
     let errors = Family::<Labels, Counter>::default();
     let bad = Family::<Labels, Counter>::default();
+    let reconnects = Family::<Labels, Counter>::default();
     for d in &metrics.devices {
         let labels = || vec![("device", d.name.clone()), ("kind", d.kind.clone())];
         let n = &d.counters;
@@ -250,6 +251,9 @@ fn machine(r: &mut Registry, m: &vmm::machine::MachineMonitor) {
         }
         errors.get_or_create(&labels()).inc_by(n.errors);
         bad.get_or_create(&labels()).inc_by(n.bad_descriptors);
+        if d.kind == "virtio-blk" {
+            reconnects.get_or_create(&labels()).inc_by(n.reconnects);
+        }
     }
     r.register(
         "device_requests",
@@ -271,6 +275,13 @@ fn machine(r: &mut Registry, m: &vmm::machine::MachineMonitor) {
         "Malformed descriptor chains a device rejected",
         bad,
     );
+    if metrics.devices.iter().any(|d| d.kind == "virtio-blk") {
+        r.register(
+            "device_reconnects",
+            "Times a disk's NBD connection was lost and made again (0 for image files)",
+            reconnects,
+        );
+    }
     disk_caches(r, &metrics.devices);
 }
 

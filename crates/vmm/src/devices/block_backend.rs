@@ -131,6 +131,11 @@ pub trait BlockBackend: Send {
     fn cache_counters(&self) -> Option<crate::devices::disk_cache::CacheCounters> {
         None
     }
+    /// Times the backend's connection was lost and made again (an NBD
+    /// disk's: [`NbdBackend`]).
+    fn reconnects(&self) -> u64 {
+        0
+    }
 }
 
 fn check_range(size: u64, off: u64, len: u64) -> io::Result<()> {

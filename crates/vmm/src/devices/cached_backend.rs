@@ -216,6 +216,10 @@ impl BlockBackend for CachedBackend {
     fn cache_counters(&self) -> Option<CacheCounters> {
         Some(self.store.counters())
     }
+
+    fn reconnects(&self) -> u64 {
+        self.inner.reconnects()
+    }
 }
 
 #[cfg(test)]

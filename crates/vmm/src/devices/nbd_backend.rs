@@ -91,6 +91,8 @@ pub struct NbdBackend {
     unflushed: bool,
     /// The last reconnect window ran out: later requests try once, at once.
     gave_up: bool,
+    /// Connections made again.
+    reconnects: u64,
 }
 
 fn nbd_io(e: ClientError) -> io::Error {
@@ -115,6 +117,7 @@ impl NbdBackend {
             read_only,
             unflushed: false,
             gave_up: false,
+            reconnects: 0,
         })
     }
 
@@ -169,6 +172,7 @@ impl NbdBackend {
                 Ok(c) => {
                     self.client = c;
                     self.gave_up = false;
+                    self.reconnects += 1;
                     let after_ms = started.elapsed().as_millis() as u64;
                     if self.unflushed {
                         tracing::warn!(
@@ -252,5 +256,9 @@ impl BlockBackend for NbdBackend {
 
     fn id(&self) -> String {
         self.given.clone()
+    }
+
+    fn reconnects(&self) -> u64 {
+        self.reconnects
     }
 }

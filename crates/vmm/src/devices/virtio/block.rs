@@ -473,6 +473,7 @@ impl VirtioDevice for Block {
     fn counters(&self) -> DeviceCounters {
         DeviceCounters {
             cache: self.backend.cache_counters(),
+            reconnects: self.backend.reconnects(),
             ..self.counters.clone()
         }
     }

@@ -84,6 +84,13 @@ pub struct DeviceCounters {
     /// A disk's warm cache (`--disk …,cache=SIZE`), if it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache: Option<crate::devices::disk_cache::CacheCounters>,
+    /// Times an NBD disk's connection was lost and made again.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub reconnects: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// How far a device has got in one queue: saved with the transport's state so
