@@ -43,6 +43,34 @@ fn boot_to_end(args: &[String]) -> (std::process::ExitStatus, String) {
     )
 }
 
+/// Blocks `0..n` of the disk at `url` verify from a guest that reads
+/// them, and `image`'s from the host.
+fn verify_through(url: &str, image: &Path, n: u64) {
+    let (st, out) = boot_to_end(&[
+        "--cmdline".into(),
+        format!("disk=verify,{n} poweroff=done"),
+        "--disk".into(),
+        url.to_owned(),
+    ]);
+    assert!(
+        st.success() && out.contains(&format!("disk: verify ok blocks={n}")),
+        "{out}"
+    );
+    assert_eq!(host_check(image, n), (n, 0, 0));
+}
+
+/// The VM's first disk as `kemarictl devices` shows it.
+fn first_disk(api: &Path) -> serde_json::Value {
+    let devices = run_with_timeout(kemarictl(api).arg("devices"), Duration::from_secs(10));
+    let d: serde_json::Value = serde_json::from_slice(&devices.stdout).unwrap();
+    d.as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["kind"] == "virtio-blk")
+        .cloned()
+        .expect("a virtio-blk device")
+}
+
 #[test]
 #[cfg_attr(no_kvm, ignore = "needs a usable /dev/kvm")]
 fn written_blocks_land_in_the_image_file() {
@@ -96,14 +124,7 @@ fn read_only_disk_refuses_writes_and_the_vmm_runs_on() {
     wait_for("the guest to go on", Duration::from_secs(30), || {
         counters(&vmm.console).len() > n + 3
     });
-    let devices = run_with_timeout(kemarictl(&vmm.api).arg("devices"), Duration::from_secs(10));
-    let d: serde_json::Value = serde_json::from_slice(&devices.stdout).unwrap();
-    let blk = d
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["kind"] == "virtio-blk")
-        .unwrap();
+    let blk = first_disk(&vmm.api);
     assert!(blk["counters"]["errors"].as_u64().unwrap() >= 1, "{blk}");
     assert!(blk["backend"].as_str().unwrap().contains("read-only"));
     assert!(
@@ -134,17 +155,7 @@ fn disk_over_nbd_round_trips() {
         st.success() && out.contains("disk: write done blocks=800"),
         "{out}"
     );
-    let (st, out) = boot_to_end(&[
-        "--cmdline".into(),
-        "disk=verify,800 poweroff=done".into(),
-        "--disk".into(),
-        url,
-    ]);
-    assert!(
-        st.success() && out.contains("disk: verify ok blocks=800"),
-        "{out}"
-    );
-    assert_eq!(host_check(disk, 800), (800, 0, 0));
+    verify_through(&url, disk, 800);
     // A server that is not there is a clear error.
     let out = run_with_timeout(
         kemari().arg("--kernel").arg(guest_elf()).args([
@@ -219,14 +230,7 @@ fn disk_over_nbd_rides_through_a_server_restart() {
     });
     let out = read_text(&vmm.console);
     assert!(out.contains("disk: write done blocks=3000"), "{out}");
-    let devices = run_with_timeout(kemarictl(&vmm.api).arg("devices"), Duration::from_secs(10));
-    let d: serde_json::Value = serde_json::from_slice(&devices.stdout).unwrap();
-    let blk = d
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["kind"] == "virtio-blk")
-        .unwrap();
+    let blk = first_disk(&vmm.api);
     assert_eq!(blk["counters"]["reconnects"], 1, "{blk}");
     let metrics = kemari_testkit::http::scrape(kemari_testkit::http::over_unix(
         &vmm.api,
@@ -252,15 +256,5 @@ fn disk_over_nbd_rides_through_a_server_restart() {
         read_text(&vmm.console).contains("disk: acked=2000"),
         "the writes did not go on after the restart"
     );
-    let (st, out) = boot_to_end(&[
-        "--cmdline".into(),
-        "disk=verify,3000 poweroff=done".into(),
-        "--disk".into(),
-        url,
-    ]);
-    assert!(
-        st.success() && out.contains("disk: verify ok blocks=3000"),
-        "{out}"
-    );
-    assert_eq!(host_check(&disk, 3000), (3000, 0, 0));
+    verify_through(&url, &disk, 3000);
 }
